@@ -1,0 +1,1 @@
+"""dlgs benchmarks: selection kernels, training jobs, and the data they use."""

@@ -1,0 +1,28 @@
+"""Framework-free core of dlgs: threshold controllers, error-feedback exchange,
+wire format and cross-rank checks. Imports no torch, TensorFlow or Horovod."""
+
+from .backend import ArrayOps
+from .config import Controller, SparsityConfig, ValueDType
+from .consistency import RankMismatchError, describe_mismatch, signature
+from .controller import ThresholdController, make_controller
+from .exchange import STATE_VERSION, Collectives, LayerPlan, SparseExchange, plan_layers
+from .wire import GroupLayout, LayoutMismatchError
+
+__all__ = [
+    "ArrayOps",
+    "Collectives",
+    "Controller",
+    "GroupLayout",
+    "LayerPlan",
+    "LayoutMismatchError",
+    "RankMismatchError",
+    "STATE_VERSION",
+    "SparseExchange",
+    "SparsityConfig",
+    "ThresholdController",
+    "ValueDType",
+    "describe_mismatch",
+    "make_controller",
+    "plan_layers",
+    "signature",
+]

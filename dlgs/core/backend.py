@@ -1,0 +1,117 @@
+"""The array operations the core algorithms are written against.
+
+The core never imports a framework. An adapter passes an object satisfying
+:class:`ArrayOps` (``dlgs.torch`` passes one built on torch); the controller,
+sparsifier and wire format are then written once and run on any device the
+framework supports. Every operation is element-parallel or a reduction: none
+needs the host to see a value, so nothing here synchronises a device.
+
+Conventions: ``T`` is the framework's tensor type. Functions with a trailing
+underscore may write into their first argument and return it; a framework
+without in-place updates returns a new tensor instead, which is why callers
+always use the return value.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, Sequence
+
+__all__ = ["ArrayOps"]
+
+T = Any
+
+
+class ArrayOps(Protocol):
+    """Element-wise and reduction primitives, device-agnostic, no host sync."""
+
+    # -- creation and views -------------------------------------------------
+    def zeros(self, n: int, dtype: str, like: T) -> T:
+        """1-D zeros of ``n`` elements, ``dtype`` in {float32, float16, int32, bool},
+        on ``like``'s device."""
+
+    def scalar(self, value: float, like: T) -> T:
+        """0-d float32 tensor on ``like``'s device."""
+
+    def view_as(self, x: T, dtype: str) -> T:
+        """Reinterpret the bits of ``x`` as ``dtype`` along the last dimension."""
+
+    def narrow(self, x: T, dim: int, start: int, length: int) -> T:
+        """A view of ``x[..., start:start+length, ...]`` along ``dim``."""
+
+    def reshape(self, x: T, shape: Sequence[int]) -> T: ...
+
+    def numel(self, x: T) -> int:
+        """Element count from the tensor's shape (no device access)."""
+
+    def cast(self, x: T, dtype: str) -> T:
+        """Value conversion to ``dtype``."""
+
+    # -- hot-path element-wise ---------------------------------------------
+    def add_(self, dst: T, src: T) -> T:
+        """``dst += src``."""
+
+    def scale_add_(self, dst: T, scale: float, src: T) -> T:
+        """``dst = scale * dst + src``."""
+
+    def abs_(self, x: T, out: T) -> T:
+        """``out = |x|``."""
+
+    def ge_(self, x: T, thr: T, out: T) -> T:
+        """``out = x >= thr`` into a bool ``out``; ``thr`` is 0-d."""
+
+    def count_nonzero(self, mask: T) -> T:
+        """Number of true elements, as a 0-d integer tensor (stays on device)."""
+
+    def nonzero_static(self, mask: T, size: int, fill: int) -> T:
+        """Indices of the first ``size`` true elements in index order, padded with
+        ``fill``; a 1-D int64 tensor of exactly ``size`` elements."""
+
+    def gather_(self, src: T, idx: T, out: T) -> T:
+        """``out[i] = src[idx[i]]``."""
+
+    def fill_at_(self, dst: T, idx: T, value: float) -> T:
+        """``dst[idx] = value``."""
+
+    def sub_at_(self, dst: T, idx: T, vals: T) -> T:
+        """``dst[idx] -= vals`` (idx unique except for a slot that stays zero)."""
+
+    def copy_(self, dst: T, src: T) -> T:
+        """``dst[:] = src`` with value conversion to ``dst``'s dtype."""
+
+    def add_offset_(self, dst: T, idx: T, offset: int) -> T:
+        """``dst[:] = idx + offset`` into an int32 ``dst``."""
+
+    def index_add_rows_(self, dst: T, idx: T, vals: T, scale: float) -> T:
+        """For each row r of the 2-D ``idx``/``vals``, in row order:
+        ``dst[idx[r, i]] += scale * vals[r, i]``. Indices are unique within a row
+        except a padding slot that only ever receives zeros. The result must be
+        bit-identical on every rank given identical inputs (no atomics racing on
+        one slot across rows)."""
+
+    def mul_(self, x: T, factor: float) -> T:
+        """``x *= factor``."""
+
+    # -- threshold arithmetic on 0-d tensors --------------------------------
+    def kth_largest(self, x: T, k: int) -> T:
+        """The ``k``-th largest element of 1-D ``x`` (1-based), 0-d."""
+
+    def strided(self, x: T, stride: int) -> T:
+        """Every ``stride``-th element of 1-D ``x`` (a view where possible)."""
+
+    def log(self, x: T) -> T: ...
+
+    def exp(self, x: T) -> T: ...
+
+    def clamp(self, x: T, low: float, high: float) -> T: ...
+
+    def where(self, cond: T, a: T, b: T) -> T: ...
+
+    def to_float(self, x: T) -> T:
+        """Integer 0-d tensor to float32."""
+
+    def to_host(self, x: T) -> Any:
+        """The value as a Python number or nested list. Synchronises: use only
+        off the hot path (statistics, checkpoints, one-time checks)."""
+
+    def stack(self, xs: Sequence[T]) -> T:
+        """Stack 0-d tensors into 1-D."""

@@ -1,0 +1,141 @@
+"""Per-layer threshold controllers.
+
+A controller turns a layer's accumulated gradient magnitudes ``|a|`` into a
+threshold ``theta`` so that about ``k`` elements satisfy ``|a| >= theta``. The
+state is a dict of 0-d tensors kept on the layer's device, so updating it never
+synchronises the host.
+
+The dynamic controller is the method's core idea: no sort on the hot path. It
+keeps ``theta`` from the previous step and corrects it from how many elements
+that step selected, in log space::
+
+    theta <- theta * ((c + 1) / (k + 1)) ** (1 / e)
+
+where ``e = -dlog(count)/dlog(theta)`` is the tail's elasticity, estimated by a
+smoothed secant over successive steps and started at ``ln(1/density)`` (exact
+for an exponential tail, which is what SIDCo fits to gradients). Every
+``anchor_every`` steps ``theta`` is reset to the exact top-k threshold, as
+Ok-Topk does every 32 iterations, which bounds drift.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Dict
+
+from .backend import ArrayOps
+from .config import Controller, SparsityConfig
+
+__all__ = ["ThresholdController", "make_controller"]
+
+State = Dict[str, Any]
+
+# theta is kept in a range where log/exp of float32 stay finite.
+_THETA_MIN = 1e-30
+_THETA_MAX = 1e30
+# One step may move theta at most by this factor: a bad gradient cannot throw
+# the controller off by orders of magnitude.
+_MAX_STEP = math.log(8.0)
+_ELASTICITY_RANGE = (1.0, 20.0)
+_ELASTICITY_SMOOTHING = 0.2
+
+
+class ThresholdController:
+    """Base: how ``theta`` is chosen before selection and updated after it."""
+
+    def __init__(self, config: SparsityConfig):
+        self.config = config
+
+    def init_state(self, ops: ArrayOps, like: Any, density: float) -> State:
+        """Fresh state for a layer (also after a density change)."""
+        return {}
+
+    def threshold(
+        self, ops: ArrayOps, state: State, absx: Any, k: int, step: int
+    ) -> Any:
+        """``theta`` for this step, given ``|a|`` in ``absx``; may read it."""
+        raise NotImplementedError
+
+    def update(self, ops: ArrayOps, state: State, theta: Any, count: Any, k: int) -> None:
+        """Learn from the count that ``theta`` selected (device tensors only)."""
+
+
+class _TopK(ThresholdController):
+    def threshold(self, ops, state, absx, k, step):
+        return ops.clamp(ops.kth_largest(absx, k), _THETA_MIN, _THETA_MAX)
+
+
+class _Fixed(ThresholdController):
+    def init_state(self, ops, like, density):
+        return {"theta": ops.scalar(float(self.config.threshold), like)}
+
+    def threshold(self, ops, state, absx, k, step):
+        return state["theta"]
+
+
+class _DGC(ThresholdController):
+    def threshold(self, ops, state, absx, k, step):
+        n = ops.numel(absx)
+        stride = max(1, int(round(1.0 / self.config.sample_ratio)))
+        sample = ops.strided(absx, stride)
+        m = ops.numel(sample)
+        ks = min(m, max(1, math.ceil(k * m / n)))
+        return ops.clamp(ops.kth_largest(sample, ks), _THETA_MIN, _THETA_MAX)
+
+
+class _Dynamic(ThresholdController):
+    def init_state(self, ops, like, density):
+        e0 = min(max(math.log(1.0 / density), _ELASTICITY_RANGE[0]), _ELASTICITY_RANGE[1])
+        return {
+            "theta": ops.scalar(0.0, like),
+            "prev_theta": ops.scalar(0.0, like),
+            "prev_count": ops.scalar(0.0, like),
+            "elasticity": ops.scalar(e0, like),
+            # Steps since the last anchor; the first step always anchors.
+            "since_anchor": -1,
+        }
+
+    def threshold(self, ops, state, absx, k, step):
+        every = self.config.anchor_every
+        since = state["since_anchor"]
+        if since < 0 or (every and since + 1 >= every):
+            state["theta"] = ops.clamp(ops.kth_largest(absx, k), _THETA_MIN, _THETA_MAX)
+            # The secant needs two thresholds applied to comparable inputs;
+            # across an anchor it would mix the corrected and uncorrected theta.
+            state["prev_theta"] = ops.scalar(0.0, absx)
+            state["since_anchor"] = 0
+        else:
+            state["since_anchor"] = since + 1
+        return state["theta"]
+
+    def update(self, ops, state, theta, count, k):
+        c1 = ops.to_float(count) + 1.0
+        prev_theta = state["prev_theta"]
+        # Secant estimate of the tail's elasticity from the last two steps.
+        has_prev = prev_theta > 0
+        dlog_theta = ops.log(theta / ops.where(has_prev, prev_theta, theta))
+        moved = has_prev & ((dlog_theta > 1e-3) | (dlog_theta < -1e-3))
+        safe = ops.where(moved, dlog_theta, dlog_theta * 0 + 1.0)
+        observed = ops.clamp(
+            -ops.log(c1 / (state["prev_count"] + 1.0)) / safe, *_ELASTICITY_RANGE
+        )
+        e = state["elasticity"]
+        e = ops.where(moved, e + _ELASTICITY_SMOOTHING * (observed - e), e)
+        step = ops.clamp(ops.log(c1 / (k + 1.0)) / e, -_MAX_STEP, _MAX_STEP)
+        state["elasticity"] = e
+        state["prev_theta"] = theta
+        state["prev_count"] = c1 - 1.0
+        state["theta"] = ops.clamp(theta * ops.exp(step), _THETA_MIN, _THETA_MAX)
+
+
+_CONTROLLERS = {
+    Controller.DYNAMIC: _Dynamic,
+    Controller.TOPK: _TopK,
+    Controller.FIXED: _Fixed,
+    Controller.DGC: _DGC,
+}
+
+
+def make_controller(config: SparsityConfig) -> ThresholdController:
+    """The controller named by ``config.controller``."""
+    return _CONTROLLERS[Controller(config.controller)](config)

@@ -1,0 +1,449 @@
+"""The per-step sparse gradient exchange, written once for every framework.
+
+An adapter creates one :class:`SparseExchange` per optimizer, hands it the
+framework's :class:`~dlgs.core.backend.ArrayOps` and a :class:`Collectives`
+object, and then, every step:
+
+1. calls :meth:`SparseExchange.submit` with each layer's flat gradient as soon
+   as it is ready (PyTorch: from the gradient hook, so communication overlaps
+   the rest of back-propagation);
+2. calls :meth:`SparseExchange.wait`, which completes the collectives and
+   returns each layer's averaged dense gradient.
+
+For a *sparse* layer ``submit`` adds the gradient to the layer's residual
+(error feedback), selects ``|a| >= theta`` into its slot of the merge group's
+send buffer, and once every member of the group is in, starts one allgather.
+A *dense* layer (small, or density too high for sparse to pay) is allreduced as
+Horovod would. Nothing on this path reads a device value on the host.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple
+
+from .backend import ArrayOps
+from .config import SparsityConfig, ValueDType
+from .controller import make_controller
+from .wire import GroupLayout
+
+__all__ = ["Collectives", "LayerPlan", "SparseExchange", "plan_layers", "STATE_VERSION"]
+
+logger = logging.getLogger(__name__)
+
+STATE_VERSION = 1
+
+
+class Collectives(Protocol):
+    """What the exchange needs from the communication library."""
+
+    size: int
+    rank: int
+
+    def allgather_async(self, chunk: Any, name: str) -> Any:
+        """Start an allgather of a 1-D int32 chunk; return a handle."""
+
+    def allreduce_async(self, tensor: Any, name: str) -> Any:
+        """Start an allreduce with the user's reduction op; return a handle."""
+
+    def synchronize(self, handle: Any) -> Any:
+        """Wait for a handle and return the collective's output tensor."""
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """How one layer is sent at a given density (pure numbers).
+
+    ``sparse`` is False when the layer is below ``min_sparse_size`` or when a
+    sparse message (values + int32 indices) would not be smaller than the dense
+    float32 gradient.
+    """
+
+    numel: int
+    k: int
+    capacity: int
+    sparse: bool
+
+    @property
+    def wire_bytes(self) -> int:
+        """Bytes this rank contributes per step (values and indices, or dense)."""
+        return self.capacity * 8 if self.sparse else self.numel * 4
+
+
+def plan_layers(sizes: Sequence[int], density: float, config: SparsityConfig) -> List[LayerPlan]:
+    """Target count, capacity and sparse/dense decision of each layer."""
+    vbytes = 2 if config.value_dtype is ValueDType.FLOAT16 else 4
+    plans = []
+    for n in sizes:
+        k = max(1, math.ceil(density * n))
+        cap = min(n, math.ceil(config.max_ratio * k))
+        sparse = n >= config.min_sparse_size and cap * (vbytes + 4) < 4 * n
+        plans.append(LayerPlan(n, k, cap, sparse))
+    return plans
+
+
+class _Layer:
+    """Mutable per-layer state: residual, optional velocity, controller state."""
+
+    __slots__ = ("name", "numel", "plan", "residual", "velocity", "ctrl", "count", "theta",
+                 "group", "member")
+
+    def __init__(self, name: str, numel: int):
+        self.name = name
+        self.numel = numel
+        self.plan: Optional[LayerPlan] = None
+        self.residual: Any = None  # n + 1 float32: the last slot is the padding slot
+        self.velocity: Any = None
+        self.ctrl: Dict[str, Any] = {}
+        self.count: Any = None
+        self.theta: Any = None
+        self.group = -1
+        self.member = -1
+
+
+class _Group:
+    __slots__ = ("members", "layout", "chunk", "dense", "ready", "handle", "verified")
+
+    def __init__(self, members: List[int], layout: GroupLayout):
+        self.members = members
+        self.layout = layout
+        self.chunk: Any = None
+        self.dense: Any = None
+        self.ready = 0
+        self.handle: Any = None
+        self.verified = False
+
+
+class SparseExchange:
+    """Error-feedback sparse exchange of a fixed set of named layers.
+
+    Args:
+        ops: the framework's array operations.
+        comm: the collectives (Horovod's, wrapped by the adapter).
+        config: sparsification options.
+        layers: ``(name, numel)`` of every layer, in the order gradients
+            usually become ready (backward order); names must be unique and
+            the same on every rank.
+        groups: merge plan: lists of layer indices sent in one message. Layers
+            that end up dense at the current density are taken out of their
+            group; sparse layers in no group are sent alone. ``None``: every
+            sparse layer alone (layer-wise).
+        average: divide the sum over ranks by the number of ranks.
+        prefix: prefix of the Horovod tensor names used by this exchange.
+    """
+
+    def __init__(
+        self,
+        ops: ArrayOps,
+        comm: Collectives,
+        config: SparsityConfig,
+        layers: Sequence[Tuple[str, int]],
+        *,
+        groups: Optional[Sequence[Sequence[int]]] = None,
+        average: bool = True,
+        prefix: str = "dlgs",
+    ):
+        names = [name for name, _ in layers]
+        if len(set(names)) != len(names):
+            dups = sorted({n for n in names if names.count(n) > 1})
+            raise ValueError(f"layer names must be unique, duplicates: {dups}")
+        self.ops = ops
+        self.comm = comm
+        self.config = config
+        self.controller = make_controller(config)
+        self.average = average
+        self.prefix = prefix
+        self.layers = [_Layer(name, int(n)) for name, n in layers]
+        self._index = {name: i for i, name in enumerate(names)}
+        self._requested_groups = [list(g) for g in groups] if groups is not None else None
+        self.groups: List[_Group] = []
+        self.step = 0
+        self._density: Optional[float] = None
+        self._scratch_abs: Any = None
+        self._scratch_mask: Any = None
+        self._dense_handles: Dict[int, Any] = {}
+        self._submitted: set = set()
+
+    # -- introspection -------------------------------------------------------
+    def index(self, name: str) -> int:
+        return self._index[name]
+
+    @property
+    def density(self) -> float:
+        """Density in force for the current step."""
+        return self.config.density_at(self.step)
+
+    def set_groups(self, groups: Optional[Sequence[Sequence[int]]]) -> None:
+        """Replace the merge plan (lists of layer indices); takes effect at the
+        next step. Every rank must set the same plan."""
+        if self._submitted:
+            raise RuntimeError("set_groups() in the middle of a step")
+        if groups is not None:
+            flat = [i for g in groups for i in g]
+            if len(set(flat)) != len(flat) or any(not 0 <= i < len(self.layers) for i in flat):
+                raise ValueError(
+                    f"groups must list distinct layer indices in [0, {len(self.layers)}), got {groups!r}"
+                )
+        self._requested_groups = [list(g) for g in groups] if groups is not None else None
+        self._density = None
+
+    def layer_plans(self) -> List[LayerPlan]:
+        return plan_layers([layer.numel for layer in self.layers], self.density, self.config)
+
+    # -- layout ----------------------------------------------------------------
+    def _relayout(self, like: Any) -> None:
+        """(Re)compute plans and groups for the density in force; allocate buffers."""
+        density = self.density
+        plans = self.layer_plans()
+        ops = self.ops
+        for layer, plan in zip(self.layers, plans):
+            old = layer.plan
+            layer.plan = plan
+            layer.group = layer.member = -1
+            if plan.sparse and layer.residual is None:
+                layer.residual = ops.zeros(layer.numel + 1, "float32", like)
+                if self.config.momentum:
+                    layer.velocity = ops.zeros(layer.numel + 1, "float32", like)
+            if plan.sparse and (old is None or old.k != plan.k or not old.sparse):
+                layer.ctrl = self.controller.init_state(ops, like, density)
+        sparse = [i for i, p in enumerate(plans) if p.sparse]
+        if self._requested_groups is None:
+            member_lists = [[i] for i in sparse]
+        else:
+            placed: set = set()
+            member_lists = []
+            for g in self._requested_groups:
+                kept = [i for i in g if plans[i].sparse and i not in placed]
+                placed.update(kept)
+                if kept:
+                    member_lists.append(kept)
+            member_lists += [[i] for i in sparse if i not in placed]
+        self.groups = []
+        for gi, members in enumerate(member_lists):
+            layout = GroupLayout(
+                tuple(plans[i].numel for i in members),
+                tuple(plans[i].capacity for i in members),
+                self.config.value_dtype,
+            )
+            group = _Group(members, layout)
+            group.chunk = layout.new_chunk(ops, like)
+            group.dense = ops.zeros(layout.dense_size, "float32", like)
+            for m, i in enumerate(members):
+                self.layers[i].group = gi
+                self.layers[i].member = m
+            self.groups.append(group)
+        biggest = max((plans[i].numel for i in sparse), default=0)
+        if biggest and (self._scratch_abs is None or ops.numel(self._scratch_abs) < biggest):
+            self._scratch_abs = ops.zeros(biggest, "float32", like)
+            self._scratch_mask = ops.zeros(biggest, "bool", like)
+        self._density = density
+        logger.info(
+            "dlgs layout at step %d: density %g, %d sparse layers in %d messages, %d dense",
+            self.step, density, len(sparse), len(self.groups), len(plans) - len(sparse),
+        )
+
+    # -- the per-step path -----------------------------------------------------
+    def submit(self, i: int, grad: Any) -> Any:
+        """Hand in layer ``i``'s gradient; starts its group's collective once
+        every member is in. Call at most once per layer per step.
+
+        Returns the dense allreduce's handle for a layer sent dense, else None.
+        """
+        layer = self.layers[i]
+        ops = self.ops
+        if ops.numel(grad) != layer.numel:
+            raise ValueError(
+                f"gradient of {layer.name!r} has {ops.numel(grad)} elements, "
+                f"expected {layer.numel}"
+            )
+        if i in self._submitted:
+            raise RuntimeError(f"gradient of {layer.name!r} submitted twice in one step")
+        if self._density is None or self.density != self._density:
+            self._relayout(grad)
+        self._submitted.add(i)
+        plan = layer.plan
+        assert plan is not None
+        if not plan.sparse:
+            if layer.residual is not None:
+                # The layer went dense (e.g. end of warm-up): send what it still
+                # owes with this gradient, which empties the residual.
+                acc = ops.narrow(layer.residual, 0, 0, layer.numel)
+                grad = ops.add_(acc, grad)
+                layer.residual = layer.velocity = None
+            handle = self.comm.allreduce_async(grad, f"{self.prefix}.dense.{layer.name}")
+            self._dense_handles[i] = handle
+            return handle
+        group = self.groups[layer.group]
+        self._sparsify(layer, group, grad)
+        group.ready += 1
+        if group.ready == len(group.members):
+            group.handle = self.comm.allgather_async(
+                group.chunk, f"{self.prefix}.sparse.{layer.group}"
+            )
+        return None
+
+    def _sparsify(self, layer: _Layer, group: _Group, grad: Any) -> None:
+        ops = self.ops
+        plan = layer.plan
+        n, k, cap = plan.numel, plan.k, plan.capacity
+        layout = group.layout
+        acc = ops.narrow(layer.residual, 0, 0, n)
+        if layer.velocity is not None:
+            vel = ops.scale_add_(ops.narrow(layer.velocity, 0, 0, n), self.config.momentum, grad)
+            ops.add_(acc, vel)
+        else:
+            ops.add_(acc, grad)
+        absx = ops.abs_(acc, ops.narrow(self._scratch_abs, 0, 0, n))
+        theta = self.controller.threshold(ops, layer.ctrl, absx, k, self.step)
+        mask = ops.ge_(absx, theta, ops.narrow(self._scratch_mask, 0, 0, n))
+        count = ops.count_nonzero(mask)
+        # Index n is the padding slot: residual[n] is always 0.
+        idx = ops.nonzero_static(mask, cap, n)
+        off = layout.value_offset(layer.member)
+        out_vals = ops.narrow(layout.values_view(ops, group.chunk), 0, off, cap)
+        ops.gather_(layer.residual, idx, out_vals)
+        if layout.value_dtype is ValueDType.FLOAT32:
+            ops.fill_at_(layer.residual, idx, 0.0)
+        else:
+            # Keep the rounding error of the narrower wire dtype in the residual.
+            ops.sub_at_(layer.residual, idx, ops.cast(out_vals, "float32"))
+        if layer.velocity is not None:
+            ops.fill_at_(layer.velocity, idx, 0.0)  # DGC factor masking
+        out_idx = ops.narrow(layout.indices_view(ops, group.chunk), 0, off, cap)
+        ops.add_offset_(out_idx, idx, layout.dense_offset(layer.member))
+        layout.write_count(ops, group.chunk, layer.member, count)
+        self.controller.update(ops, layer.ctrl, theta, count, k)
+        layer.count = count
+        layer.theta = theta
+
+    def pending(self) -> List[int]:
+        """Layers not yet submitted this step."""
+        return [i for i in range(len(self.layers)) if i not in self._submitted]
+
+    def wait(self) -> Dict[int, Any]:
+        """Finish the step: every layer must have been submitted. Returns each
+        layer's reduced dense flat float32 gradient (views into reused buffers,
+        valid until the next step's :meth:`wait`)."""
+        missing = self.pending()
+        if missing:
+            names = [self.layers[i].name for i in missing[:5]]
+            raise RuntimeError(f"wait() before every layer was submitted; missing {names}")
+        ops = self.ops
+        out: Dict[int, Any] = {}
+        for i, handle in self._dense_handles.items():
+            out[i] = self.comm.synchronize(handle)
+        scale = 1.0 / self.comm.size if self.average else 1.0
+        for group in self.groups:
+            gathered = self.comm.synchronize(group.handle)
+            ops.mul_(group.dense, 0.0)
+            group.layout.unpack(
+                ops, gathered, self.comm.size, group.dense, scale, verify=not group.verified
+            )
+            group.verified = True
+            for m, i in enumerate(group.members):
+                start = group.layout.dense_offset(m)
+                out[i] = ops.narrow(group.dense, 0, start, self.layers[i].numel)
+            group.ready = 0
+            group.handle = None
+        self._dense_handles.clear()
+        self._submitted.clear()
+        self.step += 1
+        return out
+
+    # -- statistics and checkpoints -------------------------------------------
+    def stats(self) -> List[Dict[str, Any]]:
+        """Per-layer numbers of the last step (synchronises; not for the hot path).
+
+        Keys: name, numel, sparse, k, capacity, selected (count with
+        ``|a| >= theta``), sent (``min(selected, capacity)``), density
+        (selected / numel), threshold, wire_bytes (this rank, per step).
+        """
+        ops = self.ops
+        rows = []
+        for layer in self.layers:
+            plan = layer.plan
+            if plan is None:
+                continue
+            row: Dict[str, Any] = {
+                "name": layer.name, "numel": layer.numel, "sparse": plan.sparse,
+                "k": plan.k, "capacity": plan.capacity, "wire_bytes": plan.wire_bytes,
+            }
+            if plan.sparse and layer.count is not None:
+                selected = int(ops.to_host(layer.count))
+                row.update(
+                    selected=selected, sent=min(selected, plan.capacity),
+                    density=selected / layer.numel, threshold=float(ops.to_host(layer.theta)),
+                )
+            rows.append(row)
+        return rows
+
+    def state_dict(self) -> Dict[str, Any]:
+        """This rank's residuals, velocities and controller states, with the step.
+
+        Residuals are rank-local (each rank holds the gradient it has not sent
+        yet); the dict is tagged with rank and world size so that
+        :meth:`load_state_dict` restores them only where they belong.
+        """
+        layers = {}
+        for layer in self.layers:
+            layers[layer.name] = {
+                "residual": layer.residual,
+                "velocity": layer.velocity,
+                "controller": dict(layer.ctrl),
+                "k": layer.plan.k if layer.plan is not None else None,
+            }
+        return {
+            "version": STATE_VERSION,
+            "step": self.step,
+            "rank": self.comm.rank,
+            "size": self.comm.size,
+            "config": self.config.to_dict(),
+            "layers": layers,
+        }
+
+    def load_state_dict(self, state: Dict[str, Any], like: Any) -> None:
+        """Restore a :meth:`state_dict`. Residuals saved by another rank or at
+        another world size are dropped (set to zero) with a warning: they are at
+        most the few steps' worth of gradient this rank had not sent yet.
+        Controller states are restored only when the layer's target count still
+        matches; otherwise the controller re-anchors on the next step."""
+        version = state.get("version")
+        if version != STATE_VERSION:
+            raise ValueError(f"dlgs state version must be {STATE_VERSION}, got {version!r}")
+        saved = state["layers"]
+        unknown = sorted(set(saved) - set(self._index))
+        missing = sorted(set(self._index) - set(saved))
+        if unknown or missing:
+            raise ValueError(
+                f"dlgs state does not match this model's parameters: unknown {unknown[:5]}, "
+                f"missing {missing[:5]}"
+            )
+        own = state.get("rank") == self.comm.rank and state.get("size") == self.comm.size
+        if not own:
+            logger.warning(
+                "dlgs state was saved by rank %s of %s, this is rank %d of %d: residuals "
+                "reset to zero (save one state per rank to resume exactly)",
+                state.get("rank"), state.get("size"), self.comm.rank, self.comm.size,
+            )
+        self.step = int(state["step"])
+        self._density = None
+        self._relayout(like)
+        ops = self.ops
+        for layer in self.layers:
+            entry = saved[layer.name]
+            if not layer.plan.sparse:
+                layer.residual = layer.velocity = None
+                continue
+            for attr in ("residual", "velocity"):
+                buf = getattr(layer, attr)
+                if buf is not None:
+                    ops.mul_(buf, 0.0)
+                    if own and entry[attr] is not None:
+                        ops.copy_(buf, entry[attr])
+            if entry.get("k") == layer.plan.k and entry["controller"]:
+                layer.ctrl = {
+                    key: (ops.copy_(ops.scalar(0.0, like), v) if not isinstance(v, (int, float)) else v)
+                    for key, v in entry["controller"].items()
+                }

@@ -1,0 +1,151 @@
+"""Wire format: a merge group's sparse layers in one fixed-size int32 buffer.
+
+Layout of one rank's chunk (all words int32; value bits are reinterpreted)::
+
+    [ fingerprint | count_1 .. count_m | values (C, float32 or float16) | indices (C) ]
+
+with ``C = sum(cap_i)``. Member ``i`` owns values and indices
+``[o_i, o_i + cap_i)`` with ``o_i = sum(cap_j, j < i)``. Each index already
+includes the member's offset in the group's *dense* buffer, which has one extra
+"padding slot" per member (``dense_offset_i + n_i``): unused capacity points
+there with value 0, so unpacking is one scatter-add per group and never needs
+the number of selected values on the host.
+
+The chunk size is fixed by the layout, so every step sends the same shape
+(Horovod's response cache hits and nothing renegotiates) and every rank's chunk
+has the same size: a size mismatch after the allgather proves the ranks
+disagree on the layout and is reported as an error. The fingerprint lets the
+receiver check the same thing word-for-word once per layout.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, Tuple
+
+from .backend import ArrayOps
+from .config import ValueDType
+
+__all__ = ["GroupLayout", "LayoutMismatchError"]
+
+
+class LayoutMismatchError(RuntimeError):
+    """Ranks disagree on a merge group's layout (different models or options)."""
+
+
+_VALUE_BYTES = {ValueDType.FLOAT32: 4, ValueDType.FLOAT16: 2}
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """Offsets of one merge group's chunk; pure metadata, no tensors.
+
+    Args:
+        sizes: element count ``n_i`` of each member, in order.
+        caps: capacity ``cap_i`` (values sent) of each member.
+        value_dtype: dtype of values on the wire.
+    """
+
+    sizes: Tuple[int, ...]
+    caps: Tuple[int, ...]
+    value_dtype: ValueDType = ValueDType.FLOAT32
+    fingerprint: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        if len(self.sizes) != len(self.caps) or not self.sizes:
+            raise ValueError("sizes and caps must be non-empty and of equal length")
+        for n, c in zip(self.sizes, self.caps):
+            if not (0 < c <= n):
+                raise ValueError(f"capacity must be in [1, n], got cap={c} for n={n}")
+        object.__setattr__(self, "value_dtype", ValueDType(self.value_dtype))
+        key = repr((self.sizes, self.caps, self.value_dtype.value)).encode()
+        # 24 bits: exactly representable as the float32 scalar it is written from.
+        object.__setattr__(self, "fingerprint", zlib.crc32(key) & 0xFFFFFF)
+
+    # -- derived offsets ----------------------------------------------------
+    @property
+    def members(self) -> int:
+        return len(self.sizes)
+
+    @property
+    def total_capacity(self) -> int:
+        return sum(self.caps)
+
+    @property
+    def header_words(self) -> int:
+        return 1 + self.members
+
+    @property
+    def value_words(self) -> int:
+        return math.ceil(self.total_capacity * _VALUE_BYTES[self.value_dtype] / 4)
+
+    @property
+    def chunk_words(self) -> int:
+        return self.header_words + self.value_words + self.total_capacity
+
+    @property
+    def chunk_bytes(self) -> int:
+        return 4 * self.chunk_words
+
+    def value_offset(self, i: int) -> int:
+        """Offset of member ``i``'s values among the group's values."""
+        return sum(self.caps[:i])
+
+    def dense_offset(self, i: int) -> int:
+        """Offset of member ``i`` in the dense buffer (with padding slots)."""
+        return sum(n + 1 for n in self.sizes[:i])
+
+    @property
+    def dense_size(self) -> int:
+        return sum(n + 1 for n in self.sizes)
+
+    # -- tensor views --------------------------------------------------------
+    def values_view(self, ops: ArrayOps, chunk: Any) -> Any:
+        """All members' value slots of a 1-D chunk, in the wire value dtype."""
+        raw = ops.narrow(chunk, 0, self.header_words, self.value_words)
+        return ops.narrow(ops.view_as(raw, self.value_dtype.value), 0, 0, self.total_capacity)
+
+    def indices_view(self, ops: ArrayOps, chunk: Any) -> Any:
+        return ops.narrow(chunk, 0, self.header_words + self.value_words, self.total_capacity)
+
+    def new_chunk(self, ops: ArrayOps, like: Any) -> Any:
+        """An int32 send buffer with the fingerprint written in."""
+        chunk = ops.zeros(self.chunk_words, "int32", like)
+        head = ops.narrow(chunk, 0, 0, 1)
+        ops.copy_(head, ops.cast(ops.scalar(float(self.fingerprint), like), "int32"))
+        return chunk
+
+    def write_count(self, ops: ArrayOps, chunk: Any, i: int, count: Any) -> None:
+        ops.copy_(ops.narrow(chunk, 0, 1 + i, 1), count)
+
+    def unpack(
+        self, ops: ArrayOps, gathered: Any, world: int, dense: Any, scale: float, verify: bool
+    ) -> Any:
+        """Scatter-add every rank's chunk into ``dense`` (``dense_size``, zeroed
+        by the caller) with each value multiplied by ``scale``.
+
+        ``verify`` reads the fingerprints on the host (one synchronisation):
+        do it once per layout, not every step.
+        """
+        got = ops.numel(gathered)
+        if got != world * self.chunk_words:
+            raise LayoutMismatchError(
+                f"allgather returned {got} words, expected {world} ranks x "
+                f"{self.chunk_words}: ranks disagree on the sparse layout (different "
+                "models, densities or options on different ranks)"
+            )
+        rows = ops.reshape(gathered, (world, self.chunk_words))
+        if verify:
+            prints = ops.to_host(ops.narrow(rows, 1, 0, 1))
+            bad = [r for r, (fp,) in enumerate(prints) if fp != self.fingerprint]
+            if bad:
+                raise LayoutMismatchError(
+                    f"ranks {bad} sent a different sparse layout than this rank "
+                    "(different models, densities or options on different ranks)"
+                )
+        raw = ops.narrow(rows, 1, self.header_words, self.value_words)
+        values = ops.narrow(ops.view_as(raw, self.value_dtype.value), 1, 0, self.total_capacity)
+        indices = ops.narrow(rows, 1, self.header_words + self.value_words, self.total_capacity)
+        return ops.index_add_rows_(dense, indices, values, scale)

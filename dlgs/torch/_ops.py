@@ -1,0 +1,127 @@
+"""torch implementation of :class:`dlgs.core.backend.ArrayOps`.
+
+Device-agnostic: the same calls run on CPU and CUDA. Nothing here calls
+``.item()`` or otherwise reads a device value, except :meth:`to_host`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+__all__ = ["TorchOps", "OPS"]
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "bool": torch.bool,
+}
+
+
+class TorchOps:
+    """Array primitives for the core, on torch tensors."""
+
+    def zeros(self, n: int, dtype: str, like: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(n, dtype=_DTYPES[dtype], device=like.device)
+
+    def scalar(self, value: float, like: torch.Tensor) -> torch.Tensor:
+        return torch.tensor(value, dtype=torch.float32, device=like.device)
+
+    def view_as(self, x: torch.Tensor, dtype: str) -> torch.Tensor:
+        return x.view(_DTYPES[dtype])
+
+    def narrow(self, x: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
+        return x.narrow(dim, start, length)
+
+    def reshape(self, x: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+        return x.reshape(tuple(shape))
+
+    def numel(self, x: torch.Tensor) -> int:
+        return x.numel()
+
+    def cast(self, x: torch.Tensor, dtype: str) -> torch.Tensor:
+        return x.to(_DTYPES[dtype])
+
+    def add_(self, dst, src):
+        return dst.add_(src.reshape(-1))
+
+    def scale_add_(self, dst, scale, src):
+        return dst.mul_(scale).add_(src.reshape(-1))
+
+    def abs_(self, x, out):
+        return torch.abs(x, out=out)
+
+    def ge_(self, x, thr, out):
+        return torch.ge(x, thr, out=out)
+
+    def count_nonzero(self, mask):
+        return torch.count_nonzero(mask)
+
+    def nonzero_static(self, mask, size, fill):
+        return torch.nonzero_static(mask, size=size, fill_value=fill).view(-1)
+
+    def gather_(self, src, idx, out):
+        if out.dtype == src.dtype:
+            return torch.index_select(src, 0, idx, out=out)
+        return out.copy_(src.index_select(0, idx))
+
+    def fill_at_(self, dst, idx, value):
+        return dst.index_fill_(0, idx, value)
+
+    def sub_at_(self, dst, idx, vals):
+        return dst.index_add_(0, idx, vals, alpha=-1)
+
+    def copy_(self, dst, src):
+        return dst.copy_(src)
+
+    def add_offset_(self, dst, idx, offset):
+        return torch.add(idx, offset, out=dst) if dst.dtype == idx.dtype else dst.copy_(idx).add_(offset)
+
+    def index_add_rows_(self, dst, idx, vals, scale):
+        vals = vals.to(torch.float32)
+        if scale != 1.0:
+            vals = vals * scale
+        if dst.device.type == "cpu":
+            # The CPU kernel adds serially in index order: deterministic.
+            return dst.index_add_(0, idx.reshape(-1), vals.reshape(-1))
+        # Elsewhere scatter-adds race; rows (ranks) have unique indices, so
+        # adding one row at a time gives the same bits on every rank.
+        for r in range(idx.shape[0]):
+            dst.index_add_(0, idx[r], vals[r])
+        return dst
+
+    def mul_(self, x, factor):
+        return x.mul_(factor) if factor != 0.0 else x.zero_()
+
+    def kth_largest(self, x, k):
+        return torch.topk(x, k, sorted=False).values.min()
+
+    def strided(self, x, stride):
+        return x[::stride]
+
+    def log(self, x):
+        return torch.log(x)
+
+    def exp(self, x):
+        return torch.exp(x)
+
+    def clamp(self, x, low, high):
+        return torch.clamp(x, low, high)
+
+    def where(self, cond, a, b):
+        return torch.where(cond, a, b)
+
+    def to_float(self, x):
+        return x.to(torch.float32)
+
+    def to_host(self, x: torch.Tensor) -> Any:
+        return x.tolist()
+
+    def stack(self, xs):
+        return torch.stack(list(xs))
+
+
+OPS = TorchOps()

@@ -1,0 +1,138 @@
+"""``dlgs.torch.Compression``: sparse exchange through stock Horovod's
+``compression=`` argument.
+
+Horovod's compressor interface is ``compress(t) -> (t_c, ctx)`` and
+``decompress(t_c, ctx) -> t`` around an in-place allreduce of ``t_c``. A
+compressor cannot change the collective, so this one runs the real sparse
+exchange beside it (DESIGN.md §2): ``compress`` hands the gradient to the core
+exchange, which starts the allgather of values and indices from inside
+Horovod's gradient hook, and returns a one-element tensor holding ``1.0`` for
+Horovod to allreduce. ``synchronize()`` calls every ``compress`` before any
+``decompress``; the first ``decompress`` of a step waits for the exchange, and
+each returns its layer's reduced gradient multiplied by the allreduced dummy,
+which is ``1`` under ``op=hvd.Average`` and the number of ranks under
+``op=hvd.Sum``: the compressor follows the optimizer's op without being told.
+
+Layers that the exchange sends dense go through Horovod's own allreduce
+unchanged (``compress`` returns the gradient itself).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Dict, List, Optional
+
+import horovod.torch as hvd
+import torch
+
+from ..core.config import SparsityConfig
+from ._engine import HorovodCollectives, build_config, build_exchange, log_stats, named_trainable
+
+__all__ = ["Compression"]
+
+logger = logging.getLogger("dlgs.torch")
+
+
+class _Collectives(HorovodCollectives):
+    """Dense layers are allreduced by Horovod itself in this form."""
+
+    def allreduce_async(self, tensor, name):
+        return tensor
+
+    def synchronize(self, handle):
+        if isinstance(handle, torch.Tensor):
+            return handle
+        return super().synchronize(handle)
+
+
+class Compression:
+    """A Horovod compressor that exchanges each layer's gradient sparsely.
+
+    Args:
+        named_parameters: the model's ``named_parameters()``; the same
+            parameters the optimizer updates.
+        density: fraction of each sparsified layer sent per step, in (0, 1].
+        config: a ready :class:`dlgs.SparsityConfig` instead of keyword options.
+        process_set: the Horovod process set the optimizer uses.
+        log_every: log per-layer statistics every this many steps (0: never).
+        **options: other :class:`dlgs.SparsityConfig` fields.
+
+    Use with ``op=hvd.Average`` or ``hvd.Sum``; Horovod's ``groups=`` also works.
+    """
+
+    def __init__(self, named_parameters, density: float = 0.01, *, config: Optional[SparsityConfig] = None,
+                 process_set=hvd.global_process_set, log_every: int = 0, **options: Any):
+        if isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 0:
+            raise ValueError(f"log_every must be an int >= 0, got {log_every!r}")
+        cfg = build_config(config, density, options)
+        params = named_trainable(named_parameters)
+        if not params:
+            raise ValueError("named_parameters contains no parameter that requires grad")
+        self._exchange = build_exchange(
+            params, cfg, _Collectives(process_set=process_set), average=True, prefix="dlgs.c",
+        )
+        by_name = dict(params)
+        self._params = [by_name[layer.name] for layer in self._exchange.layers]
+        self._dummies = [torch.ones(1, device=p.device) for p in self._params]
+        self._results: Optional[Dict[int, Any]] = None
+        self._next = 0  # predicted index of the next gradient (backward order)
+        self._log_every = log_every
+
+    @property
+    def exchange(self):
+        """The core :class:`~dlgs.core.SparseExchange` (plans, per-layer state)."""
+        return self._exchange
+
+    def _lookup(self, tensor: torch.Tensor) -> int:
+        """Which parameter ``tensor`` is the gradient of: Horovod passes ``p.grad``
+        itself. Gradients usually arrive in the same order every step, so the
+        predicted one is checked first (O(1)); otherwise all are scanned."""
+        n = len(self._params)
+        guess = self._next % n
+        if self._params[guess].grad is tensor:
+            self._next = guess + 1
+            return guess
+        for i, p in enumerate(self._params):
+            if p.grad is tensor:
+                self._next = i + 1
+                return i
+        raise ValueError(
+            "dlgs.torch.Compression was asked to compress a tensor that is not the .grad of any "
+            "parameter it was given: pass the same named_parameters to it as to the optimizer "
+            "(and do not use sparse_as_dense)"
+        )
+
+    def compress(self, tensor: torch.Tensor):
+        if self._results is not None:
+            self._results = None  # a new step has begun
+        i = self._lookup(tensor)
+        sent = self._exchange.submit(i, tensor)
+        if sent is not None:
+            # Dense layer: Horovod allreduces it (with any flushed residual added).
+            wire = sent.float() if sent.dtype == torch.bfloat16 else sent
+            return wire, ("dense", tensor)
+        dummy = self._dummies[i].fill_(1.0)
+        return dummy, ("sparse", i, tensor)
+
+    def decompress(self, tensor: torch.Tensor, ctx):
+        if ctx is None:
+            return tensor
+        if self._results is None:
+            # First decompress of the step: every compress has run (Horovod's
+            # synchronize() starts all before waiting on any).
+            for j in self._exchange.pending():
+                p = self._params[j]
+                self._exchange.submit(j, p.grad if p.grad is not None else torch.zeros_like(p))
+            self._results = self._exchange.wait()
+            if self._log_every and self._exchange.step % self._log_every == 0:
+                log_stats(self._exchange)
+        if ctx[0] == "dense":
+            grad = ctx[1]
+            return tensor.reshape(grad.shape).to(grad.dtype)
+        _, i, grad = ctx
+        out = self._results[i] * tensor  # tensor is 1 (Average) or size (Sum)
+        return out.reshape(grad.shape).to(grad.dtype)
+
+    def stats(self) -> List[Dict[str, Any]]:
+        """Per-layer statistics of the last step (synchronises the device)."""
+        return log_stats(self._exchange, logging.DEBUG)

@@ -1,0 +1,211 @@
+"""``dlgs.torch.DistributedOptimizer``: Horovod's optimizer, sparse inside.
+
+Mirrors :func:`horovod.torch.DistributedOptimizer` (same positional arguments
+and defaults) and adds the dlgs options as keywords, so switching is one line::
+
+    opt = dlgs.torch.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                          density=0.01)
+
+The class is built like Horovod builds its own: a new class deriving from the
+user's optimizer class whose dict is Horovod's ``_DistributedOptimizer`` dict
+with a few methods replaced (subclassing Horovod's result would recurse through
+its ``super(self.__class__, self)`` calls). Every gradient hook hands the
+gradient to the core exchange, which sparsifies it and starts the merge group's
+allgather while back-propagation continues.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Dict, List, Optional
+
+import horovod.torch as hvd
+import torch
+from horovod.torch.optimizer import _DistributedOptimizer
+
+from ..core.config import SparsityConfig
+from ._engine import HorovodCollectives, build_config, build_exchange, log_stats
+
+__all__ = ["DistributedOptimizer"]
+
+logger = logging.getLogger("dlgs.torch")
+
+
+class _SparseOverrides:
+    """Methods that replace Horovod's in the generated optimizer class."""
+
+    def __init__(self, params, named_parameters, compression, backward_passes_per_step, op,
+                 gradient_predivide_factor, sparse_as_dense, process_set, dlgs_config, log_every):
+        self._dlgs_config = dlgs_config
+        self._dlgs_log_every = log_every
+        self._dlgs = None
+        _DistributedOptimizer.__init__(
+            self, params, named_parameters, compression, backward_passes_per_step, op,
+            gradient_predivide_factor, None, sparse_as_dense, process_set,
+        )
+        if self._dlgs is None:  # size 1: Horovod registers no hooks
+            self._dlgs_build()
+
+    def _dlgs_build(self) -> None:
+        params = [
+            (self._parameter_names[p], p)
+            for group in self.param_groups
+            for p in group["params"]
+            if p.requires_grad
+        ]
+        average = self.op == hvd.Average
+        if average:
+            prescale, postscale = 1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor
+        else:
+            prescale = postscale = 1.0
+        comm = HorovodCollectives(self.op, prescale, postscale, self.process_set, self._compression)
+        self._dlgs = build_exchange(
+            params, self._dlgs_config, comm, average=average, prefix="dlgs",
+            extra_options={"backward_passes_per_step": self.backward_passes_per_step},
+        )
+        by_name = dict(params)
+        self._dlgs_params = [by_name[layer.name] for layer in self._dlgs.layers]
+        self._dlgs_index = {p: i for i, p in enumerate(self._dlgs_params)}
+
+    def _register_hooks(self):
+        self._dlgs_build()
+        for p in self._dlgs_params:
+            self._requires_update.add(p)
+            grad_acc = p.expand_as(p).grad_fn.next_functions[0][0]
+            grad_acc.register_hook(self._make_hook(p))
+            self._grad_accs.append(grad_acc)
+
+    def _make_hook(self, p):
+        index = self._dlgs_index[p]
+
+        def hook(*_):
+            if self._allreduce_delay[p] <= 0:
+                raise AssertionError(
+                    "Gradients were computed more than backward_passes_per_step times before "
+                    "call to step(). Increase backward_passes_per_step to accumulate "
+                    "gradients locally."
+                )
+            self._allreduce_delay[p] -= 1
+            if self._allreduce_delay[p] == 0:
+                self._dlgs.submit(index, _dense_grad(p))
+                self._handles[p] = index
+
+        return hook
+
+    def synchronize(self):
+        if not self.process_set.included():
+            self._synchronized = True
+            return
+        exchange = self._dlgs
+        for i in exchange.pending():
+            p = self._dlgs_params[i]
+            if p.grad is None:
+                # Another rank may have a gradient here (dynamic graphs): take part
+                # with zeros, as Horovod does.
+                p.grad = torch.zeros_like(p)
+            exchange.submit(i, _dense_grad(p))
+        reduced = exchange.wait()
+        for i, out in reduced.items():
+            grad = self._dlgs_params[i].grad
+            if grad.is_sparse:
+                grad.zero_().add_(out.reshape(grad.shape).to(grad.dtype).to_sparse())
+            elif out.data_ptr() != grad.data_ptr() or out.dtype != grad.dtype:
+                grad.copy_(out.reshape(grad.shape))
+        for p in self._allreduce_delay:
+            self._allreduce_delay[p] = self.backward_passes_per_step
+        self._handles.clear()
+        self._synchronized = True
+        if self._dlgs_log_every and exchange.step % self._dlgs_log_every == 0:
+            log_stats(exchange)
+
+    def dlgs_stats(self) -> List[Dict[str, Any]]:
+        """Per-layer statistics of the last step: selected count, achieved
+        density, threshold, bytes sent. Synchronises the device; call it every
+        few steps, not every step."""
+        return log_stats(self._dlgs, logging.DEBUG)
+
+    @property
+    def dlgs_exchange(self):
+        """The core :class:`~dlgs.core.SparseExchange` (plans, per-layer state)."""
+        return self._dlgs
+
+    def state_dict(self):
+        state = super(self.__class__, self).state_dict()
+        state["dlgs"] = self._dlgs.state_dict()
+        return state
+
+    def load_state_dict(self, state_dict):
+        state = dict(state_dict)
+        dlgs_state = state.pop("dlgs", None)
+        _DistributedOptimizer.load_state_dict(self, state)
+        if dlgs_state is not None:
+            self._dlgs.load_state_dict(dlgs_state, like=self._dlgs_params[0])
+
+
+def _dense_grad(p: torch.Tensor) -> torch.Tensor:
+    return p.grad.to_dense() if p.grad.is_sparse else p.grad
+
+
+_NOT_COPIED = {"__dict__", "__weakref__", "__module__", "__qualname__", "__doc__"}
+
+
+def DistributedOptimizer(
+    optimizer: torch.optim.Optimizer,
+    named_parameters=None,
+    compression=hvd.Compression.none,
+    backward_passes_per_step: int = 1,
+    op=hvd.Average,
+    gradient_predivide_factor: float = 1.0,
+    num_groups: int = 0,
+    groups=None,
+    sparse_as_dense: bool = False,
+    process_set=hvd.global_process_set,
+    *,
+    density: float = 0.01,
+    config: Optional[SparsityConfig] = None,
+    log_every: int = 0,
+    **options: Any,
+) -> torch.optim.Optimizer:
+    """Wrap ``optimizer`` so gradients are exchanged sparsely across Horovod ranks.
+
+    The positional arguments are :func:`horovod.torch.DistributedOptimizer`'s.
+    ``compression`` applies to the layers sent dense (e.g. ``hvd.Compression.fp16``).
+
+    Args:
+        density: fraction of each sparsified layer sent per step, in (0, 1].
+            See :class:`dlgs.SparsityConfig` for what it trades.
+        config: a ready :class:`dlgs.SparsityConfig` instead of keyword options.
+        log_every: log per-layer statistics to the ``dlgs.torch`` logger every
+            this many steps (0: never). Each log synchronises the device once.
+        **options: any other :class:`dlgs.SparsityConfig` field (``controller``,
+            ``max_ratio``, ``min_sparse_size``, ``anchor_every``, ``momentum``,
+            ``warmup``, ``warmup_steps``, ``value_dtype``, ...).
+
+    Raises:
+        ValueError / TypeError: bad options (naming the option and the accepted
+            range), an unsupported ``op``, or Horovod's ``groups``.
+        dlgs.RankMismatchError: ranks have different parameters or options.
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if op not in (hvd.Average, hvd.Sum):
+        raise ValueError("op must be hvd.Average or hvd.Sum (Adasum cannot combine sparse gradients)")
+    if num_groups or groups is not None:
+        raise ValueError(
+            "groups/num_groups are Horovod's fusion groups; dlgs packs its own messages, "
+            "leave them unset"
+        )
+    if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
+            or backward_passes_per_step < 1:
+        raise ValueError(f"backward_passes_per_step must be an int >= 1, got {backward_passes_per_step!r}")
+    if gradient_predivide_factor != 1.0 and op != hvd.Average:
+        raise ValueError("gradient_predivide_factor is only supported with op=hvd.Average")
+    if isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 0:
+        raise ValueError(f"log_every must be an int >= 0, got {log_every!r}")
+    cfg = build_config(config, density, options)
+    methods = {k: v for k, v in _SparseOverrides.__dict__.items() if k not in _NOT_COPIED}
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
+               {**_DistributedOptimizer.__dict__, **methods})
+    named = list(named_parameters) if named_parameters is not None else None
+    return cls(optimizer.param_groups, named, compression, backward_passes_per_step, op,
+               gradient_predivide_factor, sparse_as_dense, process_set, cfg, log_every)

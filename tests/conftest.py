@@ -1,0 +1,36 @@
+"""Shared helpers: launching real ranks under horovodrun."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+HOROVODRUN = str(Path(sys.executable).parent / "horovodrun")
+
+
+def horovodrun(backend: str, np: int, args, *, timeout: float, cwd=ROOT) -> subprocess.CompletedProcess:
+    """Run ``python ARGS`` on ``np`` real ranks with ``--gloo`` or ``--mpi``."""
+    env = dict(os.environ)
+    # Open MPI refuses to run as root without these (DESIGN.md §2).
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = [HOROVODRUN, "-np", str(np), f"--{backend}", sys.executable, *map(str, args)]
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        pytest.fail(
+            f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout ---\n{proc.stdout[-4000:]}"
+            f"\n--- stderr ---\n{proc.stderr[-4000:]}"
+        )
+    return proc
+
+
+def load_ranks(out_dir: Path, np: int):
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(np)]

@@ -1,0 +1,342 @@
+"""Scenarios run on every rank under ``horovodrun -np 2``.
+
+Each scenario computes numbers on real ranks and records them; the pytest side
+(``tests/test_parallel.py``) loads every rank's record and asserts, so a
+failure names the scenario, the rank and the figure.
+
+Usage: ``horovodrun -np 2 --gloo python tests/parallel/worker.py OUT_DIR SCENARIO...``
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import sys
+import traceback
+from pathlib import Path
+
+import horovod.torch as hvd
+import torch
+import torch.nn.functional as F
+
+import dlgs.torch
+from dlgs.core import RankMismatchError
+
+torch.set_num_threads(1)
+
+SCENARIOS = {}
+
+
+def scenario(fn):
+    SCENARIOS[fn.__name__] = fn
+    return fn
+
+
+# -- helpers ------------------------------------------------------------------
+
+
+def mlp(seed: int, hidden: int = 64) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(32, hidden), torch.nn.ReLU(),
+        torch.nn.Linear(hidden, hidden), torch.nn.ReLU(),
+        torch.nn.Linear(hidden, 10),
+    )
+
+
+def batch(step: int, n: int = 16):
+    g = torch.Generator().manual_seed(1000 * step + hvd.rank())
+    return torch.randn(n, 32, generator=g), torch.randint(0, 10, (n,), generator=g)
+
+
+def flat_params(model) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
+
+
+def digest(model) -> str:
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def train(model, opt, steps: int, start: int = 0, passes: int = 1):
+    """Run ``steps`` steps; return each step's parameter digest."""
+    digests = []
+    for s in range(start, start + steps):
+        opt.zero_grad()
+        for j in range(passes):
+            x, y = batch(s * passes + j)
+            F.cross_entropy(model(x), y).backward()
+        opt.step()
+        digests.append(digest(model))
+    return digests
+
+
+def base_opt(kind: str, model):
+    if kind == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    return torch.optim.Adam(model.parameters(), lr=1e-3)
+
+
+def own_sent(exchange) -> dict:
+    """This rank's last sent values, decoded from its own send buffers."""
+    from dlgs.torch._ops import OPS
+
+    sent = {}
+    for group in exchange.groups:
+        lay = group.layout
+        dense = torch.zeros(lay.dense_size)
+        vals = lay.values_view(OPS, group.chunk).float()
+        idx = lay.indices_view(OPS, group.chunk).long()
+        dense.index_add_(0, idx, vals)
+        for m, i in enumerate(group.members):
+            sent[i] = dense[lay.dense_offset(m): lay.dense_offset(m) + lay.sizes[m]].clone()
+    return sent
+
+
+# -- scenarios ----------------------------------------------------------------
+
+
+@scenario
+def dense_equivalence():
+    """density=1.0 against plain hvd.DistributedOptimizer, both forms, SGD and Adam."""
+    out = {}
+    for kind in ("sgd", "adam"):
+        ref_model = mlp(0)
+        ref = hvd.DistributedOptimizer(base_opt(kind, ref_model),
+                                       named_parameters=ref_model.named_parameters())
+        ref_digests = train(ref_model, ref, 5)
+        for form in ("optimizer", "compression"):
+            model = mlp(0)
+            if form == "optimizer":
+                opt = dlgs.torch.DistributedOptimizer(
+                    base_opt(kind, model), named_parameters=model.named_parameters(), density=1.0)
+            else:
+                comp = dlgs.torch.Compression(model.named_parameters(), density=1.0)
+                opt = hvd.DistributedOptimizer(base_opt(kind, model),
+                                               named_parameters=model.named_parameters(),
+                                               compression=comp)
+            digests = train(model, opt, 5)
+            diff = (flat_params(model) - flat_params(ref_model)).abs().max().item()
+            out[f"{kind}/{form}"] = {"max_diff": diff, "digests": digests}
+        out[f"{kind}/reference"] = {"digests": ref_digests}
+    return out
+
+
+@scenario
+def sparse_training_identical():
+    """Sparse training with several option sets: ranks must stay bit-identical."""
+    variants = {
+        "dynamic": dict(density=0.05),
+        "topk": dict(density=0.05, controller="topk"),
+        "dgc": dict(density=0.05, controller="dgc", sample_ratio=0.1),
+        "fixed": dict(density=0.05, controller="fixed", threshold=1e-3),
+        "fp16_values": dict(density=0.05, value_dtype="float16"),
+        "momentum_correction": dict(density=0.05, momentum=0.9),
+        "warmup": dict(density=0.02, warmup=(0.25, 0.1), warmup_steps=2),
+        "max_ratio": dict(density=0.05, max_ratio=1.5),
+    }
+    out = {}
+    for name, opts in variants.items():
+        model = mlp(1)
+        opt = dlgs.torch.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.05), named_parameters=model.named_parameters(),
+            min_sparse_size=64, **opts)
+        digests = train(model, opt, 6)
+        out[name] = {"digests": digests, "finite": bool(torch.isfinite(flat_params(model)).all())}
+    # The compression form, with Horovod's op=Sum and backward_passes_per_step=2.
+    model = mlp(1)
+    comp = dlgs.torch.Compression(model.named_parameters(), density=0.05, min_sparse_size=64)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                   named_parameters=model.named_parameters(), compression=comp,
+                                   op=hvd.Sum, backward_passes_per_step=2)
+    out["compression_sum_bpps2"] = {"digests": train(model, opt, 4, passes=2)}
+    return out
+
+
+def _sparse_grads(model, k_of, seed):
+    """Gradients with at most k non-zeros per layer on this rank (some shared positions)."""
+    g = torch.Generator().manual_seed(seed)
+    grads = {}
+    for name, p in model.named_parameters():
+        n = p.numel()
+        k = k_of(name, n)
+        shared = torch.randperm(n, generator=torch.Generator().manual_seed(seed // 10))[: k // 2]
+        own = torch.randperm(n, generator=g)[: k - k // 2]
+        idx = torch.unique(torch.cat([shared, own]))[:k]
+        flat = torch.zeros(n)
+        flat[idx] = torch.randn(idx.numel(), generator=g)
+        grads[name] = flat.view_as(p)
+    return grads
+
+
+@scenario
+def exact_reconstruction():
+    """<= k non-zeros per rank: the reduced gradient equals the exact average."""
+    out = {}
+    cases = {
+        "dynamic_first_step": (dict(density=0.05), 1),
+        "dynamic_anchor_every_step": (dict(density=0.05, anchor_every=1), 4),
+        "topk": (dict(density=0.05, controller="topk"), 4),
+        "fixed": (dict(density=0.05, controller="fixed", threshold=1e-12), 4),
+        "fp16_exact_values": (dict(density=0.05, value_dtype="float16", controller="topk"), 3),
+        "sum_op": (dict(density=0.05, controller="topk"), 3),
+        "merged_groups": (dict(density=0.05, controller="topk"), 3),
+    }
+    for name, (opts, steps) in cases.items():
+        model = mlp(2, hidden=128)
+        op = hvd.Sum if name == "sum_op" else hvd.Average
+        opt = dlgs.torch.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.0), named_parameters=model.named_parameters(),
+            op=op, min_sparse_size=64, **opts)
+        ex = opt.dlgs_exchange
+        if name == "merged_groups":
+            ex.set_groups([list(range(len(ex.layers)))])
+        plans = {layer.name: plan for layer, plan in zip(ex.layers, ex.layer_plans())}
+        worst = 0.0
+        for s in range(steps):
+            grads = _sparse_grads(model, lambda nm, n: plans[nm].k if plans[nm].sparse else n,
+                                  seed=100 * s + 7 + hvd.rank() * 1000)
+            if "fp16" in name:
+                grads = {k: v.half().float() for k, v in grads.items()}
+            for nm, p in model.named_parameters():
+                p.grad = grads[nm].clone()
+            opt.synchronize()
+            for nm, p in model.named_parameters():
+                expect = hvd.allreduce(grads[nm], op=op, name=f"ref.{name}.{s}.{nm}")
+                worst = max(worst, (p.grad - expect).abs().max().item())
+        out[name] = {"max_diff": worst, "groups": len(ex.groups)}
+    return out
+
+
+@scenario
+def conservation():
+    """Per rank: sum of sent + residual == sum of accumulated input."""
+    out = {}
+    for name, opts in {
+        "float32": dict(density=0.05),
+        "float16": dict(density=0.05, value_dtype="float16"),
+        "dgc": dict(density=0.02, controller="dgc"),
+    }.items():
+        model = mlp(3, hidden=128)
+        opt = dlgs.torch.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.0), named_parameters=model.named_parameters(),
+            min_sparse_size=64, **opts)
+        ex = opt.dlgs_exchange
+        params = dict(model.named_parameters())
+        total_in = {i: torch.zeros(layer.numel) for i, layer in enumerate(ex.layers)}
+        total_sent = {i: torch.zeros(layer.numel) for i, layer in enumerate(ex.layers)}
+        g = torch.Generator().manual_seed(5 + hvd.rank())
+        for _ in range(8):
+            for i, layer in enumerate(ex.layers):
+                grad = torch.randn(params[layer.name].shape, generator=g)
+                params[layer.name].grad = grad.clone()
+                total_in[i] += grad.reshape(-1)
+            opt.synchronize()
+            for i, sent in own_sent(ex).items():
+                total_sent[i] += sent
+        worst, scale, sparse_layers = 0.0, 0.0, 0
+        for i, layer in enumerate(ex.layers):
+            if layer.residual is None:
+                continue
+            sparse_layers += 1
+            resid = layer.residual[: layer.numel]
+            worst = max(worst, (total_sent[i] + resid - total_in[i]).abs().max().item())
+            scale = max(scale, total_in[i].abs().max().item())
+        out[name] = {"max_error": worst, "scale": scale, "sparse_layers": sparse_layers}
+    return out
+
+
+@scenario
+def dtypes_and_frozen():
+    """fp16/bf16 parameters, a frozen layer and a layer without gradient."""
+    out = {}
+    for dtype in (torch.float16, torch.bfloat16):
+        model = mlp(4).to(dtype)
+        model[0].weight.requires_grad_(False)
+        opt = dlgs.torch.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.01), named_parameters=model.named_parameters(),
+            density=0.05, min_sparse_size=64)
+        digests = []
+        for s in range(4):
+            opt.zero_grad()
+            x, y = batch(s)
+            # The last layer's bias is unused on purpose: its grad stays None.
+            h = model[3](model[2](model[1](model[0](x.to(dtype)))))
+            logits = F.linear(h, model[4].weight)
+            F.cross_entropy(logits.float(), y).backward()
+            opt.step()
+            digests.append(digest(model))
+        out[str(dtype)] = {"digests": digests, "finite": bool(torch.isfinite(flat_params(model)).all())}
+    return out
+
+
+@scenario
+def resume():
+    """Checkpoint after 4 steps, resume in fresh objects: same as 8 uninterrupted steps."""
+
+    def make():
+        model = mlp(5)
+        opt = dlgs.torch.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+            named_parameters=model.named_parameters(), density=0.05, min_sparse_size=64,
+            anchor_every=3)
+        return model, opt
+
+    model, opt = make()
+    straight = train(model, opt, 8)
+    model, opt = make()
+    train(model, opt, 4)
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=False)
+    model, opt = make()
+    model.load_state_dict(ckpt["model"])
+    opt.load_state_dict(ckpt["opt"])
+    resumed = train(model, opt, 4, start=4)
+    # Negative control: without dlgs' residuals and thresholds the run differs,
+    # so the comparison above can fail.
+    model, opt = make()
+    model.load_state_dict(ckpt["model"])
+    opt.load_state_dict({k: v for k, v in ckpt["opt"].items() if k != "dlgs"})
+    without = train(model, opt, 4, start=4)
+    return {"straight": straight[4:], "resumed": resumed, "without_dlgs_state": without}
+
+
+@scenario
+def mismatch():
+    """Ranks with different models, or different options: a clear error on every rank."""
+    out = {}
+    model = mlp(6, hidden=64 if hvd.rank() == 0 else 65)
+    try:
+        dlgs.torch.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                        named_parameters=model.named_parameters())
+        out["model"] = None
+    except RankMismatchError as err:
+        out["model"] = str(err)
+    model = mlp(6)
+    try:
+        dlgs.torch.Compression(model.named_parameters(), density=0.01 if hvd.rank() == 0 else 0.02)
+        out["options"] = None
+    except RankMismatchError as err:
+        out["options"] = str(err)
+    return out
+
+
+def main(argv):
+    out_dir = Path(argv[1])
+    hvd.init()
+    results = {}
+    for name in argv[2:]:
+        try:
+            results[name] = {"ok": True, "value": SCENARIOS[name]()}
+        except Exception:  # recorded for the pytest side, which reports it
+            results[name] = {"ok": False, "error": traceback.format_exc()}
+    (out_dir / f"rank{hvd.rank()}.json").write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main(sys.argv)

@@ -1,0 +1,118 @@
+"""Framework-free tests of dlgs.core: config validation, wire layout, plans,
+cross-rank signatures, and the layering rule (the core imports no framework)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from dlgs.core import (
+    GroupLayout,
+    SparsityConfig,
+    ValueDType,
+    describe_mismatch,
+    plan_layers,
+    signature,
+)
+
+
+def test_core_imports_without_any_framework():
+    code = textwrap.dedent(
+        """
+        import sys
+        class Block:
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] in ("torch", "tensorflow", "horovod", "numpy", "keras"):
+                    raise ImportError("blocked: " + name)
+        sys.meta_path.insert(0, Block())
+        import dlgs, dlgs.core
+        from dlgs.core import SparsityConfig, GroupLayout, plan_layers
+        cfg = SparsityConfig(density=0.01)
+        plan_layers([10, 100000], 0.01, cfg)
+        GroupLayout((100000,), (1000,)).chunk_words
+        print("ok")
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
+
+
+@pytest.mark.parametrize(
+    "kwargs, param, exc",
+    [
+        (dict(density=0.0), "density", ValueError),
+        (dict(density=1.5), "density", ValueError),
+        (dict(density=-0.1), "density", ValueError),
+        (dict(density="0.1"), "density", TypeError),
+        (dict(controller="sorting"), "controller", ValueError),
+        (dict(value_dtype="int8"), "value_dtype", ValueError),
+        (dict(max_ratio=0.5), "max_ratio", ValueError),
+        (dict(min_sparse_size=0), "min_sparse_size", ValueError),
+        (dict(anchor_every=-1), "anchor_every", ValueError),
+        (dict(controller="fixed"), "threshold", ValueError),
+        (dict(threshold=0.1), "threshold", ValueError),
+        (dict(sample_ratio=0.0), "sample_ratio", ValueError),
+        (dict(momentum=1.0), "momentum", ValueError),
+        (dict(warmup=(0.5, 2.0), warmup_steps=1), "warmup[1]", ValueError),
+        (dict(warmup=(0.5,)), "warmup_steps", ValueError),
+    ],
+)
+def test_bad_config_names_parameter_and_range(kwargs, param, exc):
+    with pytest.raises(exc) as info:
+        SparsityConfig(**kwargs)
+    assert param in str(info.value)
+
+
+def test_config_is_frozen_and_schedules_warmup():
+    cfg = SparsityConfig(density=0.001, warmup=(0.25, 0.063, 0.015), warmup_steps=10)
+    with pytest.raises(Exception):
+        cfg.density = 0.5  # type: ignore[misc]
+    assert [cfg.density_at(s) for s in (0, 9, 10, 25, 29, 30, 10_000)] == [
+        0.25, 0.25, 0.063, 0.015, 0.015, 0.001, 0.001
+    ]
+    assert cfg.to_dict()["controller"] == "dynamic"
+
+
+def test_plan_layers_sends_small_and_dense_enough_layers_dense():
+    cfg = SparsityConfig(density=0.01, min_sparse_size=1024)
+    small, big = plan_layers([1000, 100_000], 0.01, cfg)
+    assert not small.sparse and big.sparse
+    assert big.k == 1000 and big.capacity == 1000 and big.wire_bytes == 8000
+    # values + int32 indices cost 8 bytes per element: sparse pays only below density 0.5
+    assert not plan_layers([100_000], 0.5, SparsityConfig(density=0.5))[0].sparse
+    assert plan_layers([100_000], 0.49, SparsityConfig(density=0.49))[0].sparse
+    capped = plan_layers([100_000], 0.01, SparsityConfig(density=0.01, max_ratio=1.5))[0]
+    assert capped.capacity == 1500
+
+
+def test_group_layout_offsets():
+    lay = GroupLayout((10, 20, 30), (2, 3, 4))
+    assert lay.header_words == 4 and lay.total_capacity == 9
+    assert lay.chunk_words == 4 + 9 + 9
+    assert [lay.value_offset(i) for i in range(3)] == [0, 2, 5]
+    assert [lay.dense_offset(i) for i in range(3)] == [0, 11, 32]
+    assert lay.dense_size == 63
+    half = GroupLayout((10, 20, 30), (2, 3, 4), ValueDType.FLOAT16)
+    assert half.value_words == 5 and half.chunk_words == 4 + 5 + 9
+    assert half.fingerprint != lay.fingerprint
+    assert GroupLayout((10, 20, 30), (2, 3, 4)).fingerprint == lay.fingerprint
+    assert 0 <= lay.fingerprint < 2**24
+    with pytest.raises(ValueError, match="capacity"):
+        GroupLayout((10,), (11,))
+
+
+def test_describe_mismatch():
+    a = signature([("w", (3, 4), "float32"), ("b", (4,), "float32")], {"density": 0.01})
+    assert describe_mismatch([a, a]) is None
+    b = signature([("w", (3, 5), "float32"), ("b", (4,), "float32")], {"density": 0.01})
+    assert "'w'" in describe_mismatch([a, b])
+    c = signature([("w", (3, 4), "float32")], {"density": 0.01})
+    assert "lacks parameters ['b']" in describe_mismatch([a, c])
+    d = signature([("w", (3, 4), "float32"), ("b", (4,), "float32")], {"density": 0.02})
+    assert "density" in describe_mismatch([a, d])
+    e = signature([("b", (4,), "float32"), ("w", (3, 4), "float32")], {"density": 0.01})
+    assert "orders" in describe_mismatch([a, e])

@@ -1,0 +1,94 @@
+"""Two real ranks under horovodrun, with Gloo and with MPI.
+
+One horovodrun launch per backend runs every scenario of
+``tests/parallel/worker.py``; each test below asserts on one scenario's
+numbers from both ranks.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import ROOT, horovodrun, load_ranks
+
+pytestmark = pytest.mark.parallel
+
+SCENARIOS = [
+    "dense_equivalence",
+    "sparse_training_identical",
+    "exact_reconstruction",
+    "conservation",
+    "dtypes_and_frozen",
+    "resume",
+    "mismatch",
+]
+
+
+@pytest.fixture(scope="module", params=["gloo", "mpi"])
+def ranks(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp(f"ranks-{request.param}")
+    horovodrun(request.param, 2, [ROOT / "tests/parallel/worker.py", out, *SCENARIOS], timeout=600)
+    return load_ranks(out, 2)
+
+
+def value(ranks, name):
+    vals = []
+    for r, rec in enumerate(ranks):
+        res = rec[name]
+        if not res["ok"]:
+            pytest.fail(f"scenario {name} failed on rank {r}:\n{res['error']}")
+        vals.append(res["value"])
+    return vals
+
+
+def test_density_one_equals_plain_horovod(ranks):
+    for r, v in enumerate(value(ranks, "dense_equivalence")):
+        for key, rec in v.items():
+            if "max_diff" in rec:
+                assert rec["max_diff"] <= 1e-6, f"rank {r} {key}: max |diff| {rec['max_diff']}"
+    r0, r1 = value(ranks, "dense_equivalence")
+    for key in r0:
+        assert r0[key]["digests"] == r1[key]["digests"], f"{key}: ranks differ"
+
+
+def test_sparse_training_keeps_ranks_identical(ranks):
+    r0, r1 = value(ranks, "sparse_training_identical")
+    assert set(r0) == set(r1)
+    for key in r0:
+        d0, d1 = r0[key]["digests"], r1[key]["digests"]
+        assert d0 == d1, f"{key}: parameters differ across ranks at step {next(i for i in range(len(d0)) if d0[i] != d1[i])}"
+        assert len(set(d0)) == len(d0), f"{key}: parameters did not change every step"
+        assert r0[key].get("finite", True), f"{key}: non-finite parameters"
+
+
+def test_at_most_k_nonzeros_reconstructed_exactly(ranks):
+    for r, v in enumerate(value(ranks, "exact_reconstruction")):
+        for case, rec in v.items():
+            assert rec["max_diff"] == 0.0, f"rank {r} {case}: max |diff| {rec['max_diff']}"
+        assert v["merged_groups"]["groups"] == 1
+
+
+def test_error_feedback_conserves_gradient(ranks):
+    for r, v in enumerate(value(ranks, "conservation")):
+        for case, rec in v.items():
+            assert rec["sparse_layers"] >= 3
+            assert rec["max_error"] <= 1e-5 * rec["scale"], f"rank {r} {case}: {rec}"
+
+
+def test_low_precision_frozen_and_unused_parameters(ranks):
+    r0, r1 = value(ranks, "dtypes_and_frozen")
+    for key in r0:
+        assert r0[key]["digests"] == r1[key]["digests"], f"{key}: ranks differ"
+        assert r0[key]["finite"]
+
+
+def test_resume_reproduces_uninterrupted_run(ranks):
+    for r, v in enumerate(value(ranks, "resume")):
+        assert v["resumed"] == v["straight"], f"rank {r}: resumed run differs"
+        assert v["without_dlgs_state"][-1] != v["straight"][-1], "control: state had no effect"
+
+
+def test_rank_disagreement_is_an_error_not_a_hang(ranks):
+    for r, v in enumerate(value(ranks, "mismatch")):
+        assert v["model"] and "shape" in v["model"], f"rank {r}: {v['model']!r}"
+        assert v["options"] and "density" in v["options"], f"rank {r}: {v['options']!r}"
