@@ -5,7 +5,7 @@ from .backend import ArrayOps
 from .config import Controller, SparsityConfig, ValueDType
 from .consistency import RankMismatchError, describe_mismatch, signature
 from .controller import ThresholdController, make_controller
-from .exchange import STATE_VERSION, Collectives, LayerPlan, SparseExchange, plan_layers
+from .exchange import STATE_VERSION, Collectives, LayerPlan, SparseExchange, plan_layers, select
 from .wire import GroupLayout, LayoutMismatchError
 
 __all__ = [
@@ -24,5 +24,6 @@ __all__ = [
     "describe_mismatch",
     "make_controller",
     "plan_layers",
+    "select",
     "signature",
 ]

@@ -95,6 +95,9 @@ class ArrayOps(Protocol):
     def kth_largest(self, x: T, k: int) -> T:
         """The ``k``-th largest element of 1-D ``x`` (1-based), 0-d."""
 
+    def mean(self, x: T) -> T:
+        """Mean of 1-D float ``x`` as a 0-d tensor."""
+
     def strided(self, x: T, stride: int) -> T:
         """Every ``stride``-th element of 1-D ``x`` (a view where possible)."""
 

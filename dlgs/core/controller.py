@@ -38,6 +38,10 @@ _THETA_MAX = 1e30
 _MAX_STEP = math.log(8.0)
 _ELASTICITY_RANGE = (1.0, 20.0)
 _ELASTICITY_SMOOTHING = 0.2
+_INTEGRAL_GAIN = 0.2
+_MAX_DRIFT = math.log(2.0)
+# Elements sampled (strided) to measure a layer's magnitude scale each step.
+_SCALE_SAMPLE = 65536
 
 
 class ThresholdController:
@@ -84,48 +88,74 @@ class _DGC(ThresholdController):
 
 
 class _Dynamic(ThresholdController):
+    """theta = factor * scale, with scale = mean |a| of a strided sample of
+    this step's accumulated gradient and factor learnt from past counts.
+
+    The scale follows the batch-to-batch (and error-feedback) swings of the
+    gradient's magnitude at almost no cost; the factor, which only has to follow
+    the tail's *shape*, is what the feedback controller adapts.
+    """
+
+    def _scale(self, ops, absx):
+        n = ops.numel(absx)
+        return ops.clamp(
+            ops.mean(ops.strided(absx, max(1, n // _SCALE_SAMPLE))), _THETA_MIN, _THETA_MAX
+        )
+
     def init_state(self, ops, like, density):
         e0 = min(max(math.log(1.0 / density), _ELASTICITY_RANGE[0]), _ELASTICITY_RANGE[1])
         return {
-            "theta": ops.scalar(0.0, like),
-            "prev_theta": ops.scalar(0.0, like),
+            "factor": ops.scalar(0.0, like),
+            "prev_factor": ops.scalar(0.0, like),
             "prev_count": ops.scalar(0.0, like),
             "elasticity": ops.scalar(e0, like),
+            "drift": ops.scalar(0.0, like),
             # Steps since the last anchor; the first step always anchors.
             "since_anchor": -1,
         }
 
     def threshold(self, ops, state, absx, k, step):
+        scale = self._scale(ops, absx)
         every = self.config.anchor_every
         since = state["since_anchor"]
         if since < 0 or (every and since + 1 >= every):
-            state["theta"] = ops.clamp(ops.kth_largest(absx, k), _THETA_MIN, _THETA_MAX)
-            # The secant needs two thresholds applied to comparable inputs;
-            # across an anchor it would mix the corrected and uncorrected theta.
-            state["prev_theta"] = ops.scalar(0.0, absx)
+            exact = ops.clamp(ops.kth_largest(absx, k), _THETA_MIN, _THETA_MAX)
+            state["factor"] = exact / scale
+            # The secant needs two factors applied to comparable inputs;
+            # across an anchor it would mix the corrected and uncorrected one.
+            state["prev_factor"] = ops.scalar(0.0, absx)
             state["since_anchor"] = 0
         else:
             state["since_anchor"] = since + 1
-        return state["theta"]
+        return ops.clamp(state["factor"] * scale, _THETA_MIN, _THETA_MAX)
 
     def update(self, ops, state, theta, count, k):
         c1 = ops.to_float(count) + 1.0
-        prev_theta = state["prev_theta"]
+        factor, prev = state["factor"], state["prev_factor"]
         # Secant estimate of the tail's elasticity from the last two steps.
-        has_prev = prev_theta > 0
-        dlog_theta = ops.log(theta / ops.where(has_prev, prev_theta, theta))
-        moved = has_prev & ((dlog_theta > 1e-3) | (dlog_theta < -1e-3))
-        safe = ops.where(moved, dlog_theta, dlog_theta * 0 + 1.0)
+        has_prev = prev > 0
+        dlog = ops.log(factor / ops.where(has_prev, prev, factor))
+        moved = has_prev & ((dlog > 1e-3) | (dlog < -1e-3))
+        safe = ops.where(moved, dlog, dlog * 0 + 1.0)
         observed = ops.clamp(
             -ops.log(c1 / (state["prev_count"] + 1.0)) / safe, *_ELASTICITY_RANGE
         )
         e = state["elasticity"]
         e = ops.where(moved, e + _ELASTICITY_SMOOTHING * (observed - e), e)
-        step = ops.clamp(ops.log(c1 / (k + 1.0)) / e, -_MAX_STEP, _MAX_STEP)
+        ratio = c1 / (k + 1.0)
+        # Integral action on the *linear* error: it cancels the lag behind a
+        # steady drift of the tail's shape, and it centres the mean of count/k
+        # (what bandwidth sees) rather than its geometric mean.
+        drift = ops.clamp(
+            state["drift"] + _INTEGRAL_GAIN * ops.clamp(ratio - 1.0, -1.0, 3.0) / e,
+            -_MAX_DRIFT, _MAX_DRIFT,
+        )
+        step = ops.clamp(ops.log(ratio) / e + drift, -_MAX_STEP, _MAX_STEP)
+        state["drift"] = drift
         state["elasticity"] = e
-        state["prev_theta"] = theta
+        state["prev_factor"] = factor
         state["prev_count"] = c1 - 1.0
-        state["theta"] = ops.clamp(theta * ops.exp(step), _THETA_MIN, _THETA_MAX)
+        state["factor"] = ops.clamp(factor * ops.exp(step), _THETA_MIN, _THETA_MAX)
 
 
 _CONTROLLERS = {

@@ -26,10 +26,10 @@ from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple
 
 from .backend import ArrayOps
 from .config import SparsityConfig, ValueDType
-from .controller import make_controller
+from .controller import ThresholdController, make_controller
 from .wire import GroupLayout
 
-__all__ = ["Collectives", "LayerPlan", "SparseExchange", "plan_layers", "STATE_VERSION"]
+__all__ = ["Collectives", "LayerPlan", "SparseExchange", "plan_layers", "select", "STATE_VERSION"]
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +82,44 @@ def plan_layers(sizes: Sequence[int], density: float, config: SparsityConfig) ->
         sparse = n >= config.min_sparse_size and cap * (vbytes + 4) < 4 * n
         plans.append(LayerPlan(n, k, cap, sparse))
     return plans
+
+
+def select(
+    ops: ArrayOps,
+    controller: ThresholdController,
+    state: Dict[str, Any],
+    acc: Any,
+    k: int,
+    capacity: int,
+    step: int,
+    scratch_abs: Any,
+    scratch_mask: Any,
+) -> Tuple[Any, Any, Any]:
+    """One layer's selection: ``|acc| >= theta`` with ``theta`` from the controller.
+
+    Four memory-bound passes (``|a|``, compare, count, compaction) and no sort
+    (except when the controller anchors). Updates the controller's state from
+    the count it selected.
+
+    Args:
+        acc: the accumulated gradient (1-D, ``n`` elements).
+        k: target count; capacity: most indices returned.
+        scratch_abs / scratch_mask: reusable float32 / bool buffers of ``n``.
+
+    Returns:
+        ``(idx, count, theta)``: ``capacity`` int64 indices of the first
+        selected elements in index order, padded with ``n`` (a slot that reads
+        as zero); the number of elements at or above ``theta`` (0-d, on
+        device); the threshold used.
+    """
+    n = ops.numel(acc)
+    absx = ops.abs_(acc, scratch_abs)
+    theta = controller.threshold(ops, state, absx, k, step)
+    mask = ops.ge_(absx, theta, scratch_mask)
+    count = ops.count_nonzero(mask)
+    idx = ops.nonzero_static(mask, capacity, n)
+    controller.update(ops, state, theta, count, k)
+    return idx, count, theta
 
 
 class _Layer:
@@ -295,12 +333,10 @@ class SparseExchange:
             ops.add_(acc, vel)
         else:
             ops.add_(acc, grad)
-        absx = ops.abs_(acc, ops.narrow(self._scratch_abs, 0, 0, n))
-        theta = self.controller.threshold(ops, layer.ctrl, absx, k, self.step)
-        mask = ops.ge_(absx, theta, ops.narrow(self._scratch_mask, 0, 0, n))
-        count = ops.count_nonzero(mask)
-        # Index n is the padding slot: residual[n] is always 0.
-        idx = ops.nonzero_static(mask, cap, n)
+        idx, count, theta = select(
+            ops, self.controller, layer.ctrl, acc, k, cap, self.step,
+            ops.narrow(self._scratch_abs, 0, 0, n), ops.narrow(self._scratch_mask, 0, 0, n),
+        )
         off = layout.value_offset(layer.member)
         out_vals = ops.narrow(layout.values_view(ops, group.chunk), 0, off, cap)
         ops.gather_(layer.residual, idx, out_vals)
@@ -314,7 +350,6 @@ class SparseExchange:
         out_idx = ops.narrow(layout.indices_view(ops, group.chunk), 0, off, cap)
         ops.add_offset_(out_idx, idx, layout.dense_offset(layer.member))
         layout.write_count(ops, group.chunk, layer.member, count)
-        self.controller.update(ops, layer.ctrl, theta, count, k)
         layer.count = count
         layer.theta = theta
 

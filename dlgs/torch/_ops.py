@@ -63,6 +63,9 @@ class TorchOps:
     def nonzero_static(self, mask, size, fill):
         return torch.nonzero_static(mask, size=size, fill_value=fill).view(-1)
 
+    def mean(self, x):
+        return x.mean()
+
     def gather_(self, src, idx, out):
         if out.dtype == src.dtype:
             return torch.index_select(src, 0, idx, out=out)
