@@ -22,7 +22,7 @@ def _read_idx(path: Path) -> np.ndarray:
     with gzip.open(path, "rb") as f:
         data = f.read()
     ndim = data[3]
-    shape = tuple(int.from_bytes(data[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim))
+    shape = tuple(int.from_bytes(data[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim))
     return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim).reshape(shape)
 
 

@@ -14,7 +14,9 @@ ROOT = Path(__file__).resolve().parents[1]
 HOROVODRUN = str(Path(sys.executable).parent / "horovodrun")
 
 
-def horovodrun(backend: str, np: int, args, *, timeout: float, cwd=ROOT) -> subprocess.CompletedProcess:
+def horovodrun(
+    backend: str, np: int, args, *, timeout: float, cwd=ROOT
+) -> subprocess.CompletedProcess:
     """Run ``python ARGS`` on ``np`` real ranks with ``--gloo`` or ``--mpi``."""
     env = dict(os.environ)
     # Open MPI refuses to run as root without these (DESIGN.md §2).

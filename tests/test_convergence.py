@@ -7,7 +7,6 @@ from __future__ import annotations
 import statistics
 
 import pytest
-
 from conftest import ROOT, horovodrun, load_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.parallel]

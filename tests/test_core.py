@@ -72,7 +72,13 @@ def test_config_is_frozen_and_schedules_warmup():
     with pytest.raises(Exception):
         cfg.density = 0.5  # type: ignore[misc]
     assert [cfg.density_at(s) for s in (0, 9, 10, 25, 29, 30, 10_000)] == [
-        0.25, 0.25, 0.063, 0.015, 0.015, 0.001, 0.001
+        0.25,
+        0.25,
+        0.063,
+        0.015,
+        0.015,
+        0.001,
+        0.001,
     ]
     assert cfg.to_dict()["controller"] == "dynamic"
 

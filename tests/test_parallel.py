@@ -8,7 +8,6 @@ numbers from both ranks.
 from __future__ import annotations
 
 import pytest
-
 from conftest import ROOT, horovodrun, load_ranks
 
 pytestmark = pytest.mark.parallel
@@ -16,6 +15,7 @@ pytestmark = pytest.mark.parallel
 SCENARIOS = [
     "dense_equivalence",
     "sparse_training_identical",
+    "forms_agree",
     "exact_reconstruction",
     "conservation",
     "dtypes_and_frozen",
@@ -56,9 +56,17 @@ def test_sparse_training_keeps_ranks_identical(ranks):
     assert set(r0) == set(r1)
     for key in r0:
         d0, d1 = r0[key]["digests"], r1[key]["digests"]
-        assert d0 == d1, f"{key}: parameters differ across ranks at step {next(i for i in range(len(d0)) if d0[i] != d1[i])}"
+        first = next((i for i in range(len(d0)) if d0[i] != d1[i]), None)
+        assert first is None, f"{key}: parameters differ across ranks from step {first}"
         assert len(set(d0)) == len(d0), f"{key}: parameters did not change every step"
         assert r0[key].get("finite", True), f"{key}: non-finite parameters"
+
+
+def test_both_drop_in_forms_give_the_same_parameters(ranks):
+    r0, r1 = value(ranks, "forms_agree")
+    for dtype, forms in r0.items():
+        assert forms["optimizer"] == forms["compression"], f"{dtype}: forms differ on rank 0"
+        assert forms == r1[dtype], f"{dtype}: ranks differ"
 
 
 def test_at_most_k_nonzeros_reconstructed_exactly(ranks):

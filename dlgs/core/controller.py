@@ -54,9 +54,7 @@ class ThresholdController:
         """Fresh state for a layer (also after a density change)."""
         return {}
 
-    def threshold(
-        self, ops: ArrayOps, state: State, absx: Any, k: int, step: int
-    ) -> Any:
+    def threshold(self, ops: ArrayOps, state: State, absx: Any, k: int, step: int) -> Any:
         """``theta`` for this step, given ``|a|`` in ``absx``; may read it."""
         raise NotImplementedError
 
@@ -137,9 +135,7 @@ class _Dynamic(ThresholdController):
         dlog = ops.log(factor / ops.where(has_prev, prev, factor))
         moved = has_prev & ((dlog > 1e-3) | (dlog < -1e-3))
         safe = ops.where(moved, dlog, dlog * 0 + 1.0)
-        observed = ops.clamp(
-            -ops.log(c1 / (state["prev_count"] + 1.0)) / safe, *_ELASTICITY_RANGE
-        )
+        observed = ops.clamp(-ops.log(c1 / (state["prev_count"] + 1.0)) / safe, *_ELASTICITY_RANGE)
         e = state["elasticity"]
         e = ops.where(moved, e + _ELASTICITY_SMOOTHING * (observed - e), e)
         ratio = c1 / (k + 1.0)
@@ -148,7 +144,8 @@ class _Dynamic(ThresholdController):
         # (what bandwidth sees) rather than its geometric mean.
         drift = ops.clamp(
             state["drift"] + _INTEGRAL_GAIN * ops.clamp(ratio - 1.0, -1.0, 3.0) / e,
-            -_MAX_DRIFT, _MAX_DRIFT,
+            -_MAX_DRIFT,
+            _MAX_DRIFT,
         )
         step = ops.clamp(ops.log(ratio) / e + drift, -_MAX_STEP, _MAX_STEP)
         state["drift"] = drift

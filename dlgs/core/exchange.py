@@ -125,8 +125,18 @@ def select(
 class _Layer:
     """Mutable per-layer state: residual, optional velocity, controller state."""
 
-    __slots__ = ("name", "numel", "plan", "residual", "velocity", "ctrl", "count", "theta",
-                 "group", "member")
+    __slots__ = (
+        "name",
+        "numel",
+        "plan",
+        "residual",
+        "velocity",
+        "ctrl",
+        "count",
+        "theta",
+        "group",
+        "member",
+    )
 
     def __init__(self, name: str, numel: int):
         self.name = name
@@ -222,7 +232,8 @@ class SparseExchange:
             flat = [i for g in groups for i in g]
             if len(set(flat)) != len(flat) or any(not 0 <= i < len(self.layers) for i in flat):
                 raise ValueError(
-                    f"groups must list distinct layer indices in [0, {len(self.layers)}), got {groups!r}"
+                    f"groups must list distinct layer indices in [0, {len(self.layers)}), "
+                    f"got {groups!r}"
                 )
         self._requested_groups = [list(g) for g in groups] if groups is not None else None
         self._density = None
@@ -279,7 +290,11 @@ class SparseExchange:
         self._density = density
         logger.info(
             "dlgs layout at step %d: density %g, %d sparse layers in %d messages, %d dense",
-            self.step, density, len(sparse), len(self.groups), len(plans) - len(sparse),
+            self.step,
+            density,
+            len(sparse),
+            len(self.groups),
+            len(plans) - len(sparse),
         )
 
     # -- the per-step path -----------------------------------------------------
@@ -293,8 +308,7 @@ class SparseExchange:
         ops = self.ops
         if ops.numel(grad) != layer.numel:
             raise ValueError(
-                f"gradient of {layer.name!r} has {ops.numel(grad)} elements, "
-                f"expected {layer.numel}"
+                f"gradient of {layer.name!r} has {ops.numel(grad)} elements, expected {layer.numel}"
             )
         if i in self._submitted:
             raise RuntimeError(f"gradient of {layer.name!r} submitted twice in one step")
@@ -325,6 +339,7 @@ class SparseExchange:
     def _sparsify(self, layer: _Layer, group: _Group, grad: Any) -> None:
         ops = self.ops
         plan = layer.plan
+        assert plan is not None  # set by _relayout before any submit
         n, k, cap = plan.numel, plan.k, plan.capacity
         layout = group.layout
         acc = ops.narrow(layer.residual, 0, 0, n)
@@ -334,8 +349,15 @@ class SparseExchange:
         else:
             ops.add_(acc, grad)
         idx, count, theta = select(
-            ops, self.controller, layer.ctrl, acc, k, cap, self.step,
-            ops.narrow(self._scratch_abs, 0, 0, n), ops.narrow(self._scratch_mask, 0, 0, n),
+            ops,
+            self.controller,
+            layer.ctrl,
+            acc,
+            k,
+            cap,
+            self.step,
+            ops.narrow(self._scratch_abs, 0, 0, n),
+            ops.narrow(self._scratch_mask, 0, 0, n),
         )
         off = layout.value_offset(layer.member)
         out_vals = ops.narrow(layout.values_view(ops, group.chunk), 0, off, cap)
@@ -402,14 +424,20 @@ class SparseExchange:
             if plan is None:
                 continue
             row: Dict[str, Any] = {
-                "name": layer.name, "numel": layer.numel, "sparse": plan.sparse,
-                "k": plan.k, "capacity": plan.capacity, "wire_bytes": plan.wire_bytes,
+                "name": layer.name,
+                "numel": layer.numel,
+                "sparse": plan.sparse,
+                "k": plan.k,
+                "capacity": plan.capacity,
+                "wire_bytes": plan.wire_bytes,
             }
             if plan.sparse and layer.count is not None:
                 selected = int(ops.to_host(layer.count))
                 row.update(
-                    selected=selected, sent=min(selected, plan.capacity),
-                    density=selected / layer.numel, threshold=float(ops.to_host(layer.theta)),
+                    selected=selected,
+                    sent=min(selected, plan.capacity),
+                    density=selected / layer.numel,
+                    threshold=float(ops.to_host(layer.theta)),
                 )
             rows.append(row)
         return rows
@@ -460,7 +488,10 @@ class SparseExchange:
             logger.warning(
                 "dlgs state was saved by rank %s of %s, this is rank %d of %d: residuals "
                 "reset to zero (save one state per rank to resume exactly)",
-                state.get("rank"), state.get("size"), self.comm.rank, self.comm.size,
+                state.get("rank"),
+                state.get("size"),
+                self.comm.rank,
+                self.comm.size,
             )
         self.step = int(state["step"])
         self._density = None
@@ -468,7 +499,9 @@ class SparseExchange:
         ops = self.ops
         for layer in self.layers:
             entry = saved[layer.name]
-            if not layer.plan.sparse:
+            plan = layer.plan
+            assert plan is not None  # set by _relayout above
+            if not plan.sparse:
                 layer.residual = layer.velocity = None
                 continue
             for attr in ("residual", "velocity"):
@@ -477,8 +510,12 @@ class SparseExchange:
                     ops.mul_(buf, 0.0)
                     if own and entry[attr] is not None:
                         ops.copy_(buf, entry[attr])
-            if entry.get("k") == layer.plan.k and entry["controller"]:
+            if entry.get("k") == plan.k and entry["controller"]:
                 layer.ctrl = {
-                    key: (ops.copy_(ops.scalar(0.0, like), v) if not isinstance(v, (int, float)) else v)
+                    key: (
+                        ops.copy_(ops.scalar(0.0, like), v)
+                        if not isinstance(v, (int, float))
+                        else v
+                    )
                     for key, v in entry["controller"].items()
                 }

@@ -35,8 +35,14 @@ class HorovodCollectives:
         compression: Horovod compression for dense layers (e.g. ``hvd.Compression.fp16``).
     """
 
-    def __init__(self, op=hvd.Average, prescale_factor=1.0, postscale_factor=1.0,
-                 process_set=hvd.global_process_set, compression=hvd.Compression.none):
+    def __init__(
+        self,
+        op=hvd.Average,
+        prescale_factor=1.0,
+        postscale_factor=1.0,
+        process_set=hvd.global_process_set,
+        compression=hvd.Compression.none,
+    ):
         self.op = op
         self.prescale_factor = prescale_factor
         self.postscale_factor = postscale_factor
@@ -52,8 +58,12 @@ class HorovodCollectives:
         wire = tensor.float() if tensor.dtype in _WIRE_UNSUPPORTED else tensor
         wire, ctx = self.compression.compress(wire)
         handle = hvd.allreduce_async_(
-            wire, name=name, op=self.op, prescale_factor=self.prescale_factor,
-            postscale_factor=self.postscale_factor, process_set=self.process_set,
+            wire,
+            name=name,
+            op=self.op,
+            prescale_factor=self.prescale_factor,
+            postscale_factor=self.postscale_factor,
+            process_set=self.process_set,
         )
         return handle, ctx
 
@@ -64,7 +74,9 @@ class HorovodCollectives:
         return hvd.synchronize(handle)
 
 
-def build_config(config: Optional[SparsityConfig], density: float, options: Dict[str, Any]) -> SparsityConfig:
+def build_config(
+    config: Optional[SparsityConfig], density: float, options: Dict[str, Any]
+) -> SparsityConfig:
     """One :class:`SparsityConfig` from either a ready config or keyword options."""
     if config is not None:
         if not isinstance(config, SparsityConfig):
@@ -80,7 +92,9 @@ def build_config(config: Optional[SparsityConfig], density: float, options: Dict
         raise
 
 
-def named_trainable(named_parameters: Iterable[Tuple[str, torch.Tensor]]) -> List[Tuple[str, torch.Tensor]]:
+def named_trainable(
+    named_parameters: Iterable[Tuple[str, torch.Tensor]],
+) -> List[Tuple[str, torch.Tensor]]:
     """Validated ``(name, parameter)`` pairs that require grad, in the given order."""
     if named_parameters is None:
         raise ValueError("named_parameters is required: pass model.named_parameters()")
@@ -111,12 +125,17 @@ def check_ranks_agree(comm: HorovodCollectives, sig: Dict[str, Any]) -> None:
         # allgather_object has no process_set in Horovod 0.28.1: compare with the
         # set's first rank, then agree on the verdict so every member raises.
         root = comm.process_set.ranks[0]
-        ref = hvd.broadcast_object(sig, root_rank=root, name="dlgs.signature",
-                                   process_set=comm.process_set)
+        ref = hvd.broadcast_object(
+            sig, root_rank=root, name="dlgs.signature", process_set=comm.process_set
+        )
         problem = describe_mismatch([ref, sig])
         flag = torch.tensor([1 if problem else 0], dtype=torch.int32)
-        if hvd.allreduce(flag, op=hvd.Sum, name="dlgs.signature.flag",
-                         process_set=comm.process_set).item() and not problem:
+        if (
+            hvd.allreduce(
+                flag, op=hvd.Sum, name="dlgs.signature.flag", process_set=comm.process_set
+            ).item()
+            and not problem
+        ):
             problem = "another rank of the process set has a different model or dlgs options"
     if problem:
         raise RankMismatchError(problem)
@@ -135,11 +154,14 @@ def build_exchange(
     in backward order (reverse of registration), after checking every rank agrees."""
     ordered = list(reversed(params))
     options = dict(config.to_dict(), average=average, **(extra_options or {}))
-    check_ranks_agree(
-        comm, signature([(n, p.shape, str(p.dtype)) for n, p in ordered], options)
-    )
+    check_ranks_agree(comm, signature([(n, p.shape, str(p.dtype)) for n, p in ordered], options))
     return SparseExchange(
-        OPS, comm, config, [(n, p.numel()) for n, p in ordered], average=average, prefix=prefix,
+        OPS,
+        comm,
+        config,
+        [(n, p.numel()) for n, p in ordered],
+        average=average,
+        prefix=prefix,
     )
 
 
@@ -153,7 +175,13 @@ def log_stats(exchange: SparseExchange, level: int = logging.INFO) -> List[Dict[
                     level,
                     "step %d %s: selected %d of %d (density %.4g, target %d), threshold %.3g, "
                     "%d bytes",
-                    exchange.step, row["name"], row["selected"], row["numel"], row["density"],
-                    row["k"], row["threshold"], row["wire_bytes"],
+                    exchange.step,
+                    row["name"],
+                    row["selected"],
+                    row["numel"],
+                    row["density"],
+                    row["k"],
+                    row["threshold"],
+                    row["wire_bytes"],
                 )
     return rows

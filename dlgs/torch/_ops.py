@@ -81,7 +81,11 @@ class TorchOps:
         return dst.copy_(src)
 
     def add_offset_(self, dst, idx, offset):
-        return torch.add(idx, offset, out=dst) if dst.dtype == idx.dtype else dst.copy_(idx).add_(offset)
+        return (
+            torch.add(idx, offset, out=dst)
+            if dst.dtype == idx.dtype
+            else dst.copy_(idx).add_(offset)
+        )
 
     def index_add_rows_(self, dst, idx, vals, scale):
         vals = vals.to(torch.float32)

@@ -60,8 +60,16 @@ class Compression:
     Use with ``op=hvd.Average`` or ``hvd.Sum``; Horovod's ``groups=`` also works.
     """
 
-    def __init__(self, named_parameters, density: float = 0.01, *, config: Optional[SparsityConfig] = None,
-                 process_set=hvd.global_process_set, log_every: int = 0, **options: Any):
+    def __init__(
+        self,
+        named_parameters,
+        density: float = 0.01,
+        *,
+        config: Optional[SparsityConfig] = None,
+        process_set=hvd.global_process_set,
+        log_every: int = 0,
+        **options: Any,
+    ):
         if isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 0:
             raise ValueError(f"log_every must be an int >= 0, got {log_every!r}")
         cfg = build_config(config, density, options)
@@ -69,7 +77,11 @@ class Compression:
         if not params:
             raise ValueError("named_parameters contains no parameter that requires grad")
         self._exchange = build_exchange(
-            params, cfg, _Collectives(process_set=process_set), average=True, prefix="dlgs.c",
+            params,
+            cfg,
+            _Collectives(process_set=process_set),
+            average=True,
+            prefix="dlgs.c",
         )
         by_name = dict(params)
         self._params = [by_name[layer.name] for layer in self._exchange.layers]
@@ -132,6 +144,15 @@ class Compression:
         _, i, grad = ctx
         out = self._results[i] * tensor  # tensor is 1 (Average) or size (Sum)
         return out.reshape(grad.shape).to(grad.dtype)
+
+    def state_dict(self) -> Dict[str, Any]:
+        """This rank's residuals and controller states (see ``docs/design.md``,
+        "Checkpoints and residuals"); save it beside the optimizer's."""
+        return self._exchange.state_dict()
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self._exchange.load_state_dict(state, like=self._params[0])
+        self._results = None
 
     def stats(self) -> List[Dict[str, Any]]:
         """Per-layer statistics of the last step (synchronises the device)."""

@@ -34,14 +34,33 @@ logger = logging.getLogger("dlgs.torch")
 class _SparseOverrides:
     """Methods that replace Horovod's in the generated optimizer class."""
 
-    def __init__(self, params, named_parameters, compression, backward_passes_per_step, op,
-                 gradient_predivide_factor, sparse_as_dense, process_set, dlgs_config, log_every):
+    def __init__(
+        self,
+        params,
+        named_parameters,
+        compression,
+        backward_passes_per_step,
+        op,
+        gradient_predivide_factor,
+        sparse_as_dense,
+        process_set,
+        dlgs_config,
+        log_every,
+    ):
         self._dlgs_config = dlgs_config
         self._dlgs_log_every = log_every
         self._dlgs = None
         _DistributedOptimizer.__init__(
-            self, params, named_parameters, compression, backward_passes_per_step, op,
-            gradient_predivide_factor, None, sparse_as_dense, process_set,
+            self,
+            params,
+            named_parameters,
+            compression,
+            backward_passes_per_step,
+            op,
+            gradient_predivide_factor,
+            None,
+            sparse_as_dense,
+            process_set,
         )
         if self._dlgs is None:  # size 1: Horovod registers no hooks
             self._dlgs_build()
@@ -55,12 +74,19 @@ class _SparseOverrides:
         ]
         average = self.op == hvd.Average
         if average:
-            prescale, postscale = 1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor
+            prescale, postscale = (
+                1.0 / self.gradient_predivide_factor,
+                self.gradient_predivide_factor,
+            )
         else:
             prescale = postscale = 1.0
         comm = HorovodCollectives(self.op, prescale, postscale, self.process_set, self._compression)
         self._dlgs = build_exchange(
-            params, self._dlgs_config, comm, average=average, prefix="dlgs",
+            params,
+            self._dlgs_config,
+            comm,
+            average=average,
+            prefix="dlgs",
             extra_options={"backward_passes_per_step": self.backward_passes_per_step},
         )
         by_name = dict(params)
@@ -187,25 +213,47 @@ def DistributedOptimizer(
         dlgs.RankMismatchError: ranks have different parameters or options.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
     if op not in (hvd.Average, hvd.Sum):
-        raise ValueError("op must be hvd.Average or hvd.Sum (Adasum cannot combine sparse gradients)")
+        raise ValueError(
+            "op must be hvd.Average or hvd.Sum (Adasum cannot combine sparse gradients)"
+        )
     if num_groups or groups is not None:
         raise ValueError(
             "groups/num_groups are Horovod's fusion groups; dlgs packs its own messages, "
             "leave them unset"
         )
-    if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
-            or backward_passes_per_step < 1:
-        raise ValueError(f"backward_passes_per_step must be an int >= 1, got {backward_passes_per_step!r}")
+    if (
+        isinstance(backward_passes_per_step, bool)
+        or not isinstance(backward_passes_per_step, int)
+        or backward_passes_per_step < 1
+    ):
+        raise ValueError(
+            f"backward_passes_per_step must be an int >= 1, got {backward_passes_per_step!r}"
+        )
     if gradient_predivide_factor != 1.0 and op != hvd.Average:
         raise ValueError("gradient_predivide_factor is only supported with op=hvd.Average")
     if isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 0:
         raise ValueError(f"log_every must be an int >= 0, got {log_every!r}")
     cfg = build_config(config, density, options)
     methods = {k: v for k, v in _SparseOverrides.__dict__.items() if k not in _NOT_COPIED}
-    cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
-               {**_DistributedOptimizer.__dict__, **methods})
+    cls = type(
+        optimizer.__class__.__name__,
+        (optimizer.__class__,),
+        {**_DistributedOptimizer.__dict__, **methods},
+    )
     named = list(named_parameters) if named_parameters is not None else None
-    return cls(optimizer.param_groups, named, compression, backward_passes_per_step, op,
-               gradient_predivide_factor, sparse_as_dense, process_set, cfg, log_every)
+    return cls(
+        optimizer.param_groups,
+        named,
+        compression,
+        backward_passes_per_step,
+        op,
+        gradient_predivide_factor,
+        sparse_as_dense,
+        process_set,
+        cfg,
+        log_every,
+    )

@@ -32,7 +32,7 @@ def evaluate(model, x, y) -> float:
     correct = 0
     with torch.no_grad():
         for i in range(0, len(x), 1000):
-            correct += (model(x[i:i + 1000]).argmax(1) == y[i:i + 1000]).sum().item()
+            correct += (model(x[i : i + 1000]).argmax(1) == y[i : i + 1000]).sum().item()
     model.train()
     return 100.0 * correct / len(x)
 
@@ -48,16 +48,20 @@ def run(method: str, epochs: int, data):
         # DGC's recipe for momentum SGD: dlgs keeps the momentum locally
         # (momentum correction) and the wrapped optimizer has none.
         base = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.0)
-        opt = dlgs.torch.DistributedOptimizer(base, named_parameters=model.named_parameters(),
-                                              density=float(method), momentum=0.9,
-                                              min_sparse_size=256)
+        opt = dlgs.torch.DistributedOptimizer(
+            base,
+            named_parameters=model.named_parameters(),
+            density=float(method),
+            momentum=0.9,
+            min_sparse_size=256,
+        )
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     acc, ratios, step = [], {}, 0
     start = time.perf_counter()
     for epoch in range(epochs):
-        perm = np.random.default_rng(epoch).permutation(len(xtr))[hvd.rank()::hvd.size()]
+        perm = np.random.default_rng(epoch).permutation(len(xtr))[hvd.rank() :: hvd.size()]
         for i in range(0, len(perm) - BATCH + 1, BATCH):
-            idx = torch.from_numpy(perm[i:i + BATCH])
+            idx = torch.from_numpy(perm[i : i + BATCH])
             opt.zero_grad()
             F.cross_entropy(model(xtr[idx]), ytr[idx]).backward()
             opt.step()
@@ -67,8 +71,12 @@ def run(method: str, epochs: int, data):
                     if row["sparse"]:
                         ratios.setdefault(row["name"], []).append(row["selected"] / row["k"])
         acc.append(evaluate(model, xte, yte))
-    return {"accuracy": acc, "seconds": time.perf_counter() - start, "steps": step,
-            "selected_over_target": ratios}
+    return {
+        "accuracy": acc,
+        "seconds": time.perf_counter() - start,
+        "steps": step,
+        "selected_over_target": ratios,
+    }
 
 
 def main(argv):

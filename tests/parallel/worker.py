@@ -39,8 +39,10 @@ def scenario(fn):
 def mlp(seed: int, hidden: int = 64) -> torch.nn.Module:
     torch.manual_seed(seed)
     return torch.nn.Sequential(
-        torch.nn.Linear(32, hidden), torch.nn.ReLU(),
-        torch.nn.Linear(hidden, hidden), torch.nn.ReLU(),
+        torch.nn.Linear(32, hidden),
+        torch.nn.ReLU(),
+        torch.nn.Linear(hidden, hidden),
+        torch.nn.ReLU(),
         torch.nn.Linear(hidden, 10),
     )
 
@@ -92,7 +94,7 @@ def own_sent(exchange) -> dict:
         idx = lay.indices_view(OPS, group.chunk).long()
         dense.index_add_(0, idx, vals)
         for m, i in enumerate(group.members):
-            sent[i] = dense[lay.dense_offset(m): lay.dense_offset(m) + lay.sizes[m]].clone()
+            sent[i] = dense[lay.dense_offset(m) : lay.dense_offset(m) + lay.sizes[m]].clone()
     return sent
 
 
@@ -105,19 +107,23 @@ def dense_equivalence():
     out = {}
     for kind in ("sgd", "adam"):
         ref_model = mlp(0)
-        ref = hvd.DistributedOptimizer(base_opt(kind, ref_model),
-                                       named_parameters=ref_model.named_parameters())
+        ref = hvd.DistributedOptimizer(
+            base_opt(kind, ref_model), named_parameters=ref_model.named_parameters()
+        )
         ref_digests = train(ref_model, ref, 5)
         for form in ("optimizer", "compression"):
             model = mlp(0)
             if form == "optimizer":
                 opt = dlgs.torch.DistributedOptimizer(
-                    base_opt(kind, model), named_parameters=model.named_parameters(), density=1.0)
+                    base_opt(kind, model), named_parameters=model.named_parameters(), density=1.0
+                )
             else:
                 comp = dlgs.torch.Compression(model.named_parameters(), density=1.0)
-                opt = hvd.DistributedOptimizer(base_opt(kind, model),
-                                               named_parameters=model.named_parameters(),
-                                               compression=comp)
+                opt = hvd.DistributedOptimizer(
+                    base_opt(kind, model),
+                    named_parameters=model.named_parameters(),
+                    compression=comp,
+                )
             digests = train(model, opt, 5)
             diff = (flat_params(model) - flat_params(ref_model)).abs().max().item()
             out[f"{kind}/{form}"] = {"max_diff": diff, "digests": digests}
@@ -142,17 +148,55 @@ def sparse_training_identical():
     for name, opts in variants.items():
         model = mlp(1)
         opt = dlgs.torch.DistributedOptimizer(
-            torch.optim.SGD(model.parameters(), lr=0.05), named_parameters=model.named_parameters(),
-            min_sparse_size=64, **opts)
+            torch.optim.SGD(model.parameters(), lr=0.05),
+            named_parameters=model.named_parameters(),
+            min_sparse_size=64,
+            **opts,
+        )
         digests = train(model, opt, 6)
         out[name] = {"digests": digests, "finite": bool(torch.isfinite(flat_params(model)).all())}
     # The compression form, with Horovod's op=Sum and backward_passes_per_step=2.
     model = mlp(1)
     comp = dlgs.torch.Compression(model.named_parameters(), density=0.05, min_sparse_size=64)
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
-                                   named_parameters=model.named_parameters(), compression=comp,
-                                   op=hvd.Sum, backward_passes_per_step=2)
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.01),
+        named_parameters=model.named_parameters(),
+        compression=comp,
+        op=hvd.Sum,
+        backward_passes_per_step=2,
+    )
     out["compression_sum_bpps2"] = {"digests": train(model, opt, 4, passes=2)}
+    return out
+
+
+@scenario
+def forms_agree():
+    """Form (a) through Horovod's compression= and form (b) run the same exchange:
+    identical parameters after several sparse steps; form (a) also in float16."""
+    out = {}
+    for dtype in (torch.float32, torch.float16):
+        digests = {}
+        for form in ("optimizer", "compression"):
+            model = mlp(7).to(dtype)
+            base = torch.optim.SGD(model.parameters(), lr=0.05)
+            opts = dict(density=0.05, min_sparse_size=64)
+            if form == "optimizer":
+                opt = dlgs.torch.DistributedOptimizer(
+                    base, named_parameters=model.named_parameters(), **opts
+                )
+            else:
+                comp = dlgs.torch.Compression(model.named_parameters(), **opts)
+                opt = hvd.DistributedOptimizer(
+                    base, named_parameters=model.named_parameters(), compression=comp
+                )
+            digests[form] = []
+            for s in range(5):
+                opt.zero_grad()
+                x, y = batch(s)
+                F.cross_entropy(model(x.to(dtype)).float(), y).backward()
+                opt.step()
+                digests[form].append(digest(model))
+        out[str(dtype)] = digests
     return out
 
 
@@ -189,16 +233,23 @@ def exact_reconstruction():
         model = mlp(2, hidden=128)
         op = hvd.Sum if name == "sum_op" else hvd.Average
         opt = dlgs.torch.DistributedOptimizer(
-            torch.optim.SGD(model.parameters(), lr=0.0), named_parameters=model.named_parameters(),
-            op=op, min_sparse_size=64, **opts)
+            torch.optim.SGD(model.parameters(), lr=0.0),
+            named_parameters=model.named_parameters(),
+            op=op,
+            min_sparse_size=64,
+            **opts,
+        )
         ex = opt.dlgs_exchange
         if name == "merged_groups":
             ex.set_groups([list(range(len(ex.layers)))])
         plans = {layer.name: plan for layer, plan in zip(ex.layers, ex.layer_plans())}
         worst = 0.0
         for s in range(steps):
-            grads = _sparse_grads(model, lambda nm, n: plans[nm].k if plans[nm].sparse else n,
-                                  seed=100 * s + 7 + hvd.rank() * 1000)
+            grads = _sparse_grads(
+                model,
+                lambda nm, n, plans=plans: plans[nm].k if plans[nm].sparse else n,
+                seed=100 * s + 7 + hvd.rank() * 1000,
+            )
             if "fp16" in name:
                 grads = {k: v.half().float() for k, v in grads.items()}
             for nm, p in model.named_parameters():
@@ -222,8 +273,11 @@ def conservation():
     }.items():
         model = mlp(3, hidden=128)
         opt = dlgs.torch.DistributedOptimizer(
-            torch.optim.SGD(model.parameters(), lr=0.0), named_parameters=model.named_parameters(),
-            min_sparse_size=64, **opts)
+            torch.optim.SGD(model.parameters(), lr=0.0),
+            named_parameters=model.named_parameters(),
+            min_sparse_size=64,
+            **opts,
+        )
         ex = opt.dlgs_exchange
         params = dict(model.named_parameters())
         total_in = {i: torch.zeros(layer.numel) for i, layer in enumerate(ex.layers)}
@@ -257,8 +311,11 @@ def dtypes_and_frozen():
         model = mlp(4).to(dtype)
         model[0].weight.requires_grad_(False)
         opt = dlgs.torch.DistributedOptimizer(
-            torch.optim.SGD(model.parameters(), lr=0.01), named_parameters=model.named_parameters(),
-            density=0.05, min_sparse_size=64)
+            torch.optim.SGD(model.parameters(), lr=0.01),
+            named_parameters=model.named_parameters(),
+            density=0.05,
+            min_sparse_size=64,
+        )
         digests = []
         for s in range(4):
             opt.zero_grad()
@@ -269,7 +326,10 @@ def dtypes_and_frozen():
             F.cross_entropy(logits.float(), y).backward()
             opt.step()
             digests.append(digest(model))
-        out[str(dtype)] = {"digests": digests, "finite": bool(torch.isfinite(flat_params(model)).all())}
+        out[str(dtype)] = {
+            "digests": digests,
+            "finite": bool(torch.isfinite(flat_params(model)).all()),
+        }
     return out
 
 
@@ -281,8 +341,11 @@ def resume():
         model = mlp(5)
         opt = dlgs.torch.DistributedOptimizer(
             torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
-            named_parameters=model.named_parameters(), density=0.05, min_sparse_size=64,
-            anchor_every=3)
+            named_parameters=model.named_parameters(),
+            density=0.05,
+            min_sparse_size=64,
+            anchor_every=3,
+        )
         return model, opt
 
     model, opt = make()
@@ -312,8 +375,9 @@ def mismatch():
     out = {}
     model = mlp(6, hidden=64 if hvd.rank() == 0 else 65)
     try:
-        dlgs.torch.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                        named_parameters=model.named_parameters())
+        dlgs.torch.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+        )
         out["model"] = None
     except RankMismatchError as err:
         out["model"] = str(err)
