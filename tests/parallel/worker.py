@@ -143,12 +143,15 @@ def sparse_training_identical():
         "momentum_correction": dict(density=0.05, momentum=0.9),
         "warmup": dict(density=0.02, warmup=(0.25, 0.1), warmup_steps=2),
         "max_ratio": dict(density=0.05, max_ratio=1.5),
+        "adam": dict(density=0.05),
+        "sgd_momentum": dict(density=0.05),
     }
     out = {}
     for name, opts in variants.items():
         model = mlp(1)
+        kind = {"adam": "adam", "sgd_momentum": "sgd"}.get(name)
         opt = dlgs.torch.DistributedOptimizer(
-            torch.optim.SGD(model.parameters(), lr=0.05),
+            base_opt(kind, model) if kind else torch.optim.SGD(model.parameters(), lr=0.05),
             named_parameters=model.named_parameters(),
             min_sparse_size=64,
             **opts,
