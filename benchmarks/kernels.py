@@ -39,7 +39,7 @@ import shlex
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +53,7 @@ __all__ = [
     "METHODS",
     "Cell",
     "Result",
+    "Timer",
     "estimate_bytes",
     "format_markdown",
     "goal_lines",
@@ -197,22 +198,24 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=20,
                    help="most timed samples per method and cell (default: 20)")
     p.add_argument("--min-repeats", type=int, default=5,
-                   help="fewest timed samples per method and cell, whatever the time cap (default: 5; "
-                        "dynamic_amortized, whose samples are 32 calls, uses at least 3)")
+                   help="fewest timed samples per method and cell, whatever the time cap "
+                        "(default: 5; dynamic_amortized, whose samples are 32 calls, 3)")
     p.add_argument("--warmup", type=int, default=5,
-                   help="untimed calls before timing, fewer for slow calls (default: 5; dynamic always "
-                        "makes at least 3)")
+                   help="untimed calls before timing, fewer for slow calls (default: 5; "
+                        "dynamic always makes at least 3)")
     p.add_argument("--method-seconds", type=float, default=2.0,
                    help="time cap for one method's samples in one cell; large sizes get fewer "
                         "samples, down to --min-repeats (default: 2.0)")
     p.add_argument("--min-sample-ms", type=float, default=2.0,
-                   help="a timed sample repeats the call until it lasts about this long (default: 2.0)")
+                   help="a timed sample repeats the call until it lasts about this long "
+                        "(default: 2.0)")
     p.add_argument("--max-seconds", type=float, default=240.0,
                    help="budget for the whole run; cells left when it is spent are skipped and "
                         "listed in kernels.md (default: 240)")
     p.add_argument("--max-bytes", type=float, default=None,
-                   help=f"skip sizes needing more than this many bytes (estimated {BYTES_PER_ELEMENT} "
-                        "per element; default: half the free device/host memory)")
+                   help="skip sizes needing more than this many bytes (estimated "
+                        f"{BYTES_PER_ELEMENT} per element; default: half the free device/host "
+                        "memory)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None,
                    help="output directory (default: benchmarks/results/kernels-<device>)")
@@ -235,56 +238,77 @@ def _synchronizer(device: torch.device) -> Callable[[], None]:
     return lambda: None
 
 
-def measure(
-    fn: Callable[[], Any],
-    sync: Callable[[], None],
-    *,
-    block: int = 1,
-    warmup: int = 5,
-    min_warmup: int = 1,
-    repeats: int = 20,
-    min_repeats: int = 5,
-    seconds: float = 2.0,
-    min_sample_s: float = 2e-3,
-) -> tuple[list[float], int]:
-    """Per-call times (seconds) of ``fn``, one per timed sample.
+@dataclass
+class Timer:
+    """One method being timed on one cell.
 
-    A sample runs ``fn`` a multiple of ``block`` times back to back between two
-    device synchronisations and is divided by the number of calls. ``warmup``
-    untimed calls run first (at least ``min_warmup``, more only while within half
-    of ``seconds``); a probe sample of ``block`` calls then sizes the
-    samples (at least ``min_sample_s`` each) and their number (``min_repeats``
-    to ``repeats``, within ``seconds``).
-
-    Returns:
-        ``(times, calls_per_sample)``.
+    A sample runs ``fn`` ``calls`` times back to back (a multiple of ``block``)
+    between two device synchronisations; ``times`` holds seconds per call.
     """
-    def sample(calls: int) -> float:
+
+    name: str
+    fn: Callable[[], Any]
+    selected: Callable[[], int]
+    block: int = 1
+    min_warmup: int = 1
+    min_repeats: int = 5
+    calls: int = 0
+    target: int = 0
+    times: list[float] = field(default_factory=list)
+
+    def sample(self, sync: Callable[[], None], calls: int) -> float:
         sync()
         t0 = time.perf_counter()
         for _ in range(calls):
-            fn()
+            self.fn()
         sync()
         return (time.perf_counter() - t0) / calls
 
-    t_end = time.perf_counter() + seconds / 2
-    for i in range(warmup):
-        fn()
-        if i + 1 >= min_warmup:
-            sync()
-            if time.perf_counter() > t_end:
-                break  # large tensors: a few calls warm up enough
-    sync()
-    probe = sample(block)
-    unit = probe * block  # seconds per block
-    blocks = max(1, math.ceil(min_sample_s / max(unit, 1e-9)))
-    calls = blocks * block
-    n = int(seconds // max(unit * blocks, 1e-9))
-    n = max(min_repeats, min(repeats, n))
-    times = [probe] if blocks == 1 else []
-    while len(times) < n:
-        times.append(sample(calls))
-    return times, calls
+
+def measure(
+    timers: Sequence[Timer],
+    sync: Callable[[], None],
+    *,
+    warmup: int = 5,
+    repeats: int = 20,
+    seconds: float = 2.0,
+    min_sample_s: float = 2e-3,
+    deadline: float = math.inf,
+) -> None:
+    """Fill each timer's ``times``, interleaving the methods sample by sample so
+    that a burst of load from elsewhere on the host hits them all alike.
+
+    Each method first gets ``warmup`` untimed calls (at least its
+    ``min_warmup``, more only within half of ``seconds``), then a probe sample
+    of ``block`` calls that sizes its samples (at least ``min_sample_s`` each)
+    and their number (its ``min_repeats`` to ``repeats``, within ``seconds``;
+    only ``min_repeats`` once ``time.perf_counter()`` passes ``deadline``).
+    """
+    for t in timers:
+        t_end = time.perf_counter() + seconds / 2
+        for i in range(max(warmup, t.min_warmup)):
+            t.fn()
+            if i + 1 >= t.min_warmup:
+                sync()
+                if time.perf_counter() > t_end:
+                    break  # slow calls: a few warm up enough
+        sync()
+        probe = t.sample(sync, t.block)
+        unit = probe * t.block  # seconds per block
+        blocks = max(1, math.ceil(min_sample_s / max(unit, 1e-9)))
+        t.calls = blocks * t.block
+        t.target = max(t.min_repeats, min(repeats, int(seconds // max(unit * blocks, 1e-9))))
+        t.times = [probe] if blocks == 1 else []
+    while True:
+        late = time.perf_counter() > deadline
+        pending = [
+            t for t in timers
+            if len(t.times) < (min(t.target, t.min_repeats) if late else t.target)
+        ]
+        if not pending:
+            return
+        for t in pending:
+            t.times.append(t.sample(sync, t.calls))
 
 
 def make_method(
@@ -365,14 +389,14 @@ def run_grid(args: argparse.Namespace) -> tuple[list[Result], list[str]]:
     results: list[Result] = []
     notes: list[str] = []
     start = time.perf_counter()
-    budget_noted = False
+    deadline = start + args.max_seconds
 
     def skipped(cell: Cell, status: str) -> None:
         for m in args.methods:
             results.append(Result(m, cell, args.device, args.threads, status=status))
 
     with logging_redirect_tqdm(loggers=[logger]), tqdm(
-        total=len(cells) * len(args.methods), desc="kernels", unit="timing", file=sys.stderr
+        total=len(cells), desc="kernels", unit="cell", file=sys.stderr
     ) as bar:
         for size in args.sizes:
             size_cells = [c for c in cells if c.size == size]
@@ -384,80 +408,72 @@ def run_grid(args: argparse.Namespace) -> tuple[list[Result], list[str]]:
                 notes.append(msg)
                 for cell in size_cells:
                     skipped(cell, "skipped: memory")
-                bar.update(len(size_cells) * len(args.methods))
+                bar.update(len(size_cells))
                 continue
             x = scratch_abs = scratch_mask = None
-            thresholds: dict[Cell, torch.Tensor] = {}
             for cell in size_cells:
-                for method in args.methods:
-                    elapsed = time.perf_counter() - start
-                    if elapsed > args.max_seconds:
-                        if not budget_noted:
-                            msg = (f"--max-seconds {args.max_seconds:g} spent after {elapsed:.1f} s: "
-                                   f"skipped from size {cell.size:.3g}, density {cell.density:g}, "
-                                   f"method {method} on")
-                            logger.warning(msg)
-                            notes.append(msg)
-                            budget_noted = True
-                        results.append(Result(method, cell, args.device, args.threads,
-                                              status="skipped: budget"))
-                        bar.update(1)
-                        continue
-                    if x is None:
-                        gen = torch.Generator(device=device).manual_seed(args.seed)
-                        x = torch.randn(size, generator=gen, device=device, dtype=torch.float32)
-                        scratch_abs = torch.empty(size, dtype=torch.float32, device=device)
-                        scratch_mask = torch.empty(size, dtype=torch.bool, device=device)
-                    if cell not in thresholds:
-                        # The exact k-th largest |x|, for single_pass (untimed).
-                        thresholds[cell] = torch.topk(x.abs(), cell.k, sorted=False).values.min()
-                    bar.set_postfix_str(f"n={cell.size:.3g} d={cell.density:g} {method}")
-                    results.append(_time_one(args, method, cell, x, thresholds[cell],
-                                             scratch_abs, scratch_mask, sync))
+                elapsed = time.perf_counter() - start
+                if elapsed > args.max_seconds:
+                    msg = (f"size {cell.size:.3g}, density {cell.density:g} skipped: "
+                           f"--max-seconds {args.max_seconds:g} spent ({elapsed:.0f} s elapsed)")
+                    logger.warning(msg)
+                    notes.append(msg)
+                    skipped(cell, "skipped: budget")
                     bar.update(1)
-            del x, scratch_abs, scratch_mask, thresholds
+                    continue
+                if x is None:
+                    gen = torch.Generator(device=device).manual_seed(args.seed)
+                    x = torch.randn(size, generator=gen, device=device, dtype=torch.float32)
+                    scratch_abs = torch.empty(size, dtype=torch.float32, device=device)
+                    scratch_mask = torch.empty(size, dtype=torch.bool, device=device)
+                bar.set_postfix_str(f"n={cell.size:.3g} d={cell.density:g}")
+                results += _time_cell(args, cell, x, scratch_abs, scratch_mask, sync, deadline)
+                bar.update(1)
+            del x, scratch_abs, scratch_mask
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     _fill_ratios(results)
     return results, notes
 
 
-def _time_one(
-    args: argparse.Namespace, method: str, cell: Cell, x: torch.Tensor, threshold: torch.Tensor,
-    scratch_abs: torch.Tensor, scratch_mask: torch.Tensor, sync: Callable[[], None],
-) -> Result:
+def _time_cell(
+    args: argparse.Namespace, cell: Cell, x: torch.Tensor, scratch_abs: torch.Tensor,
+    scratch_mask: torch.Tensor, sync: Callable[[], None], deadline: float,
+) -> list[Result]:
     k = cell.k
-    fn, selected = make_method(method, x, k, cell.density, threshold, scratch_abs, scratch_mask)
-    amortized = method == "dynamic_amortized"
-    warmup = args.warmup
-    min_warmup = min(1, warmup)
-    if method == "dynamic":
-        # The first call anchors (exact top-k); time the steady state after it.
-        warmup = min_warmup = max(3, warmup)
-    times, calls = measure(
-        fn, sync,
-        block=AMORTIZE_CALLS if amortized else 1,
-        warmup=warmup,
-        min_warmup=min_warmup,
-        repeats=args.repeats,
-        min_repeats=min(args.min_repeats, 3) if amortized else args.min_repeats,
-        seconds=args.method_seconds,
-        min_sample_s=args.min_sample_ms / 1e3,
-    )
-    ms = np.asarray(times) * 1e3
-    res = Result(
-        method, cell, args.device, args.threads,
-        median_ms=float(np.median(ms)),
-        p10_ms=float(np.percentile(ms, 10)),
-        p90_ms=float(np.percentile(ms, 90)),
-        selected_count=selected(),
-        repeats=len(times),
-        calls_per_sample=calls,
-    )
-    logger.debug("%s n=%d d=%g: median %.4g ms over %d samples of %d calls, selected %s (k=%d)",
-                 method, cell.size, cell.density, res.median_ms, res.repeats, calls,
-                 res.selected_count, k)
-    return res
+    # The exact k-th largest |x|, the threshold of single_pass (untimed).
+    threshold = torch.topk(x.abs(), k, sorted=False).values.min()
+    timers = []
+    for method in args.methods:
+        fn, selected = make_method(method, x, k, cell.density, threshold, scratch_abs, scratch_mask)
+        timer = Timer(method, fn, selected, min_warmup=min(1, args.warmup),
+                      min_repeats=args.min_repeats)
+        if method == "dynamic":
+            # The first call anchors (exact top-k); time the steady state after it.
+            timer.min_warmup = 3
+        elif method == "dynamic_amortized":
+            timer.block = AMORTIZE_CALLS
+            timer.min_repeats = min(args.min_repeats, 3)
+        timers.append(timer)
+    measure(timers, sync, warmup=args.warmup, repeats=args.repeats, seconds=args.method_seconds,
+            min_sample_s=args.min_sample_ms / 1e3, deadline=deadline)
+    out = []
+    for t in timers:
+        ms = np.asarray(t.times) * 1e3
+        res = Result(
+            t.name, cell, args.device, args.threads,
+            median_ms=float(np.median(ms)),
+            p10_ms=float(np.percentile(ms, 10)),
+            p90_ms=float(np.percentile(ms, 90)),
+            selected_count=t.selected(),
+            repeats=len(t.times),
+            calls_per_sample=t.calls,
+        )
+        logger.debug("%s n=%d d=%g: median %.4g ms over %d samples of %d calls, selected %s (k=%d)",
+                     t.name, cell.size, cell.density, res.median_ms, res.repeats, t.calls,
+                     res.selected_count, k)
+        out.append(res)
+    return out
 
 
 def _fill_ratios(results: list[Result]) -> None:
@@ -531,8 +547,8 @@ def goal_lines(results: Sequence[Result]) -> list[str]:
             f"{dyn.median_ms:.4g} ms = {dyn.speedup_vs_topk:.2f}x."
         )
     if dyn.ratio_vs_single_pass is None or single is None:
-        out.append(f"- `dynamic` within {GOAL_RATIO_VS_SINGLE_PASS:g}x of `single_pass` at {where}: "
-                   "**not measured** (no `single_pass` timing).")
+        out.append(f"- `dynamic` within {GOAL_RATIO_VS_SINGLE_PASS:g}x of `single_pass` at "
+                   f"{where}: **not measured** (no `single_pass` timing).")
     else:
         met = dyn.ratio_vs_single_pass <= GOAL_RATIO_VS_SINGLE_PASS
         out.append(
@@ -543,9 +559,10 @@ def goal_lines(results: Sequence[Result]) -> list[str]:
     amort = cell.get("dynamic_amortized")
     if amort is not None and amort.median_ms is not None:
         out.append(
-            f"- For reference, `dynamic_amortized` (one anchor per {AMORTIZE_CALLS} calls) at {where}: "
-            f"{amort.median_ms:.4g} ms, {_fmt(amort.speedup_vs_topk, '.2f', 'x')} faster than `topk`, "
-            f"{_fmt(amort.ratio_vs_single_pass, '.2f', 'x')} of `single_pass`."
+            f"- For reference, `dynamic_amortized` (one anchor per {AMORTIZE_CALLS} calls) at "
+            f"{where}: {amort.median_ms:.4g} ms, {_fmt(amort.speedup_vs_topk, '.2f', 'x')} "
+            f"faster than `topk`, {_fmt(amort.ratio_vs_single_pass, '.2f', 'x')} of "
+            "`single_pass`."
         )
     return out
 
@@ -557,7 +574,9 @@ def _load_average() -> tuple[float, float, float] | None:
         return None
 
 
-def _environment(args: argparse.Namespace, load_start: tuple[float, float, float] | None) -> list[str]:
+def _environment(
+    args: argparse.Namespace, load_start: tuple[float, float, float] | None
+) -> list[str]:
     device = torch.device(args.device)
     if device.type == "cuda":
         hw = torch.cuda.get_device_name(device)
@@ -578,12 +597,12 @@ def _environment(args: argparse.Namespace, load_start: tuple[float, float, float
     ]
     load_end = _load_average()
     if load_start is not None and load_end is not None:
-        env.append(f"- host load average (1 min) at the start / end of the run: {load_start[0]:.2f} / "
-                   f"{load_end[0]:.2f} on {os.cpu_count()} CPUs")
+        env.append(f"- host load average (1 min) at the start / end of the run: "
+                   f"{load_start[0]:.2f} / {load_end[0]:.2f} on {os.cpu_count()} CPUs")
         if args.device == "cpu" and max(load_start[0], load_end[0]) > 0.5 * (os.cpu_count() or 1):
-            env.append("- **warning**: the host was busy with other work during the run, so CPU times "
-                       "are noisy, multi-threaded kernels most (a descheduled worker thread stalls "
-                       "the whole parallel kernel)")
+            env.append("- **warning**: the host was busy with other work during the run, so "
+                       "CPU times are noisy, multi-threaded kernels most (a descheduled worker "
+                       "thread stalls the whole parallel kernel)")
     return env
 
 
@@ -606,15 +625,17 @@ def format_markdown(
         "",
         *_environment(args, load_start),
         "",
-        (f"Input `x = torch.randn(n)` (seed {args.seed}), `k = ceil(density * n)`. Times are per call: "
-         "median, 10th and 90th percentile over the timed samples; a sample runs the call back to back "
-         f"until it lasts about {args.min_sample_ms:g} ms (`samples x calls`). `dynamic` is "
-         "`dlgs.core.select` in steady state (`anchor_every=0`, anchored once in the warm-up); "
-         f"`dynamic_amortized` is the default `anchor_every={AMORTIZE_CALLS}`, timed over blocks of "
-         f"{AMORTIZE_CALLS} calls that include one exact-top-k anchor; `dgc` is `select` with the DGC "
-         "controller; `topk` is `torch.topk(x.abs(), k, sorted=False)`; `single_pass` is `|x| >= t` and "
-         "a count into preallocated buffers (the lower bound). `x single_pass` is the method's time over "
-         "`single_pass`'s."),
+        (f"Input `x = torch.randn(n)` (seed {args.seed}), `k = ceil(density * n)`. Times are "
+         "per call: median, 10th and 90th percentile over the timed samples; a sample runs the "
+         f"call back to back until it lasts about {args.min_sample_ms:g} ms "
+         "(`samples x calls`), and the methods of a cell are sampled in turn, so that load from "
+         "elsewhere hits them alike. `dynamic` is `dlgs.core.select` in steady state "
+         "(`anchor_every=0`, anchored once in the warm-up); `dynamic_amortized` is the default "
+         f"`anchor_every={AMORTIZE_CALLS}`, timed over blocks of {AMORTIZE_CALLS} calls that "
+         "include one exact-top-k anchor; `dgc` is `select` with the DGC controller; `topk` is "
+         "`torch.topk(x.abs(), k, sorted=False)`; `single_pass` is `|x| >= t` and a count into "
+         "preallocated buffers, `t` the exact k-th largest (the lower bound). `x single_pass` is "
+         "the method's time over `single_pass`'s."),
         "",
         "## Goals",
         "",
@@ -676,8 +697,8 @@ def main(argv: Sequence[str] | None = None) -> list[Result]:
     command = "python -m benchmarks.kernels" + ("" if not raw else " " + shlex.join(raw))
     logger.info("torch %s on %s, %d threads; sizes %s, densities %s, methods %s",
                 torch.__version__, args.device, torch.get_num_threads(),
-                ",".join(f"{s:.3g}" for s in args.sizes), ",".join(f"{d:g}" for d in args.densities),
-                ",".join(args.methods))
+                ",".join(f"{s:.3g}" for s in args.sizes),
+                ",".join(f"{d:g}" for d in args.densities), ",".join(args.methods))
     load_start = _load_average()
     t0 = time.perf_counter()
     results, notes = run_grid(args)

@@ -121,7 +121,7 @@ class _Dynamic(ThresholdController):
             state["factor"] = exact / scale
             # The secant needs two factors applied to comparable inputs;
             # across an anchor it would mix the corrected and uncorrected one.
-            state["prev_factor"] = ops.scalar(0.0, absx)
+            state["prev_factor"] = exact * 0.0  # on the device, no host copy
             state["since_anchor"] = 0
         else:
             state["since_anchor"] = since + 1
