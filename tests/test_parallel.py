@@ -73,7 +73,8 @@ def test_at_most_k_nonzeros_reconstructed_exactly(ranks):
     for r, v in enumerate(value(ranks, "exact_reconstruction")):
         for case, rec in v.items():
             assert rec["max_diff"] == 0.0, f"rank {r} {case}: max |diff| {rec['max_diff']}"
-        assert v["merged_groups"]["groups"] == 1
+        assert v["merged_groups"]["sparse_messages"] == 1
+        assert v["merged_dense"]["messages"] == 1 and v["merged_dense"]["sparse_messages"] == 0
 
 
 def test_error_feedback_conserves_gradient(ranks):

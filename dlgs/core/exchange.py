@@ -152,16 +152,33 @@ class _Layer:
 
 
 class _Group:
-    __slots__ = ("members", "layout", "chunk", "dense", "ready", "handle", "verified")
+    """One message: sparse (allgather of a packed chunk) or dense (allreduce)."""
 
-    def __init__(self, members: List[int], layout: GroupLayout):
+    __slots__ = (
+        "members",
+        "sparse",
+        "layout",
+        "chunk",
+        "dense",
+        "ready",
+        "handle",
+        "verified",
+        "name",
+    )
+
+    def __init__(self, members: List[int], sparse: bool, name: str):
         self.members = members
-        self.layout = layout
-        self.chunk: Any = None
-        self.dense: Any = None
+        self.sparse = sparse
+        self.name = name
+        self.layout: Optional[GroupLayout] = None
+        self.chunk: Any = None  # sparse: int32 send buffer
+        self.dense: Any = None  # sparse: receive buffer; dense (>1 member): send buffer
         self.ready = 0
         self.handle: Any = None
         self.verified = False
+
+
+Plan = Sequence[Tuple[Sequence[int], Optional[bool]]]
 
 
 class SparseExchange:
@@ -174,12 +191,13 @@ class SparseExchange:
         layers: ``(name, numel)`` of every layer, in the order gradients
             usually become ready (backward order); names must be unique and
             the same on every rank.
-        groups: merge plan: lists of layer indices sent in one message. Layers
-            that end up dense at the current density are taken out of their
-            group; sparse layers in no group are sent alone. ``None``: every
-            sparse layer alone (layer-wise).
         average: divide the sum over ranks by the number of ranks.
         prefix: prefix of the Horovod tensor names used by this exchange.
+        dense_external: the caller allreduces dense layers itself (Horovod's
+            own path in the ``compression=`` form): dense layers are never
+            merged and :meth:`submit` returns their tensor for the caller.
+        clock: a function returning seconds, used only while profiling (an
+            adapter on an asynchronous device synchronises in it).
     """
 
     def __init__(
@@ -189,9 +207,10 @@ class SparseExchange:
         config: SparsityConfig,
         layers: Sequence[Tuple[str, int]],
         *,
-        groups: Optional[Sequence[Sequence[int]]] = None,
         average: bool = True,
         prefix: str = "dlgs",
+        dense_external: bool = False,
+        clock: Optional[Any] = None,
     ):
         names = [name for name, _ in layers]
         if len(set(names)) != len(names):
@@ -203,16 +222,21 @@ class SparseExchange:
         self.controller = make_controller(config)
         self.average = average
         self.prefix = prefix
+        self.dense_external = dense_external
+        self.clock = clock
         self.layers = [_Layer(name, int(n)) for name, n in layers]
         self._index = {name: i for i, name in enumerate(names)}
-        self._requested_groups = [list(g) for g in groups] if groups is not None else None
+        self._plan: Optional[List[Tuple[List[int], Optional[bool]]]] = None
         self.groups: List[_Group] = []
         self.step = 0
         self._density: Optional[float] = None
         self._scratch_abs: Any = None
         self._scratch_mask: Any = None
-        self._dense_handles: Dict[int, Any] = {}
         self._submitted: set = set()
+        self._dense_offsets: Dict[int, int] = {}
+        #: Called with the exchange at the end of every step (profiling, planning).
+        self.step_hooks: List[Any] = []
+        self.trace: Optional[Dict[str, Any]] = None
 
     # -- introspection -------------------------------------------------------
     def index(self, name: str) -> int:
@@ -223,78 +247,113 @@ class SparseExchange:
         """Density in force for the current step."""
         return self.config.density_at(self.step)
 
-    def set_groups(self, groups: Optional[Sequence[Sequence[int]]]) -> None:
-        """Replace the merge plan (lists of layer indices); takes effect at the
-        next step. Every rank must set the same plan."""
+    def set_plan(self, plan: Optional[Plan]) -> None:
+        """Replace the merge plan: ``[(layer indices, sparse), ...]`` where
+        ``sparse`` is True/False or None (sparse if every member would be sent
+        sparse on its own). Layers in no group are sent alone by the per-layer
+        rule. Takes effect at the next step; every rank must set the same plan.
+        ``None`` restores layer-wise sending."""
         if self._submitted:
-            raise RuntimeError("set_groups() in the middle of a step")
-        if groups is not None:
-            flat = [i for g in groups for i in g]
+            raise RuntimeError("set_plan() in the middle of a step")
+        if plan is not None:
+            flat = [i for members, _ in plan for i in members]
             if len(set(flat)) != len(flat) or any(not 0 <= i < len(self.layers) for i in flat):
                 raise ValueError(
-                    f"groups must list distinct layer indices in [0, {len(self.layers)}), "
-                    f"got {groups!r}"
+                    f"a plan must list distinct layer indices in [0, {len(self.layers)}), "
+                    f"got {plan!r}"
                 )
-        self._requested_groups = [list(g) for g in groups] if groups is not None else None
+            self._plan = [(list(members), sparse) for members, sparse in plan]
+        else:
+            self._plan = None
         self._density = None
+
+    def set_groups(self, groups: Optional[Sequence[Sequence[int]]]) -> None:
+        """Shorthand for :meth:`set_plan` with every group's mode chosen by rule."""
+        self.set_plan(None if groups is None else [(g, None) for g in groups])
+
+    def is_sparse(self, layer: "_Layer") -> bool:
+        """Whether ``layer`` is sent sparse under the current layout."""
+        return layer.group >= 0 and self.groups[layer.group].sparse
 
     def layer_plans(self) -> List[LayerPlan]:
         return plan_layers([layer.numel for layer in self.layers], self.density, self.config)
 
     # -- layout ----------------------------------------------------------------
+    def _group_lists(self, plans: List[LayerPlan]) -> List[Tuple[List[int], bool]]:
+        """Resolve the requested plan into disjoint groups with a mode each."""
+        out: List[Tuple[List[int], bool]] = []
+        placed: set = set()
+        for members, sparse in self._plan or []:
+            mode = all(plans[i].sparse for i in members) if sparse is None else bool(sparse)
+            if not mode and self.dense_external:
+                continue  # dense layers go alone, through the caller's allreduce
+            out.append((list(members), mode))
+            placed.update(members)
+        out += [([i], plans[i].sparse) for i in range(len(plans)) if i not in placed]
+        return sorted(out, key=lambda g: min(g[0]))
+
     def _relayout(self, like: Any) -> None:
         """(Re)compute plans and groups for the density in force; allocate buffers."""
         density = self.density
+        self._density = density
+        for hook in self.step_hooks:
+            if hasattr(hook, "on_density"):
+                hook.on_density(self, density)
         plans = self.layer_plans()
         ops = self.ops
-        for layer, plan in zip(self.layers, plans):
+        groups = self._group_lists(plans)
+        sparse_layers = {i for members, mode in groups if mode for i in members}
+        for i, (layer, plan) in enumerate(zip(self.layers, plans)):
             old = layer.plan
             layer.plan = plan
             layer.group = layer.member = -1
-            if plan.sparse and layer.residual is None:
-                layer.residual = ops.zeros(layer.numel + 1, "float32", like)
-                if self.config.momentum:
-                    layer.velocity = ops.zeros(layer.numel + 1, "float32", like)
-            if plan.sparse and (old is None or old.k != plan.k or not old.sparse):
-                layer.ctrl = self.controller.init_state(ops, like, density)
-        sparse = [i for i, p in enumerate(plans) if p.sparse]
-        if self._requested_groups is None:
-            member_lists = [[i] for i in sparse]
-        else:
-            placed: set = set()
-            member_lists = []
-            for g in self._requested_groups:
-                kept = [i for i in g if plans[i].sparse and i not in placed]
-                placed.update(kept)
-                if kept:
-                    member_lists.append(kept)
-            member_lists += [[i] for i in sparse if i not in placed]
+            if i in sparse_layers:
+                if layer.residual is None:
+                    layer.residual = ops.zeros(layer.numel + 1, "float32", like)
+                    if self.config.momentum:
+                        layer.velocity = ops.zeros(layer.numel + 1, "float32", like)
+                if old is None or old.k != plan.k or not layer.ctrl:
+                    layer.ctrl = self.controller.init_state(ops, like, density)
         self.groups = []
-        for gi, members in enumerate(member_lists):
-            layout = GroupLayout(
-                tuple(plans[i].numel for i in members),
-                tuple(plans[i].capacity for i in members),
-                self.config.value_dtype,
+        for gi, (members, mode) in enumerate(groups):
+            kind = "sparse" if mode else "dense"
+            name = (
+                f"{self.prefix}.{kind}.{self.layers[members[0]].name}"
+                if len(members) == 1
+                else f"{self.prefix}.{kind}.g{gi}.{len(members)}"
             )
-            group = _Group(members, layout)
-            group.chunk = layout.new_chunk(ops, like)
-            group.dense = ops.zeros(layout.dense_size, "float32", like)
+            group = _Group(members, mode, name)
+            if mode:
+                layout = GroupLayout(
+                    tuple(plans[i].numel for i in members),
+                    tuple(plans[i].capacity for i in members),
+                    self.config.value_dtype,
+                )
+                group.layout = layout
+                group.chunk = layout.new_chunk(ops, like)
+                group.dense = ops.zeros(layout.dense_size, "float32", like)
+            elif len(members) > 1:
+                group.dense = ops.zeros(sum(plans[i].numel for i in members), "float32", like)
+            offset = 0
             for m, i in enumerate(members):
                 self.layers[i].group = gi
                 self.layers[i].member = m
+                if not mode:
+                    self.layers[i].ctrl = {}
+                    self._dense_offsets[i] = offset
+                    offset += plans[i].numel
             self.groups.append(group)
-        biggest = max((plans[i].numel for i in sparse), default=0)
+        biggest = max((plans[i].numel for i in sparse_layers), default=0)
         if biggest and (self._scratch_abs is None or ops.numel(self._scratch_abs) < biggest):
             self._scratch_abs = ops.zeros(biggest, "float32", like)
             self._scratch_mask = ops.zeros(biggest, "bool", like)
-        self._density = density
         logger.info(
-            "dlgs layout at step %d: density %g, %d sparse layers in %d messages, %d dense",
+            "dlgs layout at step %d: density %g, %d layers in %d messages (%d sparse)",
             self.step,
             density,
-            len(sparse),
+            len(self.layers),
             len(self.groups),
-            len(plans) - len(sparse),
+            sum(1 for g in self.groups if g.sparse),
         )
 
     # -- the per-step path -----------------------------------------------------
@@ -302,7 +361,9 @@ class SparseExchange:
         """Hand in layer ``i``'s gradient; starts its group's collective once
         every member is in. Call at most once per layer per step.
 
-        Returns the dense allreduce's handle for a layer sent dense, else None.
+        With ``dense_external``, returns the tensor the caller must allreduce
+        for a dense layer (its gradient, plus any residual it still owed);
+        otherwise None.
         """
         layer = self.layers[i]
         ops = self.ops
@@ -314,27 +375,38 @@ class SparseExchange:
             raise RuntimeError(f"gradient of {layer.name!r} submitted twice in one step")
         if self._density is None or self.density != self._density:
             self._relayout(grad)
+        trace = self.trace
+        if trace is not None:
+            t0 = self.clock()
         self._submitted.add(i)
-        plan = layer.plan
-        assert plan is not None
-        if not plan.sparse:
-            if layer.residual is not None:
-                # The layer went dense (e.g. end of warm-up): send what it still
-                # owes with this gradient, which empties the residual.
-                acc = ops.narrow(layer.residual, 0, 0, layer.numel)
-                grad = ops.add_(acc, grad)
-                layer.residual = layer.velocity = None
-            handle = self.comm.allreduce_async(grad, f"{self.prefix}.dense.{layer.name}")
-            self._dense_handles[i] = handle
-            return handle
         group = self.groups[layer.group]
-        self._sparsify(layer, group, grad)
-        group.ready += 1
-        if group.ready == len(group.members):
-            group.handle = self.comm.allgather_async(
-                group.chunk, f"{self.prefix}.sparse.{layer.group}"
-            )
-        return None
+        result = None
+        if group.sparse:
+            self._sparsify(layer, group, grad)
+            group.ready += 1
+            if group.ready == len(group.members):
+                group.handle = self.comm.allgather_async(group.chunk, group.name)
+        else:
+            if layer.residual is not None:
+                # The layer went dense (e.g. end of warm-up, or a new plan): send
+                # what it still owes with this gradient, emptying the residual.
+                grad = ops.add_(ops.narrow(layer.residual, 0, 0, layer.numel), grad)
+                layer.residual = layer.velocity = None
+            if self.dense_external:
+                result = grad
+                group.handle = grad
+            elif len(group.members) == 1:
+                group.handle = self.comm.allreduce_async(grad, group.name)
+            else:
+                off = self._dense_offsets[i]
+                ops.copy_(ops.narrow(group.dense, 0, off, layer.numel), grad)
+                group.ready += 1
+                if group.ready == len(group.members):
+                    group.handle = self.comm.allreduce_async(group.dense, group.name)
+        if trace is not None:
+            trace["arrive"][i] = t0
+            trace["done"][i] = self.clock()
+        return result
 
     def _sparsify(self, layer: _Layer, group: _Group, grad: Any) -> None:
         ops = self.ops
@@ -381,32 +453,46 @@ class SparseExchange:
 
     def wait(self) -> Dict[int, Any]:
         """Finish the step: every layer must have been submitted. Returns each
-        layer's reduced dense flat float32 gradient (views into reused buffers,
-        valid until the next step's :meth:`wait`)."""
+        layer's reduced dense gradient: flat float32 views into reused buffers
+        (valid until the next step's :meth:`wait`), or for a layer allreduced
+        alone, whatever the collective returned."""
         missing = self.pending()
         if missing:
             names = [self.layers[i].name for i in missing[:5]]
             raise RuntimeError(f"wait() before every layer was submitted; missing {names}")
         ops = self.ops
         out: Dict[int, Any] = {}
-        for i, handle in self._dense_handles.items():
-            out[i] = self.comm.synchronize(handle)
         scale = 1.0 / self.comm.size if self.average else 1.0
         for group in self.groups:
-            gathered = self.comm.synchronize(group.handle)
-            ops.mul_(group.dense, 0.0)
-            group.layout.unpack(
-                ops, gathered, self.comm.size, group.dense, scale, verify=not group.verified
-            )
-            group.verified = True
-            for m, i in enumerate(group.members):
-                start = group.layout.dense_offset(m)
-                out[i] = ops.narrow(group.dense, 0, start, self.layers[i].numel)
+            if not group.sparse:
+                if self.dense_external:
+                    out[group.members[0]] = group.handle
+                    continue
+                reduced = self.comm.synchronize(group.handle)
+                if len(group.members) == 1:
+                    out[group.members[0]] = reduced
+                else:
+                    for i in group.members:
+                        off, n = self._dense_offsets[i], self.layers[i].numel
+                        out[i] = ops.narrow(ops.reshape(reduced, (-1,)), 0, off, n)
+            else:
+                layout = group.layout
+                assert layout is not None
+                gathered = self.comm.synchronize(group.handle)
+                ops.mul_(group.dense, 0.0)
+                layout.unpack(
+                    ops, gathered, self.comm.size, group.dense, scale, verify=not group.verified
+                )
+                group.verified = True
+                for m, i in enumerate(group.members):
+                    start = layout.dense_offset(m)
+                    out[i] = ops.narrow(group.dense, 0, start, self.layers[i].numel)
             group.ready = 0
             group.handle = None
-        self._dense_handles.clear()
         self._submitted.clear()
         self.step += 1
+        for hook in list(self.step_hooks):
+            hook(self)
         return out
 
     # -- statistics and checkpoints -------------------------------------------
@@ -423,15 +509,17 @@ class SparseExchange:
             plan = layer.plan
             if plan is None:
                 continue
+            sparse = self.is_sparse(layer)
             row: Dict[str, Any] = {
                 "name": layer.name,
                 "numel": layer.numel,
-                "sparse": plan.sparse,
+                "sparse": sparse,
                 "k": plan.k,
                 "capacity": plan.capacity,
-                "wire_bytes": plan.wire_bytes,
+                "wire_bytes": 8 * plan.capacity if sparse else 4 * layer.numel,
+                "message": layer.group,
             }
-            if plan.sparse and layer.count is not None:
+            if sparse and layer.count is not None:
                 selected = int(ops.to_host(layer.count))
                 row.update(
                     selected=selected,
@@ -501,8 +589,13 @@ class SparseExchange:
             entry = saved[layer.name]
             plan = layer.plan
             assert plan is not None  # set by _relayout above
-            if not plan.sparse:
+            if not self.is_sparse(layer):
+                # Sent dense now: restore what it still owed, flushed next step.
                 layer.residual = layer.velocity = None
+                if own and entry["residual"] is not None:
+                    layer.residual = ops.copy_(
+                        ops.zeros(layer.numel + 1, "float32", like), entry["residual"]
+                    )
                 continue
             for attr in ("residual", "velocity"):
                 buf = getattr(layer, attr)

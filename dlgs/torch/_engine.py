@@ -7,6 +7,7 @@ Shared by both drop-in forms (:class:`dlgs.torch.Compression` and
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import horovod.torch as hvd
@@ -148,6 +149,7 @@ def build_exchange(
     *,
     average: bool,
     prefix: str,
+    dense_external: bool = False,
     extra_options: Optional[Dict[str, Any]] = None,
 ) -> SparseExchange:
     """A :class:`SparseExchange` over ``params`` (already filtered to trainable),
@@ -155,6 +157,7 @@ def build_exchange(
     ordered = list(reversed(params))
     options = dict(config.to_dict(), average=average, **(extra_options or {}))
     check_ranks_agree(comm, signature([(n, p.shape, str(p.dtype)) for n, p in ordered], options))
+    device = ordered[0][1].device if ordered else torch.device("cpu")
     return SparseExchange(
         OPS,
         comm,
@@ -162,7 +165,21 @@ def build_exchange(
         [(n, p.numel()) for n, p in ordered],
         average=average,
         prefix=prefix,
+        dense_external=dense_external,
+        clock=_clock(device),
     )
+
+
+def _clock(device: torch.device):
+    """Seconds, after the device has finished its queued work (profiling only)."""
+    if device.type == "cuda":
+
+        def clock() -> float:
+            torch.cuda.synchronize(device)
+            return time.perf_counter()
+
+        return clock
+    return time.perf_counter
 
 
 def log_stats(exchange: SparseExchange, level: int = logging.INFO) -> List[Dict[str, Any]]:

@@ -78,7 +78,7 @@ class TorchOps:
         return dst.index_add_(0, idx, vals, alpha=-1)
 
     def copy_(self, dst, src):
-        return dst.copy_(src)
+        return dst.copy_(src.reshape(dst.shape))
 
     def add_offset_(self, dst, idx, offset):
         return (

@@ -33,18 +33,6 @@ __all__ = ["Compression"]
 logger = logging.getLogger("dlgs.torch")
 
 
-class _Collectives(HorovodCollectives):
-    """Dense layers are allreduced by Horovod itself in this form."""
-
-    def allreduce_async(self, tensor, name):
-        return tensor
-
-    def synchronize(self, handle):
-        if isinstance(handle, torch.Tensor):
-            return handle
-        return super().synchronize(handle)
-
-
 class Compression:
     """A Horovod compressor that exchanges each layer's gradient sparsely.
 
@@ -79,9 +67,10 @@ class Compression:
         self._exchange = build_exchange(
             params,
             cfg,
-            _Collectives(process_set=process_set),
+            HorovodCollectives(process_set=process_set),
             average=True,
             prefix="dlgs.c",
+            dense_external=True,
         )
         by_name = dict(params)
         self._params = [by_name[layer.name] for layer in self._exchange.layers]

@@ -88,6 +88,8 @@ def own_sent(exchange) -> dict:
 
     sent = {}
     for group in exchange.groups:
+        if not group.sparse:
+            continue
         lay = group.layout
         dense = torch.zeros(lay.dense_size)
         vals = lay.values_view(OPS, group.chunk).float()
@@ -231,6 +233,7 @@ def exact_reconstruction():
         "fp16_exact_values": (dict(density=0.05, value_dtype="float16", controller="topk"), 3),
         "sum_op": (dict(density=0.05, controller="topk"), 3),
         "merged_groups": (dict(density=0.05, controller="topk"), 3),
+        "merged_dense": (dict(density=0.05, controller="topk"), 2),
     }
     for name, (opts, steps) in cases.items():
         model = mlp(2, hidden=128)
@@ -244,7 +247,9 @@ def exact_reconstruction():
         )
         ex = opt.dlgs_exchange
         if name == "merged_groups":
-            ex.set_groups([list(range(len(ex.layers)))])
+            ex.set_groups([[i for i, p in enumerate(ex.layer_plans()) if p.sparse]])
+        if name == "merged_dense":
+            ex.set_plan([(list(range(len(ex.layers))), False)])
         plans = {layer.name: plan for layer, plan in zip(ex.layers, ex.layer_plans())}
         worst = 0.0
         for s in range(steps):
@@ -261,7 +266,11 @@ def exact_reconstruction():
             for nm, p in model.named_parameters():
                 expect = hvd.allreduce(grads[nm], op=op, name=f"ref.{name}.{s}.{nm}")
                 worst = max(worst, (p.grad - expect).abs().max().item())
-        out[name] = {"max_diff": worst, "groups": len(ex.groups)}
+        out[name] = {
+            "max_diff": worst,
+            "messages": len(ex.groups),
+            "sparse_messages": sum(1 for g in ex.groups if g.sparse),
+        }
     return out
 
 

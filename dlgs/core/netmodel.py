@@ -1,0 +1,93 @@
+"""Analytic cost models of ring collectives, for planning without measurements.
+
+The planner needs one :class:`~dlgs.core.planner.CostModel` (``alpha + beta *
+nbytes`` seconds) per collective. On a real job those are fitted by least
+squares on measured collectives at the job's world size
+(:func:`~dlgs.core.planner.fit_cost_model`); this module gives the textbook
+ring-algorithm costs instead, so that a plan can be predicted for a cluster
+one does not have (``python -m dlgs.plan``).
+
+With ``P`` ranks, links of ``B`` bit/s and a per-step latency of ``a`` seconds
+(Thakur, Rabenseifner and Gropp, "Optimization of collective communication
+operations in MPICH", 2005):
+
+* ring allreduce of a ``b``-byte buffer (reduce-scatter then allgather,
+  ``2(P-1)`` steps of ``b/P`` bytes)::
+
+      2(P-1) a + 2(P-1)/P * 8 b / B
+
+* ring allgather in which every rank contributes a chunk of ``c`` bytes
+  (``P-1`` steps of ``c`` bytes)::
+
+      (P-1) a + (P-1) * 8 c / B
+
+Both are linear in the bytes that the planner counts (the whole dense buffer
+for allreduce, one rank's chunk for allgather), so they are exact
+:class:`CostModel` instances. They ignore contention, hierarchy (NVLink inside
+a node, network between nodes), Horovod's negotiation and its cycle time, so
+they are a lower bound on what a framework achieves; prefer a fitted model as
+soon as the job can measure one.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from .planner import CostModel
+
+__all__ = ["allgather_cost", "allreduce_cost", "check_network"]
+
+
+def check_network(world_size: Any, bandwidth_bps: Any, latency_s: Any) -> None:
+    """Raise ``ValueError`` (naming the parameter and its range) unless
+    ``world_size`` is an int >= 1, ``bandwidth_bps`` a finite float > 0 and
+    ``latency_s`` a finite float >= 0."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    if (
+        isinstance(bandwidth_bps, bool)
+        or not isinstance(bandwidth_bps, (int, float))
+        or not math.isfinite(bandwidth_bps)
+        or bandwidth_bps <= 0
+    ):
+        raise ValueError(f"bandwidth_bps must be a finite float > 0 (bit/s), got {bandwidth_bps!r}")
+    if (
+        isinstance(latency_s, bool)
+        or not isinstance(latency_s, (int, float))
+        or not math.isfinite(latency_s)
+        or latency_s < 0
+    ):
+        raise ValueError(f"latency_s must be a finite float >= 0 (seconds), got {latency_s!r}")
+
+
+def allreduce_cost(world_size: int, bandwidth_bps: float, latency_s: float) -> CostModel:
+    """Ring allreduce: ``2(P-1) a + 2(P-1)/P * 8 b / B`` for a ``b``-byte buffer.
+
+    Args:
+        world_size: ranks ``P`` (int >= 1; one rank costs nothing).
+        bandwidth_bps: link bandwidth ``B`` in bit/s (> 0).
+        latency_s: latency ``a`` of one ring step in seconds (>= 0).
+
+    Returns:
+        The cost model, called with the buffer's bytes.
+    """
+    check_network(world_size, bandwidth_bps, latency_s)
+    p = world_size
+    return CostModel(2 * (p - 1) * latency_s, 2 * (p - 1) / p * 8 / bandwidth_bps)
+
+
+def allgather_cost(world_size: int, bandwidth_bps: float, latency_s: float) -> CostModel:
+    """Ring allgather: ``(P-1) a + (P-1) * 8 c / B`` for chunks of ``c`` bytes.
+
+    Args:
+        world_size: ranks ``P`` (int >= 1; one rank costs nothing).
+        bandwidth_bps: link bandwidth ``B`` in bit/s (> 0).
+        latency_s: latency ``a`` of one ring step in seconds (>= 0).
+
+    Returns:
+        The cost model, called with the bytes of *one rank's* chunk.
+    """
+    check_network(world_size, bandwidth_bps, latency_s)
+    p = world_size
+    return CostModel((p - 1) * latency_s, (p - 1) * 8 / bandwidth_bps)
