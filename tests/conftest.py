@@ -15,7 +15,7 @@ HOROVODRUN = str(Path(sys.executable).parent / "horovodrun")
 
 
 def horovodrun(
-    backend: str, np: int, args, *, timeout: float, cwd=ROOT
+    backend: str, np: int, args, *, timeout: float, cwd=ROOT, extra_path=None
 ) -> subprocess.CompletedProcess:
     """Run ``python ARGS`` on ``np`` real ranks with ``--gloo`` or ``--mpi``."""
     env = dict(os.environ)
@@ -23,7 +23,8 @@ def horovodrun(
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
     env.setdefault("OMP_NUM_THREADS", "1")
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    paths = [str(ROOT)] + ([str(extra_path)] if extra_path else [])
+    env["PYTHONPATH"] = os.pathsep.join(paths + [env.get("PYTHONPATH", "")])
     cmd = [HOROVODRUN, "-np", str(np), f"--{backend}", sys.executable, *map(str, args)]
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:

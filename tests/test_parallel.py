@@ -16,6 +16,7 @@ SCENARIOS = [
     "dense_equivalence",
     "sparse_training_identical",
     "forms_agree",
+    "merge_strategies",
     "exact_reconstruction",
     "conservation",
     "dtypes_and_frozen",
@@ -95,6 +96,20 @@ def test_resume_reproduces_uninterrupted_run(ranks):
     for r, v in enumerate(value(ranks, "resume")):
         assert v["resumed"] == v["straight"], f"rank {r}: resumed run differs"
         assert v["without_dlgs_state"][-1] != v["straight"][-1], "control: state had no effect"
+        assert v["resumed_dp"] == v["straight_dp"], f"rank {r}: resumed DP-planned run differs"
+
+
+def test_merge_strategies_apply_their_plans(ranks):
+    r0, r1 = value(ranks, "merge_strategies")
+    for merge, rec in r0.items():
+        assert rec["digests"] == r1[merge]["digests"], f"{merge}: ranks differ"
+        assert rec["members"] == r1[merge]["members"], f"{merge}: plans differ across ranks"
+        covered = sorted(i for g in rec["members"] for i in g)
+        assert covered == list(range(rec["layers"])), f"{merge}: plan does not cover every layer"
+    assert r0["none"]["messages"] == r0["none"]["layers"]
+    # "all": the sparse-eligible layers form one message (small ones go dense alone).
+    assert r0["all"]["sparse_messages"] == 1
+    assert r0["buckets"]["messages"] < r0["none"]["messages"]
 
 
 def test_rank_disagreement_is_an_error_not_a_hang(ranks):

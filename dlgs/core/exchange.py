@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 from .backend import ArrayOps
 from .config import SparsityConfig, ValueDType
@@ -50,6 +51,9 @@ class Collectives(Protocol):
 
     def synchronize(self, handle: Any) -> Any:
         """Wait for a handle and return the collective's output tensor."""
+
+    def broadcast_object(self, obj: Any) -> Any:
+        """The first rank's ``obj`` on every rank (picklable Python objects)."""
 
 
 @dataclass(frozen=True)
@@ -210,7 +214,7 @@ class SparseExchange:
         average: bool = True,
         prefix: str = "dlgs",
         dense_external: bool = False,
-        clock: Optional[Any] = None,
+        clock: Callable[[], float] = time.perf_counter,
     ):
         names = [name for name, _ in layers]
         if len(set(names)) != len(names):
@@ -234,6 +238,8 @@ class SparseExchange:
         self._scratch_mask: Any = None
         self._submitted: set = set()
         self._dense_offsets: Dict[int, int] = {}
+        #: A tensor on the exchange's device (the first gradient seen).
+        self.like: Any = None
         #: Called with the exchange at the end of every step (profiling, planning).
         self.step_hooks: List[Any] = []
         self.trace: Optional[Dict[str, Any]] = None
@@ -296,6 +302,7 @@ class SparseExchange:
         """(Re)compute plans and groups for the density in force; allocate buffers."""
         density = self.density
         self._density = density
+        self.like = like
         for hook in self.step_hooks:
             if hasattr(hook, "on_density"):
                 hook.on_density(self, density)
@@ -414,6 +421,7 @@ class SparseExchange:
         assert plan is not None  # set by _relayout before any submit
         n, k, cap = plan.numel, plan.k, plan.capacity
         layout = group.layout
+        assert layout is not None  # sparse groups always have one
         acc = ops.narrow(layer.residual, 0, 0, n)
         if layer.velocity is not None:
             vel = ops.scale_add_(ops.narrow(layer.velocity, 0, 0, n), self.config.momentum, grad)
@@ -548,6 +556,12 @@ class SparseExchange:
         return {
             "version": STATE_VERSION,
             "step": self.step,
+            "plan": self._plan,
+            "hooks": {
+                type(h).__name__: h.state_dict()
+                for h in self.step_hooks
+                if hasattr(h, "state_dict")
+            },
             "rank": self.comm.rank,
             "size": self.comm.size,
             "config": self.config.to_dict(),
@@ -582,6 +596,11 @@ class SparseExchange:
                 self.comm.size,
             )
         self.step = int(state["step"])
+        plan = state.get("plan")
+        self._plan = [(list(m), s) for m, s in plan] if plan is not None else None
+        for hook in self.step_hooks:
+            if hasattr(hook, "load_state_dict"):
+                hook.load_state_dict(state.get("hooks", {}).get(type(hook).__name__, {}), self)
         self._density = None
         self._relayout(like)
         ops = self.ops

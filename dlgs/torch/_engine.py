@@ -16,6 +16,7 @@ import torch
 from ..core.config import SparsityConfig
 from ..core.consistency import RankMismatchError, describe_mismatch, signature
 from ..core.exchange import SparseExchange
+from ..core.profiler import OnlinePlanner
 from ._ops import OPS
 
 __all__ = ["HorovodCollectives", "build_config", "build_exchange", "named_trainable"]
@@ -67,6 +68,12 @@ class HorovodCollectives:
             process_set=self.process_set,
         )
         return handle, ctx
+
+    def broadcast_object(self, obj):
+        root = 0 if self.process_set is hvd.global_process_set else self.process_set.ranks[0]
+        return hvd.broadcast_object(
+            obj, root_rank=root, name="dlgs.broadcast", process_set=self.process_set
+        )
 
     def synchronize(self, handle):
         if isinstance(handle, tuple):
@@ -150,15 +157,19 @@ def build_exchange(
     average: bool,
     prefix: str,
     dense_external: bool = False,
+    merge: Optional[OnlinePlanner] = None,
     extra_options: Optional[Dict[str, Any]] = None,
 ) -> SparseExchange:
     """A :class:`SparseExchange` over ``params`` (already filtered to trainable),
-    in backward order (reverse of registration), after checking every rank agrees."""
+    in backward order (reverse of registration), after checking every rank
+    agrees; ``merge`` (an :class:`OnlinePlanner`) profiles and plans messages."""
     ordered = list(reversed(params))
     options = dict(config.to_dict(), average=average, **(extra_options or {}))
+    if merge is not None:
+        options.update(merge=merge.strategy, profile_steps=merge.profile_steps)
     check_ranks_agree(comm, signature([(n, p.shape, str(p.dtype)) for n, p in ordered], options))
     device = ordered[0][1].device if ordered else torch.device("cpu")
-    return SparseExchange(
+    exchange = SparseExchange(
         OPS,
         comm,
         config,
@@ -168,6 +179,16 @@ def build_exchange(
         dense_external=dense_external,
         clock=_clock(device),
     )
+    if merge is not None and merge.strategy != "none":
+        exchange.step_hooks.append(merge)
+    return exchange
+
+
+def build_planner(merge: str, options: Dict[str, Any]) -> OnlinePlanner:
+    """The online planner for ``merge=`` and its keyword options."""
+    if not isinstance(merge, str):
+        raise TypeError(f"merge must be a str, got {type(merge).__name__}")
+    return OnlinePlanner(merge, **options)
 
 
 def _clock(device: torch.device):

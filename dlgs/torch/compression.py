@@ -26,7 +26,14 @@ import horovod.torch as hvd
 import torch
 
 from ..core.config import SparsityConfig
-from ._engine import HorovodCollectives, build_config, build_exchange, log_stats, named_trainable
+from ._engine import (
+    HorovodCollectives,
+    build_config,
+    build_exchange,
+    build_planner,
+    log_stats,
+    named_trainable,
+)
 
 __all__ = ["Compression"]
 
@@ -41,6 +48,10 @@ class Compression:
             parameters the optimizer updates.
         density: fraction of each sparsified layer sent per step, in (0, 1].
         config: a ready :class:`dlgs.SparsityConfig` instead of keyword options.
+        merge, profile_steps, bucket_elements, max_group: the merge plan, as
+            in :func:`dlgs.torch.DistributedOptimizer`; in this form layers that
+            go dense are allreduced by Horovod one by one (its fusion merges
+            them), so only sparse messages follow the plan.
         process_set: the Horovod process set the optimizer uses.
         log_every: log per-layer statistics every this many steps (0: never).
         **options: other :class:`dlgs.SparsityConfig` fields.
@@ -54,6 +65,10 @@ class Compression:
         density: float = 0.01,
         *,
         config: Optional[SparsityConfig] = None,
+        merge: str = "dp",
+        profile_steps: int = 5,
+        bucket_elements: int = 8192,
+        max_group: Optional[int] = None,
         process_set=hvd.global_process_set,
         log_every: int = 0,
         **options: Any,
@@ -61,6 +76,10 @@ class Compression:
         if isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 0:
             raise ValueError(f"log_every must be an int >= 0, got {log_every!r}")
         cfg = build_config(config, density, options)
+        planner = build_planner(
+            merge,
+            dict(profile_steps=profile_steps, bucket_elements=bucket_elements, max_group=max_group),
+        )
         params = named_trainable(named_parameters)
         if not params:
             raise ValueError("named_parameters contains no parameter that requires grad")
@@ -71,6 +90,7 @@ class Compression:
             average=True,
             prefix="dlgs.c",
             dense_external=True,
+            merge=planner,
         )
         by_name = dict(params)
         self._params = [by_name[layer.name] for layer in self._exchange.layers]

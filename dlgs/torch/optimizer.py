@@ -24,7 +24,7 @@ import torch
 from horovod.torch.optimizer import _DistributedOptimizer
 
 from ..core.config import SparsityConfig
-from ._engine import HorovodCollectives, build_config, build_exchange, log_stats
+from ._engine import HorovodCollectives, build_config, build_exchange, build_planner, log_stats
 
 __all__ = ["DistributedOptimizer"]
 
@@ -46,8 +46,10 @@ class _SparseOverrides:
         process_set,
         dlgs_config,
         log_every,
+        planner,
     ):
         self._dlgs_config = dlgs_config
+        self._dlgs_planner = planner
         self._dlgs_log_every = log_every
         self._dlgs = None
         _DistributedOptimizer.__init__(
@@ -87,6 +89,7 @@ class _SparseOverrides:
             comm,
             average=average,
             prefix="dlgs",
+            merge=self._dlgs_planner,
             extra_options={"backward_passes_per_step": self.backward_passes_per_step},
         )
         by_name = dict(params)
@@ -189,6 +192,10 @@ def DistributedOptimizer(
     *,
     density: float = 0.01,
     config: Optional[SparsityConfig] = None,
+    merge: str = "dp",
+    profile_steps: int = 5,
+    bucket_elements: int = 8192,
+    max_group: Optional[int] = None,
     log_every: int = 0,
     **options: Any,
 ) -> torch.optim.Optimizer:
@@ -201,6 +208,16 @@ def DistributedOptimizer(
         density: fraction of each sparsified layer sent per step, in (0, 1].
             See :class:`dlgs.SparsityConfig` for what it trades.
         config: a ready :class:`dlgs.SparsityConfig` instead of keyword options.
+        merge: how layers are merged into messages: ``"dp"`` (default: profile
+            ``profile_steps`` steps, then the plan that minimises the predicted
+            iteration end, each message sparse or dense), ``"none"``
+            (layer-wise, no profiling), ``"all"`` (one message), ``"buckets"``
+            (fixed ``bucket_elements``-element buckets, like OMGS-SGD) or
+            ``"greedy"`` (the MG-WFBP / OMGS merge rule). See docs/planning.md.
+        profile_steps: steps timed before planning (after the first step).
+        bucket_elements: elements per bucket for ``merge="buckets"``.
+        max_group: most layers in one message for ``merge="dp"`` (None: any;
+            bounds planning time on models with hundreds of layers).
         log_every: log per-layer statistics to the ``dlgs.torch`` logger every
             this many steps (0: never). Each log synchronises the device once.
         **options: any other :class:`dlgs.SparsityConfig` field (``controller``,
@@ -238,6 +255,10 @@ def DistributedOptimizer(
     if isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 0:
         raise ValueError(f"log_every must be an int >= 0, got {log_every!r}")
     cfg = build_config(config, density, options)
+    planner = build_planner(
+        merge,
+        dict(profile_steps=profile_steps, bucket_elements=bucket_elements, max_group=max_group),
+    )
     methods = {k: v for k, v in _SparseOverrides.__dict__.items() if k not in _NOT_COPIED}
     cls = type(
         optimizer.__class__.__name__,
@@ -256,4 +277,5 @@ def DistributedOptimizer(
         process_set,
         cfg,
         log_every,
+        planner,
     )

@@ -184,7 +184,7 @@ def forms_agree():
         for form in ("optimizer", "compression"):
             model = mlp(7).to(dtype)
             base = torch.optim.SGD(model.parameters(), lr=0.05)
-            opts = dict(density=0.05, min_sparse_size=64)
+            opts = dict(density=0.05, min_sparse_size=64, merge="none")
             if form == "optimizer":
                 opt = dlgs.torch.DistributedOptimizer(
                     base, named_parameters=model.named_parameters(), **opts
@@ -202,6 +202,33 @@ def forms_agree():
                 opt.step()
                 digests[form].append(digest(model))
         out[str(dtype)] = digests
+    return out
+
+
+@scenario
+def merge_strategies():
+    """Every merge strategy trains with identical ranks; report each plan's messages."""
+    out = {}
+    for merge in ("dp", "none", "all", "buckets", "greedy"):
+        model = mlp(8, hidden=96)
+        opt = dlgs.torch.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.05),
+            named_parameters=model.named_parameters(),
+            density=0.05,
+            min_sparse_size=64,
+            merge=merge,
+            profile_steps=2,
+            bucket_elements=4096,
+        )
+        digests = train(model, opt, 6)
+        ex = opt.dlgs_exchange
+        out[merge] = {
+            "digests": digests,
+            "messages": len(ex.groups),
+            "sparse_messages": sum(1 for g in ex.groups if g.sparse),
+            "layers": len(ex.layers),
+            "members": [g.members for g in ex.groups],
+        }
     return out
 
 
@@ -243,6 +270,7 @@ def exact_reconstruction():
             named_parameters=model.named_parameters(),
             op=op,
             min_sparse_size=64,
+            merge="none",
             **opts,
         )
         ex = opt.dlgs_exchange
@@ -288,6 +316,7 @@ def conservation():
             torch.optim.SGD(model.parameters(), lr=0.0),
             named_parameters=model.named_parameters(),
             min_sparse_size=64,
+            merge="none",
             **opts,
         )
         ex = opt.dlgs_exchange
@@ -356,6 +385,7 @@ def resume():
             named_parameters=model.named_parameters(),
             density=0.05,
             min_sparse_size=64,
+            merge="none",
             anchor_every=3,
         )
         return model, opt
@@ -378,7 +408,39 @@ def resume():
     model.load_state_dict(ckpt["model"])
     opt.load_state_dict({k: v for k, v in ckpt["opt"].items() if k != "dlgs"})
     without = train(model, opt, 4, start=4)
-    return {"straight": straight[4:], "resumed": resumed, "without_dlgs_state": without}
+
+    # With the DP planner: profile 2 steps, plan, checkpoint after the plan is in force.
+    def make_dp():
+        model = mlp(5)
+        opt = dlgs.torch.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+            named_parameters=model.named_parameters(),
+            density=0.05,
+            min_sparse_size=64,
+            merge="dp",
+            profile_steps=2,
+        )
+        return model, opt
+
+    model, opt = make_dp()
+    straight_dp = train(model, opt, 10)
+    model, opt = make_dp()
+    train(model, opt, 6)
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=False)
+    model, opt = make_dp()
+    model.load_state_dict(ckpt["model"])
+    opt.load_state_dict(ckpt["opt"])
+    resumed_dp = train(model, opt, 4, start=6)
+    return {
+        "straight": straight[4:],
+        "resumed": resumed,
+        "without_dlgs_state": without,
+        "straight_dp": straight_dp[6:],
+        "resumed_dp": resumed_dp,
+    }
 
 
 @scenario

@@ -1,0 +1,245 @@
+"""Online profiling and planning, run by the exchange at step boundaries.
+
+:class:`OnlinePlanner` is a step hook of :class:`~dlgs.core.exchange.SparseExchange`:
+
+1. after ``skip_steps`` warm-up steps it times ``profile_steps`` steps: when
+   each layer's gradient arrives and how long its sparsification (or packing)
+   takes, on the compute stream, with the adapter's clock;
+2. it then times probe allgathers and allreduces of several sizes on the job's
+   real ranks and network and fits ``alpha + beta * bytes`` to each (MG-WFBP's
+   model), and times copies for the packing cost;
+3. rank 0's :class:`~dlgs.core.profile.Profile` is broadcast, so every rank
+   plans from the same numbers; the planner is a pure function, so every rank
+   derives the same plan, which the exchange applies from the next step;
+4. whenever the density changes (warm-up stages) it re-plans from the same
+   profile, on every rank at the same step.
+
+Layers are planned in their *measured* arrival order, which is what "ready
+order" means for the model; the plan's groups are mapped back to the
+exchange's layer indices.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from typing import Any, Dict, List, Optional, Sequence
+
+from .planner import CostModel, Plan, fit_cost_model, plan_strategy
+from .profile import LayerProfile, Profile, build_spec
+
+__all__ = ["OnlinePlanner", "MERGE_STRATEGIES"]
+
+logger = logging.getLogger(__name__)
+
+MERGE_STRATEGIES = ("dp", "none", "all", "buckets", "greedy")
+
+# Probe message sizes (bytes of one rank's chunk / of the allreduced buffer).
+_PROBE_BYTES = (4 << 10, 64 << 10, 256 << 10, 1 << 20)
+
+
+class OnlinePlanner:
+    """Profiles a few steps, then plans and re-plans the exchange's messages.
+
+    Args:
+        strategy: ``dp``, ``none``, ``all``, ``buckets`` or ``greedy``.
+        profile_steps: steps to time (the medians are used).
+        skip_steps: steps before profiling starts (the first step allocates
+            buffers and anchors every threshold, so it is not typical).
+        bucket_elements: ``buckets`` strategy: elements per bucket.
+        max_group: most layers in one message (``dp``; None: any).
+        probe_reps: repetitions of each probe collective.
+        profile: a ready profile: skip measuring and plan at once.
+    """
+
+    def __init__(
+        self,
+        strategy: str = "dp",
+        *,
+        profile_steps: int = 5,
+        skip_steps: int = 1,
+        bucket_elements: int = 8192,
+        max_group: Optional[int] = None,
+        probe_reps: int = 3,
+        profile: Optional[Profile] = None,
+    ):
+        if strategy not in MERGE_STRATEGIES:
+            names = ", ".join(repr(s) for s in MERGE_STRATEGIES)
+            raise ValueError(f"merge must be one of {names}, got {strategy!r}")
+        for name, value, low in (
+            ("profile_steps", profile_steps, 1),
+            ("skip_steps", skip_steps, 0),
+            ("bucket_elements", bucket_elements, 1),
+            ("probe_reps", probe_reps, 1),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        self.strategy = strategy
+        self.profile_steps = profile_steps
+        self.skip_steps = skip_steps
+        self.bucket_elements = bucket_elements
+        self.max_group = max_group
+        self.probe_reps = probe_reps
+        self.profile = profile
+        self.plan: Optional[Plan] = None
+        self.order: List[int] = []
+        self._traces: List[Dict[str, Dict[int, float]]] = []
+        self._density: Optional[float] = None  # density the current plan is for
+
+    # -- step hook -------------------------------------------------------------
+    def __call__(self, ex) -> None:
+        """Called by the exchange after each step (``ex.step`` steps are done)."""
+        if self.profile is not None:
+            if self.plan is None:
+                self._replan(ex)
+            return
+        if ex.trace is not None:
+            self._traces.append(ex.trace)
+            ex.trace = None
+        if len(self._traces) >= self.profile_steps:
+            self.profile = self._measure(ex)
+            self._traces = []
+            self._replan(ex)
+        elif ex.step >= self.skip_steps:
+            ex.trace = {"arrive": {}, "done": {}}  # time the next step
+
+    def on_density(self, ex, density: float) -> None:
+        """The density changed: re-plan from the same profile (all ranks)."""
+        if self.profile is not None and self.plan is not None and density != self._density:
+            self._replan(ex, density, defer=False)
+
+    # -- measuring ---------------------------------------------------------------
+    def _measure(self, ex) -> Profile:
+        n_layers = len(ex.layers)
+        arrive = {
+            i: statistics.median(t["arrive"][i] - min(t["arrive"].values()) for t in self._traces)
+            for i in range(n_layers)
+        }
+        order = sorted(range(n_layers), key=lambda i: (arrive[i], i))
+        backward: Dict[int, List[float]] = {i: [] for i in range(n_layers)}
+        for t in self._traces:
+            prev_done = None
+            for i in sorted(range(n_layers), key=lambda i: t["arrive"][i]):
+                backward[i].append(
+                    0.0 if prev_done is None else max(0.0, t["arrive"][i] - prev_done)
+                )
+                prev_done = t["done"][i]
+        sizes, times = [], []
+        for i in range(n_layers):
+            if ex.is_sparse(ex.layers[i]):
+                sizes.append(ex.layers[i].numel)
+                times.append(statistics.median(t["done"][i] - t["arrive"][i] for t in self._traces))
+        sparsify = _fit_or_flat(sizes, times)
+        pack = self._probe_copy(ex)
+        allgather = self._probe(ex, "allgather")
+        allreduce = self._probe(ex, "allreduce")
+        local = Profile(
+            world_size=ex.comm.size,
+            layers=tuple(
+                LayerProfile(ex.layers[i].name, ex.layers[i].numel, statistics.median(backward[i]))
+                for i in order
+            ),
+            sparsify=sparsify,
+            pack=pack,
+            allgather=allgather,
+            allreduce=allreduce,
+        )
+        shared = Profile.from_dict(ex.comm.broadcast_object(local.to_dict()))
+        logger.info(
+            "dlgs profile (rank 0's, %d ranks): allgather %.3g ms + %.3g ns/B, allreduce %.3g ms "
+            "+ %.3g ns/B, sparsify %.3g us + %.3g ns/element, backward %.3g ms",
+            shared.world_size,
+            shared.allgather.alpha * 1e3,
+            shared.allgather.beta * 1e9,
+            shared.allreduce.alpha * 1e3,
+            shared.allreduce.beta * 1e9,
+            shared.sparsify.alpha * 1e6,
+            shared.sparsify.beta * 1e9,
+            sum(layer.backward for layer in shared.layers) * 1e3,
+        )
+        return shared
+
+    def _probe(self, ex, kind: str) -> CostModel:
+        ops, comm, clock = ex.ops, ex.comm, ex.clock
+        like = ex.like
+        sizes, times = [], []
+        for nbytes in _PROBE_BYTES:
+            words = nbytes // 4
+            buf = ops.zeros(words, "int32" if kind == "allgather" else "float32", like)
+            name = f"{ex.prefix}.probe.{kind}.{nbytes}"
+            samples = []
+            for _ in range(self.probe_reps + 1):  # the first one negotiates
+                t0 = clock()
+                if kind == "allgather":
+                    comm.synchronize(comm.allgather_async(buf, name))
+                else:
+                    comm.synchronize(comm.allreduce_async(buf, name))
+                samples.append(clock() - t0)
+            sizes.append(float(nbytes))
+            times.append(statistics.median(samples[1:]))
+        return fit_cost_model(sizes, times)
+
+    def _probe_copy(self, ex) -> CostModel:
+        ops, clock = ex.ops, ex.clock
+        biggest = max(layer.numel for layer in ex.layers)
+        src = ops.zeros(biggest, "float32", ex.like)
+        dst = ops.zeros(biggest, "float32", ex.like)
+        sizes, times = [], []
+        for n in sorted({max(1, biggest // 16), max(1, biggest // 4), biggest}):
+            samples = []
+            for _ in range(3):
+                t0 = clock()
+                ops.copy_(ops.narrow(dst, 0, 0, n), ops.narrow(src, 0, 0, n))
+                samples.append(clock() - t0)
+            sizes.append(float(n))
+            times.append(min(samples))
+        return _fit_or_flat(sizes, times)
+
+    # -- planning ----------------------------------------------------------------
+    def _replan(self, ex, density: Optional[float] = None, *, defer: bool = True) -> None:
+        assert self.profile is not None
+        d = ex.density if density is None else density
+        profile = self.profile
+        index = {layer.name: i for i, layer in enumerate(ex.layers)}
+        self.order = [index[layer.name] for layer in profile.layers]
+        spec, eligible = build_spec(profile, ex.config, d)
+        plan = plan_strategy(
+            spec,
+            self.strategy,
+            eligible=eligible,
+            bucket_elements=self.bucket_elements,
+            numel=[layer.numel for layer in profile.layers],
+            max_group=self.max_group,
+        )
+        self.plan = plan
+        self._density = d
+        groups = [([self.order[p] for p in g.members], g.sparse) for g in plan.groups]
+        if defer:
+            ex.set_plan(groups)
+        else:
+            ex._plan = [(list(m), s) for m, s in groups]
+        logger.info(
+            "dlgs plan at step %d (density %g):\n%s",
+            ex.step,
+            d,
+            plan.describe([layer.name for layer in profile.layers]),
+        )
+
+    # -- checkpoints -------------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        return {"profile": self.profile.to_dict() if self.profile is not None else None}
+
+    def load_state_dict(self, state: Dict[str, Any], ex) -> None:
+        profile = state.get("profile")
+        self.profile = Profile.from_dict(profile) if profile is not None else None
+        self._traces = []
+        self.plan = None
+        if self.profile is not None:
+            self._replan(ex)
+
+
+def _fit_or_flat(sizes: Sequence[float], times: Sequence[float]) -> CostModel:
+    """A line through the points, or a constant when they cannot fix a slope."""
+    if len(set(sizes)) >= 2:
+        return fit_cost_model(sizes, times)
+    return CostModel(max(0.0, statistics.median(times)) if times else 0.0, 0.0)
