@@ -7,7 +7,6 @@ import os
 from collections import Counter
 
 import pytest
-
 from conftest import ROOT, horovodrun
 
 pytestmark = pytest.mark.parallel

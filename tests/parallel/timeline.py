@@ -12,9 +12,9 @@ from pathlib import Path
 
 import horovod.torch as hvd
 import torch
+from worker import mlp, train
 
 import dlgs.torch
-from worker import mlp, train
 
 torch.set_num_threads(1)
 
