@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["FashionCNN"]
+__all__ = ["FashionCNN", "ResNet20"]
 
 
 class FashionCNN(nn.Module):
@@ -28,3 +28,42 @@ class FashionCNN(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.classifier(self.features(x))
+
+
+class _BasicBlock(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.shortcut = nn.Sequential()
+        if stride != 1 or cin != cout:
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(self.bn2(self.conv2(out)) + self.shortcut(x))
+
+
+class ResNet20(nn.Module):
+    """ResNet-20 for 32x32 inputs (He et al., 2016): 0.27 M parameters in 65
+    tensors, most of them small (batch-norm), a typical latency-bound model."""
+
+    def __init__(self, num_classes: int = 10, in_channels: int = 3):
+        super().__init__()
+        self.conv = nn.Conv2d(in_channels, 16, 3, 1, 1, bias=False)
+        self.bn = nn.BatchNorm2d(16)
+        layers, cin = [], 16
+        for cout, stride in ((16, 1), (32, 2), (64, 2)):
+            for b in range(3):
+                layers.append(_BasicBlock(cin, cout, stride if b == 0 else 1))
+                cin = cout
+        self.layers = nn.Sequential(*layers)
+        self.fc = nn.Linear(64, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.layers(torch.relu(self.bn(self.conv(x))))
+        return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(out, 1), 1))

@@ -498,6 +498,8 @@ class SparseExchange:
             group.ready = 0
             group.handle = None
         self._submitted.clear()
+        if self.trace is not None:
+            self.trace["waited"] = self.clock()
         self.step += 1
         for hook in list(self.step_hooks):
             hook(self)

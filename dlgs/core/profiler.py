@@ -50,6 +50,8 @@ class OnlinePlanner:
         max_group: most layers in one message (``dp``; None: any).
         probe_reps: repetitions of each probe collective.
         profile: a ready profile: skip measuring and plan at once.
+        record: keep timing every step after planning (one clock read per
+            layer per step; on CUDA each read synchronises) into ``timings``.
     """
 
     def __init__(
@@ -62,6 +64,7 @@ class OnlinePlanner:
         max_group: Optional[int] = None,
         probe_reps: int = 3,
         profile: Optional[Profile] = None,
+        record: bool = False,
     ):
         if strategy not in MERGE_STRATEGIES:
             names = ", ".join(repr(s) for s in MERGE_STRATEGIES)
@@ -81,6 +84,11 @@ class OnlinePlanner:
         self.max_group = max_group
         self.probe_reps = probe_reps
         self.profile = profile
+        self.record = record
+        #: With ``record``: per step after planning, the plan's predicted end of
+        #: communication and the measured one (first gradient to the end of
+        #: the exchange's wait), in seconds.
+        self.timings: List[Dict[str, float]] = []
         self.plan: Optional[Plan] = None
         self.order: List[int] = []
         self._traces: List[Dict[str, Dict[int, float]]] = []
@@ -89,9 +97,25 @@ class OnlinePlanner:
     # -- step hook -------------------------------------------------------------
     def __call__(self, ex) -> None:
         """Called by the exchange after each step (``ex.step`` steps are done)."""
+        if self.strategy == "none" and not self.record:
+            return  # layer-wise needs no profile unless predictions are wanted
         if self.profile is not None:
             if self.plan is None:
                 self._replan(ex)
+            assert self.plan is not None
+            if self.record:
+                if ex.trace is not None and ex.trace["arrive"]:
+                    t = ex.trace
+                    first = min(t["arrive"].values())
+                    self.timings.append(
+                        {
+                            "step": ex.step - 1,
+                            "predicted_end": self.plan.end,
+                            "measured_end": t["waited"] - first,
+                            "compute_end": max(t["done"].values()) - first,
+                        }
+                    )
+                ex.trace = {"arrive": {}, "done": {}}
             return
         if ex.trace is not None:
             self._traces.append(ex.trace)
@@ -102,6 +126,13 @@ class OnlinePlanner:
             self._replan(ex)
         elif ex.step >= self.skip_steps:
             ex.trace = {"arrive": {}, "done": {}}  # time the next step
+
+    def restart(self) -> None:
+        """Profile again from the next step and re-plan (call on every rank at
+        the same step, between steps)."""
+        self.profile = None
+        self.plan = None
+        self._traces = []
 
     def on_density(self, ex, density: float) -> None:
         """The density changed: re-plan from the same profile (all ranks)."""

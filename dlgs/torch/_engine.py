@@ -179,7 +179,7 @@ def build_exchange(
         dense_external=dense_external,
         clock=_clock(device),
     )
-    if merge is not None and merge.strategy != "none":
+    if merge is not None:
         exchange.step_hooks.append(merge)
     return exchange
 

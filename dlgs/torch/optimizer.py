@@ -158,6 +158,18 @@ class _SparseOverrides:
         """The core :class:`~dlgs.core.SparseExchange` (plans, per-layer state)."""
         return self._dlgs
 
+    @property
+    def dlgs_planner(self):
+        """The :class:`~dlgs.core.profiler.OnlinePlanner`: its ``plan`` is the
+        merge plan in force with its predicted times (with ``merge="none"`` it
+        profiles and predicts only when its ``record`` is set)."""
+        return self._dlgs_planner
+
+    def dlgs_reprofile(self) -> None:
+        """Profile again from the next step and re-plan. Call on every rank,
+        between steps (e.g. after the network or the batch size changed)."""
+        self._dlgs_planner.restart()
+
     def state_dict(self):
         state = super(self.__class__, self).state_dict()
         state["dlgs"] = self._dlgs.state_dict()
