@@ -1,0 +1,378 @@
+"""A bandwidth-limited Horovod cluster on one machine.
+
+Each worker runs in its own network namespace with a veth into a bridge; both
+ends of every veth are capped with ``tc ... tbf`` so each worker's link has the
+given rate in both directions (netem is not available on this kernel; tbf is).
+Workers are launched by a direct Gloo launcher: Horovod's own rendezvous server
+in the root namespace, and every rank's ``HOROVOD_*`` variables set as
+``horovodrun --gloo`` would set them. Addresses come from 198.18.0.0/15, the
+range reserved for benchmarking.
+
+Everything is torn down on exit, on Ctrl-C, on SIGTERM and when a worker dies
+(which also stops the others). Without root, it says so and falls back to
+plain local ``horovodrun --gloo`` on loopback.
+
+Example::
+
+    python -m benchmarks.cluster --workers 2 --bandwidth 1gbit -- \\
+        python -m benchmarks.train --model resnet20 --methods dense,dlgs
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+__all__ = ["Cluster", "parse_rate", "main"]
+
+logger = logging.getLogger("benchmarks.cluster")
+
+SUBNET = "198.18.77"  # within 198.18.0.0/15 (RFC 2544 benchmarking range)
+BRIDGE = "dlgsbr0"
+IFACE = "dlgs0"  # the worker's interface inside its namespace
+
+_RATE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmg]?)(bit|bps)?\s*$", re.IGNORECASE)
+
+
+def parse_rate(text: str) -> int:
+    """``"1gbit"``, ``"100mbit"``, ``"25mbit"`` or a plain number of bit/s -> bit/s."""
+    m = _RATE.match(str(text))
+    if not m:
+        raise ValueError(f"--bandwidth must look like 1gbit, 100mbit or 25mbit, got {text!r}")
+    scale = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}[m.group(2).lower()]
+    rate = int(float(m.group(1)) * scale)
+    if rate <= 0:
+        raise ValueError(f"--bandwidth must be positive, got {text!r}")
+    return rate
+
+
+def _sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
+    logger.debug("+ %s", " ".join(cmd))
+    return subprocess.run(cmd, check=check, capture_output=True, text=True)
+
+
+class Cluster:
+    """Network namespaces on a bridge, rate-capped, with a Gloo launcher.
+
+    Args:
+        workers: number of namespaces (one Horovod rank each).
+        bandwidth: link rate in bit/s in each direction, or None for no cap.
+        prefix: namespace name prefix (``<prefix>0`` ...).
+    """
+
+    def __init__(self, workers: int, bandwidth: Optional[int], prefix: str = "dlgsns"):
+        if workers < 1 or workers > 200:
+            raise ValueError(f"--workers must be in [1, 200], got {workers}")
+        self.workers = workers
+        self.bandwidth = bandwidth
+        self.prefix = prefix
+        self.namespaces = [f"{prefix}{i}" for i in range(workers)]
+        self.addresses = [f"{SUBNET}.{10 + i}" for i in range(workers)]
+        self.gateway = f"{SUBNET}.1"
+        self._procs: List[subprocess.Popen] = []
+        self._up = False
+
+    # -- set-up and tear-down ------------------------------------------------------
+    def __enter__(self) -> "Cluster":
+        try:
+            self._setup()
+        except BaseException:
+            self.teardown()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.teardown()
+
+    def _setup(self) -> None:
+        self.teardown(quiet=True)  # leftovers of a killed run
+        self._up = True
+        host = socket.gethostname()
+        _sh("ip", "link", "add", BRIDGE, "type", "bridge")
+        _sh("ip", "addr", "add", f"{self.gateway}/24", "dev", BRIDGE)
+        _sh("ip", "link", "set", BRIDGE, "up")
+        for i, (ns, addr) in enumerate(zip(self.namespaces, self.addresses)):
+            outer = f"dlgsv{i}"
+            _sh("ip", "netns", "add", ns)
+            _sh("ip", "link", "add", outer, "type", "veth", "peer", "name", IFACE, "netns", ns)
+            _sh("ip", "link", "set", outer, "master", BRIDGE)
+            _sh("ip", "link", "set", outer, "up")
+            _sh("ip", "netns", "exec", ns, "ip", "addr", "add", f"{addr}/24", "dev", IFACE)
+            _sh("ip", "netns", "exec", ns, "ip", "link", "set", IFACE, "up")
+            _sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
+            # Horovod's process-set Gloo contexts resolve gethostname(), which in a
+            # namespace would be loopback (DESIGN.md §3): map it to the worker's address.
+            etc = Path("/etc/netns") / ns
+            etc.mkdir(parents=True, exist_ok=True)
+            (etc / "hosts").write_text(f"127.0.0.1 localhost\n{addr} {host}\n")
+            if self.bandwidth:
+                for cmd in (["tc"], ["ip", "netns", "exec", ns, "tc"]):
+                    dev = outer if cmd == ["tc"] else IFACE
+                    _sh(
+                        *cmd,
+                        "qdisc",
+                        "add",
+                        "dev",
+                        dev,
+                        "root",
+                        "tbf",
+                        "rate",
+                        str(self.bandwidth),
+                        "burst",
+                        str(max(32_000, self.bandwidth // 8 // 250)),
+                        "latency",
+                        "100ms",
+                    )
+        logger.info(
+            "cluster up: %d workers %s on %s, link %s each way",
+            self.workers,
+            ", ".join(self.addresses),
+            BRIDGE,
+            f"{self.bandwidth / 1e6:g} Mbit/s" if self.bandwidth else "uncapped",
+        )
+
+    def teardown(self, quiet: bool = False) -> None:
+        """Stop workers, delete namespaces, the bridge and /etc/netns entries."""
+        for p in self._procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        for p in self._procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+        self._procs = []
+        existing = _sh("ip", "netns", "list", check=False).stdout
+        for ns in self.namespaces:
+            if re.search(rf"^{ns}\b", existing, re.MULTILINE):
+                _sh("ip", "netns", "del", ns, check=False)
+            shutil.rmtree(Path("/etc/netns") / ns, ignore_errors=True)
+        for i in range(self.workers):
+            _sh("ip", "link", "del", f"dlgsv{i}", check=False)
+        _sh("ip", "link", "del", BRIDGE, check=False)
+        if self._up and not quiet:
+            logger.info("cluster torn down")
+        self._up = False
+
+    # -- measuring ---------------------------------------------------------------
+    def measure_bandwidth(self, seconds: float = 1.0) -> float:
+        """Achieved TCP throughput from worker 1 to worker 0, in bit/s."""
+        if self.workers < 2:
+            return float("nan")
+        port = 47011
+        server = subprocess.Popen(
+            [
+                "ip",
+                "netns",
+                "exec",
+                self.namespaces[0],
+                sys.executable,
+                "-c",
+                _SINK,
+                self.addresses[0],
+                str(port),
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        time.sleep(0.5)
+        try:
+            _sh(
+                "ip",
+                "netns",
+                "exec",
+                self.namespaces[1],
+                sys.executable,
+                "-c",
+                _SOURCE,
+                self.addresses[0],
+                str(port),
+                str(seconds),
+            )
+            out, _ = server.communicate(timeout=seconds + 30)
+        finally:
+            if server.poll() is None:
+                server.kill()
+        return float(out.strip())
+
+    # -- running ------------------------------------------------------------------
+    def run(
+        self,
+        argv: Sequence[str],
+        env: Optional[Dict[str, str]] = None,
+        timeout: Optional[float] = None,
+    ) -> int:
+        """Run ``argv`` as one Horovod rank per namespace; returns the first
+        non-zero exit code (then the other ranks are stopped) or 0."""
+        from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts
+        from horovod.runner.http.http_server import RendezvousServer
+
+        self._procs = []
+        server = RendezvousServer(verbose=0)
+        port = server.start()
+        hosts = parse_hosts(",".join(f"{a}:1" for a in self.addresses))
+        plan = get_host_assignments(hosts, self.workers)
+        server.init(plan)
+        base = dict(os.environ, **(env or {}))
+        base.setdefault("OMP_NUM_THREADS", "1")
+        threads = []
+        try:
+            for slot, ns in zip(plan, self.namespaces):
+                worker_env = dict(
+                    base,
+                    HOROVOD_HOSTNAME=slot.hostname,
+                    HOROVOD_RANK=str(slot.rank),
+                    HOROVOD_SIZE=str(slot.size),
+                    HOROVOD_LOCAL_RANK=str(slot.local_rank),
+                    HOROVOD_LOCAL_SIZE=str(slot.local_size),
+                    HOROVOD_CROSS_RANK=str(slot.cross_rank),
+                    HOROVOD_CROSS_SIZE=str(slot.cross_size),
+                    HOROVOD_GLOO_RENDEZVOUS_ADDR=self.gateway,
+                    HOROVOD_GLOO_RENDEZVOUS_PORT=str(port),
+                    HOROVOD_CONTROLLER="gloo",
+                    HOROVOD_CPU_OPERATIONS="gloo",
+                    HOROVOD_GLOO_IFACE=IFACE,
+                )
+                p = subprocess.Popen(
+                    ["ip", "netns", "exec", ns, *argv],
+                    env=worker_env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    start_new_session=True,
+                )
+                self._procs.append(p)
+                t = threading.Thread(target=_forward, args=(p, slot.rank), daemon=True)
+                t.start()
+                threads.append(t)
+            return self._wait(timeout)
+        finally:
+            for t in threads:
+                t.join(timeout=5)
+            server.stop()
+
+    def _wait(self, timeout: Optional[float]) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            codes = [p.poll() for p in self._procs]
+            failed = [c for c in codes if c not in (None, 0)]
+            if failed:
+                logger.error("a worker exited with %d: stopping the others", failed[0])
+                self.teardown_workers()
+                return failed[0]
+            if all(c == 0 for c in codes):
+                return 0
+            if deadline is not None and time.monotonic() > deadline:
+                logger.error("timed out after %.0f s: stopping the workers", timeout)
+                self.teardown_workers()
+                return 124
+            time.sleep(0.2)
+
+    def teardown_workers(self) -> None:
+        for p in self._procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+
+
+def _forward(p: subprocess.Popen, rank: int) -> None:
+    assert p.stdout is not None
+    for line in p.stdout:
+        sys.stdout.write(f"[{rank}] {line}" if rank else line)
+        sys.stdout.flush()
+
+
+_SINK = """
+import socket, sys, time
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind((sys.argv[1], int(sys.argv[2]))); s.listen(1)
+c, _ = s.accept(); n = 0; t0 = None
+while True:
+    b = c.recv(1 << 20)
+    if not b: break
+    if t0 is None: t0 = time.perf_counter()
+    n += len(b)
+print(8 * n / max(time.perf_counter() - t0, 1e-9))
+"""
+
+_SOURCE = """
+import socket, sys, time
+c = socket.create_connection((sys.argv[1], int(sys.argv[2])))
+buf = b"x" * (1 << 20); end = time.perf_counter() + float(sys.argv[3])
+while time.perf_counter() < end: c.sendall(buf)
+c.close()
+"""
+
+
+def _is_root() -> bool:
+    return os.geteuid() == 0 and shutil.which("ip") is not None and shutil.which("tc") is not None
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(
+        description="Run a command as Horovod ranks on a bandwidth-limited local cluster.",
+        usage="%(prog)s [options] -- COMMAND ...",
+    )
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument(
+        "--bandwidth",
+        default="1gbit",
+        help="per-worker link rate each way: 1gbit, 100mbit, 25mbit, or 'none'",
+    )
+    parser.add_argument("--timeout", type=float, default=None, help="seconds before giving up")
+    parser.add_argument(
+        "--measure",
+        action="store_true",
+        help="measure the achieved TCP bandwidth first (default on)",
+    )
+    parser.add_argument("--no-measure", dest="measure", action="store_false")
+    parser.set_defaults(measure=True)
+    parser.add_argument("command", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("a COMMAND to run is required after --")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    bandwidth = None if args.bandwidth == "none" else parse_rate(args.bandwidth)
+    env = {"DLGS_BANDWIDTH": args.bandwidth, "DLGS_CLUSTER": "netns"}
+    if not _is_root():
+        logger.warning(
+            "not root (or no ip/tc): cannot create network namespaces; falling back to plain "
+            "local horovodrun --gloo on loopback, without a bandwidth limit"
+        )
+        env["DLGS_CLUSTER"] = "loopback"
+        env["DLGS_BANDWIDTH"] = "none"
+        horovodrun = str(Path(sys.executable).parent / "horovodrun")
+        return subprocess.call(
+            [horovodrun, "-np", str(args.workers), "--gloo", *command],
+            env=dict(os.environ, **env),
+            timeout=args.timeout,
+        )
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, stop)
+    with Cluster(args.workers, bandwidth) as cluster:
+        if args.measure and args.workers > 1:
+            measured = cluster.measure_bandwidth()
+            logger.info("achieved TCP bandwidth worker 1 -> 0: %.1f Mbit/s", measured / 1e6)
+            env["DLGS_MEASURED_BPS"] = f"{measured:.0f}"
+        return cluster.run(command, env=env, timeout=args.timeout)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
