@@ -216,7 +216,7 @@ def simulate(
     return Plan(tuple(groups), strategy, exact)
 
 
-def plan_dp(spec: PlanSpec, *, max_group: Optional[int] = None, max_front: int = 16) -> Plan:
+def plan_dp(spec: PlanSpec, *, max_group: Optional[int] = None, max_front: int = 256) -> Plan:
     """The plan that minimises the predicted end of communication.
 
     A DP over prefixes that keeps, per prefix, the Pareto set of
@@ -228,10 +228,14 @@ def plan_dp(spec: PlanSpec, *, max_group: Optional[int] = None, max_front: int =
     the link time of a longer group cannot beat the best state found, since
     a longer group only adds bytes.
     """
+    if isinstance(max_front, bool) or not isinstance(max_front, int) or max_front < 2:
+        raise ValueError(f"max_front must be an int >= 2, got {max_front!r}")
+    if max_group is not None and (not isinstance(max_group, int) or max_group < 1):
+        raise ValueError(f"max_group must be None or an int >= 1, got {max_group!r}")
     L = len(spec.layers)
     if L == 0:
         return Plan((), "dp")
-    width = L if max_group is None else max(1, int(max_group))
+    width = L if max_group is None else max_group
     pre: Dict[str, List[float]] = {}
     for key in ("backward", "sparsify", "pack", "sparse_bytes", "dense_bytes"):
         acc, out = 0.0, [0.0]
@@ -287,12 +291,24 @@ def plan_dp(spec: PlanSpec, *, max_group: Optional[int] = None, max_front: int =
         parts.append((i, j - 1, sparse))
         j, s = i, si
     parts.reverse()
-    return simulate(spec, parts, "dp", exact=exact)
+    plan = simulate(spec, parts, "dp", exact=exact)
+    if not exact:
+        # A thinned front can miss the optimum; never return worse than the
+        # simple plans the search space contains.
+        for part in (_none(spec, [True] * L), [(i, i, False) for i in range(L)]):
+            other = simulate(spec, part, "dp", exact=False)
+            if other.end < plan.end:
+                plan = other
+    return plan
+
+
+def _clocks(state):
+    return state[0], state[1]
 
 
 def _pareto(cands):
     """States not dominated in both clocks, sorted by compute clock."""
-    cands.sort(key=lambda t: (t[0], t[1]))
+    cands.sort(key=_clocks)
     front = []
     best_f = math.inf
     for cand in cands:
@@ -392,6 +408,7 @@ def plan_strategy(
     bucket_elements: int = 8192,
     numel: Sequence[int] = (),
     max_group: Optional[int] = None,
+    max_front: int = 256,
 ) -> Plan:
     """The plan of a named strategy: ``dp`` (optimal under the model), ``none``
     (layer-wise), ``all`` (one message), ``buckets`` (fixed-size merging) or
@@ -401,7 +418,9 @@ def plan_strategy(
     strategies (``dp`` chooses every group's mode itself).
     """
     if strategy == "dp":
-        return plan_dp(spec, max_group=max_group)
+        return plan_dp(spec, max_group=max_group, max_front=max_front)
+    if strategy == "buckets" and len(numel) != len(spec.layers):
+        raise ValueError("merge='buckets' needs numel, the element count of every layer")
     if strategy not in STRATEGIES:
         names = ", ".join(repr(s) for s in ("dp", *STRATEGIES))
         raise ValueError(f"merge must be one of {names}, got {strategy!r}")

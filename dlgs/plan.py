@@ -1,0 +1,855 @@
+"""Predict merge plans and iteration times without a cluster: ``python -m dlgs.plan``.
+
+Two commands, both pure functions of the planner's model
+(:mod:`dlgs.core.planner`); nothing here measures anything:
+
+* ``show`` prints the plan of one model on one assumed cluster (one row per
+  message, :meth:`~dlgs.core.planner.Plan.describe`), its predicted end and
+  the predicted end of plain dense allreduce, layer by layer and fused::
+
+      python -m dlgs.plan show --model resnet50 --workers 8 --bandwidth 10gbit --density 0.01
+
+* ``simulate`` sweeps workers x bandwidths for one or more models and writes
+  ``simulate.csv``, ``simulate.md`` and ``simulate.png`` (speed-up over dense
+  allreduce)::
+
+      python -m dlgs.plan simulate --models resnet50,vgg16,bert-base,ptb-lstm \\
+          --density 0.01 --out benchmarks/results/plan-sim
+
+Model inputs come from :mod:`dlgs.core.catalog` (built-in models with an
+approximate compute model) and :mod:`dlgs.core.netmodel` (ring collectives),
+or from a saved :class:`~dlgs.core.profile.Profile` (``--profile``: measured
+per-layer backward times and fitted collectives). The predicted iteration is
+back-propagation plus the communication that does not overlap it (the plan's
+end); the forward pass and the optimizer step are left out, which would add
+the same time to every method and shrink every speed-up. See
+``docs/planning.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import logging
+import math
+import re
+import shlex
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from dlgs.core.catalog import (
+    DEFAULT_COMPUTE_FLOPS,
+    DEFAULT_KERNEL_S,
+    DEFAULT_LATENCY_S,
+    DEFAULT_MEM_BW,
+    MODELS,
+    catalog_model,
+    catalog_profile,
+)
+from dlgs.core.config import SparsityConfig
+from dlgs.core.netmodel import allgather_cost, allreduce_cost
+from dlgs.core.planner import STRATEGIES, Plan, PlanSpec, plan_dp, plan_strategy, simulate
+from dlgs.core.profile import Profile, build_spec
+
+__all__ = [
+    "CSV_FIELDS",
+    "METHODS",
+    "SimRow",
+    "build_parser",
+    "format_bandwidth",
+    "main",
+    "parse_bandwidth",
+    "plan_methods",
+    "plot_simulation",
+    "simulate_grid",
+    "write_csv",
+]
+
+logger = logging.getLogger("dlgs.plan")
+
+#: Methods that ``simulate`` predicts, in report order.
+METHODS: Tuple[str, ...] = ("dense", "dense-fused", "dlgs-layerwise", "dp-dlgs")
+
+_UNITS = {"bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
+_RATE = re.compile(
+    r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*(?:([kmgt]?)(?:bit/s|bitps|bit|bps))?\s*$", re.I
+)
+_BANDWIDTH_RANGE = (
+    "a rate > 0 such as 100mbit, 25gbit or 1e9 (bit/s; units bit, kbit, mbit, gbit, tbit)"
+)
+_MAX_WORKERS = 1_000_000
+_DEFAULT_WORKERS = "2,4,8,16,32,64,128,256,512,1024"
+_DEFAULT_BANDWIDTHS = "1gbit,10gbit,25gbit,100gbit"
+#: Columns of ``simulate.csv``.
+CSV_FIELDS = (
+    "model", "workers", "bandwidth", "bandwidth_bps", "density", "method",
+    "predicted_iteration_s", "speedup_vs_dense", "speedup_vs_dense_fused", "messages",
+    "sparse_messages", "compute_end_s", "exact", "max_group", "max_front",
+)  # fmt: skip
+
+
+# -- parsing ----------------------------------------------------------------------
+
+
+def parse_bandwidth(text: str, option: str = "--bandwidth") -> float:
+    """Bit/s from ``1gbit``, ``100mbit``, ``25mbit``, ``10gbit`` or a plain number.
+
+    Units are case-insensitive and may end in ``/s`` or ``ps`` (``10Gbit/s``,
+    ``10gbps``); a plain number is bit/s.
+
+    Raises:
+        ValueError: not a positive, finite rate (the message names ``option``).
+    """
+    bps = _bandwidth_or_none(text)
+    if bps is None:
+        raise ValueError(f"{option} must be {_BANDWIDTH_RANGE}, got {text!r}")
+    return bps
+
+
+def _bandwidth_or_none(text: str) -> Optional[float]:
+    m = _RATE.match(text)
+    if not m:
+        return None
+    bps = float(m.group(1)) * _UNITS[(m.group(2) or "").lower() + "bit"]
+    return bps if 0 < bps < math.inf else None
+
+
+def format_bandwidth(bps: float) -> str:
+    """The shortest exact spelling, e.g. ``10gbit``, ``100mbit``, ``2.5gbit``."""
+    for unit in ("tbit", "gbit", "mbit", "kbit"):
+        scale = _UNITS[unit]
+        if bps >= scale:
+            return f"{bps / scale:g}{unit}"
+    return f"{bps:g}bit"
+
+
+def _type(parse: Callable[[str], object]) -> Callable[[str], object]:
+    """An argparse ``type=``: argparse prefixes the option's name to the message."""
+
+    def convert(text: str) -> object:
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return convert
+
+
+def _bandwidth_arg(text: str) -> float:
+    bps = _bandwidth_or_none(text)
+    if bps is None:
+        raise ValueError(f"must be {_BANDWIDTH_RANGE}, got {text!r}")
+    return bps
+
+
+def _bandwidth_list(text: str) -> List[float]:
+    items = [t for t in text.split(",") if t.strip()]
+    rates = [_bandwidth_or_none(t) for t in items]
+    if not items or any(r is None for r in rates):
+        raise ValueError(f"must be comma-separated rates, each {_BANDWIDTH_RANGE}, got {text!r}")
+    return [r for r in rates if r is not None]
+
+
+def _workers(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if not 1 <= n <= _MAX_WORKERS:
+        raise ValueError(f"must be an int in [1, {_MAX_WORKERS}], got {text!r}")
+    return n
+
+
+def _workers_list(text: str) -> List[int]:
+    items = [t for t in text.split(",") if t.strip()]
+    try:
+        return [_workers(t) for t in items] if items else [_workers("")]
+    except ValueError:
+        raise ValueError(
+            f"must be comma-separated ints in [1, {_MAX_WORKERS}], got {text!r}"
+        ) from None
+
+
+def _float_in(low: float, high: float, *, low_open: bool, what: str) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            v = math.nan
+        ok = (v > low if low_open else v >= low) and v <= high and math.isfinite(v)
+        if not ok:
+            raise ValueError(f"must be {what}, got {text!r}")
+        return v
+
+    return parse
+
+
+def _int_at_least(low: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            v = low - 1
+        if v < low:
+            raise ValueError(f"must be an int >= {low}, got {text!r}")
+        return v
+
+    return parse
+
+
+def _max_group(text: str) -> Optional[int]:
+    if text.strip().lower() == "none":
+        return None
+    try:
+        v = int(text)
+    except ValueError:
+        v = 0
+    if v < 1:
+        raise ValueError(f"must be an int >= 1 or 'none' (any length), got {text!r}")
+    return v
+
+
+def _model_list(text: str) -> List[str]:
+    models = [m.strip() for m in text.split(",") if m.strip()]
+    unknown = [m for m in models if m not in MODELS]
+    if unknown or not models:
+        raise ValueError(f"must be comma-separated names from {', '.join(MODELS)}, got {text!r}")
+    return models
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m dlgs.plan``."""
+    p = argparse.ArgumentParser(
+        prog="python -m dlgs.plan",
+        description="Predict dlgs merge plans and iteration times from the planner's model.",
+    )
+    sub = p.add_subparsers(dest="command", required=True)
+
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--density",
+        type=_type(_float_in(0, 1, low_open=True, what="a float in (0, 1]")),
+        default=0.01,
+        help="fraction of each sparse layer sent (default: 0.01)",
+    )
+    common.add_argument(
+        "--value-dtype",
+        choices=("float32", "float16"),
+        default="float32",
+        help="dtype of sparse values on the wire (default: float32)",
+    )
+    common.add_argument(
+        "--latency",
+        type=_type(_float_in(0, 10, low_open=False, what="seconds in [0, 10]")),
+        default=DEFAULT_LATENCY_S,
+        help=f"latency of one ring step in seconds (default: {DEFAULT_LATENCY_S:g})",
+    )
+    common.add_argument(
+        "--batch",
+        type=_type(_int_at_least(1)),
+        default=None,
+        help="samples per worker (default: the model's, 32; 20 for ptb-lstm)",
+    )
+    common.add_argument(
+        "--compute-flops",
+        type=_type(_float_in(0, 1e18, low_open=True, what="FLOP/s in (0, 1e18]")),
+        default=DEFAULT_COMPUTE_FLOPS,
+        help=f"sustained FLOP/s of one worker (default: {DEFAULT_COMPUTE_FLOPS:g})",
+    )
+    common.add_argument(
+        "--mem-bw",
+        type=_type(_float_in(0, 1e15, low_open=True, what="bytes/s in (0, 1e15]")),
+        default=DEFAULT_MEM_BW,
+        help=f"memory bandwidth of one worker in bytes/s, for the sparsify and pack costs "
+        f"(default: {DEFAULT_MEM_BW:g})",
+    )
+    common.add_argument(
+        "--max-group",
+        type=_type(_max_group),
+        default=None,
+        help="most layers in one message, or 'none' (default: none)",
+    )
+    common.add_argument(
+        "--max-front",
+        type=_type(_int_at_least(2)),
+        default=16,
+        help="most Pareto states the DP keeps per prefix before thinning (default: 16)",
+    )
+    common.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        help="a saved Profile JSON: measured layers and collectives replace the catalog's",
+    )
+    common.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+
+    show = sub.add_parser(
+        "show",
+        parents=[common],
+        help="print one plan and its predicted times",
+        description="Print the merge plan of one model on one cluster and compare it with "
+        "dense allreduce. With --profile, the profile's layers and fitted collectives are "
+        "used and --model is ignored; giving --bandwidth as well replaces the fitted "
+        "collectives by the analytic ring model at --bandwidth and --workers (default: the "
+        "profile's world size).",
+    )
+    show.add_argument("--model", choices=MODELS, help="built-in model (required without --profile)")
+    show.add_argument(
+        "--workers",
+        type=_type(_workers),
+        default=None,
+        help=f"ranks, an int in [1, {_MAX_WORKERS}] (default: 8, or the profile's)",
+    )
+    show.add_argument(
+        "--bandwidth",
+        type=_type(_bandwidth_arg),
+        default=None,
+        help="link bandwidth, e.g. 1gbit, 100mbit, 25gbit or bit/s (default: 10gbit)",
+    )
+    merges = ("dp", *STRATEGIES)
+    show.add_argument(
+        "--merge",
+        choices=merges,
+        default="dp",
+        help="merge strategy: dp (optimal under the model), none (layer-wise), all, "
+        "buckets, greedy (MG-WFBP/OMGS rule) (default: dp)",
+    )
+    show.add_argument(
+        "--bucket-elements",
+        type=_type(_int_at_least(1)),
+        default=8192,
+        help="--merge buckets: elements per bucket (default: 8192)",
+    )
+
+    sim = sub.add_parser(
+        "simulate",
+        parents=[common],
+        help="sweep workers x bandwidths, write CSV/MD/PNG",
+        description="Predict the iteration time of dp-dlgs, layer-wise sparse dlgs, dense "
+        "allreduce (layer-wise, as Horovod without fusion) and dense-fused (one allreduce) "
+        "for every model, worker count and bandwidth. With --profile, the profile's layers "
+        "and compute costs are swept over the grid with analytic ring collectives.",
+    )
+    sim.add_argument(
+        "--model",
+        action="append",
+        choices=MODELS,
+        default=None,
+        help="a built-in model (repeatable; joins --models)",
+    )
+    sim.add_argument(
+        "--models",
+        type=_type(_model_list),
+        default=None,
+        help=f"comma-separated built-in models (default: {','.join(MODELS)})",
+    )
+    sim.add_argument(
+        "--workers",
+        type=_type(_workers_list),
+        default=_workers_list(_DEFAULT_WORKERS),
+        help=f"comma-separated ranks (default: {_DEFAULT_WORKERS})",
+    )
+    sim.add_argument(
+        "--bandwidths",
+        type=_type(_bandwidth_list),
+        default=_bandwidth_list(_DEFAULT_BANDWIDTHS),
+        help=f"comma-separated link bandwidths (default: {_DEFAULT_BANDWIDTHS})",
+    )
+    sim.add_argument(
+        "--out",
+        type=Path,
+        default=Path("benchmarks/results/plan-sim"),
+        help="output folder (default: benchmarks/results/plan-sim)",
+    )
+    sim.add_argument("--no-plot", action="store_true", help="skip simulate.png")
+    return p
+
+
+# -- planning ---------------------------------------------------------------------
+
+
+def _config(args: argparse.Namespace) -> SparsityConfig:
+    return SparsityConfig(density=args.density, value_dtype=args.value_dtype)
+
+
+def _catalog(args: argparse.Namespace, model: str, workers: int, bps: float) -> Profile:
+    return catalog_profile(
+        model,
+        world_size=workers,
+        bandwidth_bps=bps,
+        latency_s=args.latency,
+        batch=args.batch,
+        compute_flops=args.compute_flops,
+        mem_bw=args.mem_bw,
+        kernel_s=DEFAULT_KERNEL_S,
+    )
+
+
+def _with_network(profile: Profile, workers: int, bps: float, latency_s: float) -> Profile:
+    """``profile`` with its collectives replaced by the ring model."""
+    return Profile(
+        world_size=workers,
+        layers=profile.layers,
+        sparsify=profile.sparsify,
+        pack=profile.pack,
+        allgather=allgather_cost(workers, bps, latency_s),
+        allreduce=allreduce_cost(workers, bps, latency_s),
+    )
+
+
+def plan_methods(
+    spec: PlanSpec,
+    eligible: Sequence[bool],
+    *,
+    max_group: Optional[int] = None,
+    max_front: int = 16,
+) -> Dict[str, Plan]:
+    """The plan of every method in :data:`METHODS` for one planner input.
+
+    * ``dense``: every layer allreduced on its own as soon as it is ready
+      (Horovod without tensor fusion);
+    * ``dense-fused``: all layers packed into one allreduce at the end of
+      back-propagation (Horovod's fusion at its best for latency);
+    * ``dlgs-layerwise``: each layer its own message, sparse where the
+      per-layer rule (``min_sparse_size``, sparse smaller than dense) says so;
+    * ``dp-dlgs``: :func:`~dlgs.core.planner.plan_dp`.
+    """
+    n = len(spec.layers)
+    return {
+        "dense": plan_strategy(spec, "none", eligible=[False] * n),
+        "dense-fused": simulate(spec, [(0, n - 1, False)], "dense-fused"),
+        "dlgs-layerwise": plan_strategy(spec, "none", eligible=eligible),
+        "dp-dlgs": plan_dp(spec, max_group=max_group, max_front=max_front),
+    }
+
+
+# -- show -------------------------------------------------------------------------
+
+
+def _show(args: argparse.Namespace) -> int:
+    if args.profile is not None:
+        profile = Profile.load(args.profile)
+        if args.model is not None:
+            logger.info("--profile given: ignoring --model %s", args.model)
+        if args.bandwidth is not None:
+            workers = args.workers if args.workers is not None else profile.world_size
+            profile = _with_network(profile, workers, args.bandwidth, args.latency)
+            network = (
+                f"ring model: {workers} workers, {format_bandwidth(args.bandwidth)} links, "
+                f"latency {args.latency * 1e6:g} us per step"
+            )
+        elif args.workers is not None:
+            raise ValueError(
+                "--workers with --profile needs --bandwidth too: the profile's fitted "
+                "collectives are not rescaled to another world size"
+            )
+        else:
+            network = (
+                f"fitted collectives at {profile.world_size} workers: allgather "
+                f"{profile.allgather.alpha * 1e6:.1f} us + "
+                f"{profile.allgather.beta * 1e9:.3f} ns/B, "
+                f"allreduce {profile.allreduce.alpha * 1e6:.1f} us + "
+                f"{profile.allreduce.beta * 1e9:.3f} ns/B"
+            )
+        source = f"profile {args.profile} ({len(profile.layers)} tensors)"
+    else:
+        if args.model is None:
+            raise ValueError(f"--model is required without --profile; one of {', '.join(MODELS)}")
+        workers = args.workers if args.workers is not None else 8
+        bps = args.bandwidth if args.bandwidth is not None else 1e10
+        profile = _catalog(args, args.model, workers, bps)
+        model = catalog_model(args.model)
+        batch = args.batch if args.batch is not None else model.batch
+        source = (
+            f"{args.model}: {len(model.layers)} tensors, {model.numel / 1e6:.2f} M parameters, "
+            f"batch {batch} x {model.sample}, compute {args.compute_flops / 1e12:g} TFLOP/s "
+            f"(catalog approximation)"
+        )
+        network = (
+            f"ring model: {workers} workers, {format_bandwidth(bps)} links, "
+            f"latency {args.latency * 1e6:g} us per step"
+        )
+    spec, eligible = build_spec(profile, _config(args), args.density)
+    names = [layer.name for layer in spec.layers]
+    n = len(spec.layers)
+    if args.merge == "dp":
+        plan = plan_dp(spec, max_group=args.max_group, max_front=args.max_front)
+    else:
+        plan = plan_strategy(
+            spec,
+            args.merge,
+            eligible=eligible,
+            bucket_elements=args.bucket_elements,
+            numel=[layer.numel for layer in profile.layers],
+        )
+    dense = plan_strategy(spec, "none", eligible=[False] * n)
+    fused = simulate(spec, [(0, n - 1, False)], "dense-fused")
+    lines = [
+        f"# {source}",
+        f"# {network}; density {args.density:g}, values {args.value_dtype}",
+        plan.describe(names),
+    ]
+    if args.merge == "dp" and not plan.exact:
+        lines.append(
+            f"# note: a Pareto front exceeded --max-front {args.max_front} and was thinned; "
+            "the plan may be slightly worse than the model's optimum"
+        )
+    rows = [
+        (
+            f"predicted end, {args.merge} plan",
+            f"{plan.end * 1e3:.3f} ms ({len(plan.groups)} messages, "
+            f"{sum(g.sparse for g in plan.groups)} sparse)",
+        ),
+        (
+            "predicted end, dense allreduce (layer-wise)",
+            f"{dense.end * 1e3:.3f} ms ({len(dense.groups)} messages)",
+        ),
+        ("predicted end, dense allreduce (fused)", f"{fused.end * 1e3:.3f} ms (1 message)"),
+        ("back-propagation alone", f"{dense.compute_end * 1e3:.3f} ms"),
+        (
+            "speed-up over dense allreduce",
+            f"{dense.end / plan.end:.2f}x layer-wise, {fused.end / plan.end:.2f}x fused",
+        ),
+    ]
+    width = max(len(label) for label, _ in rows) + 1
+    lines += [""] + [f"{label + ':':<{width}} {value}" for label, value in rows]
+    print("\n".join(lines))
+    return 0
+
+
+# -- simulate ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SimRow:
+    """One predicted point of the ``simulate`` grid."""
+
+    model: str
+    workers: int
+    bandwidth_bps: float
+    density: float
+    method: str
+    plan: Plan
+    dense_end: float
+    fused_end: float
+    max_group: Optional[int]
+    max_front: int
+
+    def csv_row(self) -> Dict[str, object]:
+        """The CSV row (times in seconds)."""
+        return {
+            "model": self.model,
+            "workers": self.workers,
+            "bandwidth": format_bandwidth(self.bandwidth_bps),
+            "bandwidth_bps": f"{self.bandwidth_bps:g}",
+            "density": f"{self.density:g}",
+            "method": self.method,
+            "predicted_iteration_s": f"{self.plan.end:.6g}",
+            "speedup_vs_dense": f"{self.dense_end / self.plan.end:.4g}",
+            "speedup_vs_dense_fused": f"{self.fused_end / self.plan.end:.4g}",
+            "messages": len(self.plan.groups),
+            "sparse_messages": sum(g.sparse for g in self.plan.groups),
+            "compute_end_s": f"{self.plan.compute_end:.6g}",
+            "exact": self.plan.exact,
+            "max_group": "none" if self.max_group is None else self.max_group,
+            "max_front": self.max_front,
+        }
+
+
+def simulate_grid(
+    profiles: Callable[[str, int, float], Profile],
+    models: Sequence[str],
+    workers: Sequence[int],
+    bandwidths: Sequence[float],
+    config: SparsityConfig,
+    *,
+    max_group: Optional[int] = None,
+    max_front: int = 16,
+) -> Tuple[List[SimRow], Dict[str, float]]:
+    """Plan every method for every ``(model, workers, bandwidth)``.
+
+    Args:
+        profiles: ``(model, workers, bandwidth_bps) -> Profile``.
+        models, workers, bandwidths: the grid.
+        config: sparsity options; its ``density`` is the one planned for.
+        max_group, max_front: passed to :func:`~dlgs.core.planner.plan_dp`.
+
+    Returns:
+        The rows, and the seconds spent planning each model.
+    """
+    rows: List[SimRow] = []
+    seconds: Dict[str, float] = {}
+    for model in models:
+        t0 = time.perf_counter()
+        for p in workers:
+            for bps in bandwidths:
+                spec, eligible = build_spec(profiles(model, p, bps), config, config.density)
+                plans = plan_methods(spec, eligible, max_group=max_group, max_front=max_front)
+                dense, fused = plans["dense"].end, plans["dense-fused"].end
+                for method in METHODS:
+                    rows.append(
+                        SimRow(
+                            model=model,
+                            workers=p,
+                            bandwidth_bps=bps,
+                            density=config.density,
+                            method=method,
+                            plan=plans[method],
+                            dense_end=dense,
+                            fused_end=fused,
+                            max_group=max_group,
+                            max_front=max_front,
+                        )
+                    )
+            logger.info("%s: %d workers done (%.1f s so far)", model, p, time.perf_counter() - t0)
+        seconds[model] = time.perf_counter() - t0
+        logger.info(
+            "%s: %d cells planned in %.1f s", model, len(workers) * len(bandwidths), seconds[model]
+        )
+    return rows, seconds
+
+
+def write_csv(rows: Sequence[SimRow], path: Path) -> None:
+    """``simulate.csv``: one row per model, workers, bandwidth and method."""
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow(row.csv_row())
+
+
+def _markdown(
+    rows: Sequence[SimRow],
+    seconds: Dict[str, float],
+    args: argparse.Namespace,
+    command: str,
+    models: Sequence[str],
+    source: str,
+) -> str:
+    bws = sorted({r.bandwidth_bps for r in rows})
+    lines = [
+        "# Predicted iteration times: dp-dlgs vs dense allreduce",
+        "",
+        f"Generated by `dlgs/plan.py` ({time.strftime('%Y-%m-%d %H:%M:%S')}). Command:",
+        "",
+        "```",
+        command,
+        "```",
+        "",
+        f"- model inputs: {source}",
+        f"- density {args.density:g}, values {args.value_dtype}, ring-step latency "
+        f"{args.latency * 1e6:g} us, compute {args.compute_flops / 1e12:g} TFLOP/s, memory "
+        f"{args.mem_bw / 1e9:g} GB/s",
+        f"- DP: `max_group={args.max_group}`, `max_front={args.max_front}`; planning time per "
+        "model (all methods, whole grid): "
+        + ", ".join(f"{m} {s:.1f} s" for m, s in seconds.items()),
+        "- every number is a prediction of the planner's model (`dlgs.core.planner.simulate`), "
+        "not a measurement; the iteration is back-propagation plus unhidden communication "
+        "(forward pass and optimizer step left out)",
+        "- `dense`: every layer allreduced alone (Horovod without fusion); `dense-fused`: one "
+        "allreduce of all layers after back-propagation; `dlgs-layerwise`: sparse per layer, "
+        "no merging; `dp-dlgs`: the DP plan",
+        "",
+        "## Speed-up of dp-dlgs over dense (layer-wise) / over dense-fused",
+        "",
+    ]
+    for model in models:
+        cells = {
+            (r.workers, r.bandwidth_bps): r
+            for r in rows
+            if r.model == model and r.method == "dp-dlgs"
+        }
+        if not cells:
+            continue
+        lines += [
+            f"### {model}",
+            "",
+            "| workers | " + " | ".join(format_bandwidth(b) for b in bws) + " |",
+            "|---:|" + "---:|" * len(bws),
+        ]
+        for p in sorted({w for w, _ in cells}):
+            vals = []
+            for b in bws:
+                r = cells.get((p, b))
+                if r is None:
+                    vals.append("")
+                    continue
+                vals.append(
+                    f"{r.dense_end / r.plan.end:.2f}x / {r.fused_end / r.plan.end:.2f}x "
+                    f"({len(r.plan.groups)} msg)"
+                )
+            lines.append(f"| {p} | " + " | ".join(vals) + " |")
+        lines.append("")
+    inexact = sum(1 for r in rows if r.method == "dp-dlgs" and not r.plan.exact)
+    total = sum(1 for r in rows if r.method == "dp-dlgs")
+    lines += [
+        f"DP fronts thinned (`Plan.exact` False) in {inexact} of {total} cells: there the plan "
+        "may be worse than the model's optimum.",
+        "",
+    ]
+    # Every baseline but dense-fused (one group: only when max_group allows) is a
+    # partition the DP searches, so an exact DP is never slower than any of them.
+    ends = {(r.model, r.workers, r.bandwidth_bps, r.method): r.plan.end for r in rows}
+    worse = []
+    for (model, p, bw, method), end in ends.items():
+        if method != "dp-dlgs":
+            continue
+        for base in ("dense", "dlgs-layerwise"):
+            b = ends[(model, p, bw, base)]
+            if end > b * (1 + 1e-9):
+                worse.append(
+                    f"- {model}, {p} workers, {format_bandwidth(bw)}: dp-dlgs "
+                    f"{end * 1e3:.2f} ms > {base} {b * 1e3:.2f} ms (+{end / b - 1:.1%})"
+                )
+    if worse:
+        lines += [
+            "Cells where the thinned DP's plan is slower than a baseline that lies in its own "
+            "search space (a larger `--max-front` narrows or closes the gap; see "
+            "docs/planning.md):",
+            "",
+            *worse,
+            "",
+        ]
+    return "\n".join(lines)
+
+
+def plot_simulation(rows: Sequence[SimRow], models: Sequence[str], path: Path, title: str) -> None:
+    """``simulate.png``: speed-up over dense vs workers, one panel per model,
+    one colour per bandwidth; solid dp-dlgs, dashed dense-fused."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ncols = min(2, len(models))
+    nrows = math.ceil(len(models) / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(6.0 * ncols, 4.2 * nrows), squeeze=False)
+    bws = sorted({r.bandwidth_bps for r in rows})
+    colours = plt.get_cmap("viridis")([i / max(1, len(bws) - 1) * 0.85 for i in range(len(bws))])
+    for ax, model in zip(axes.flat, models):
+        for bw, colour in zip(bws, colours):
+            for method, style in (("dp-dlgs", "-"), ("dense-fused", "--")):
+                pts = sorted(
+                    (r.workers, r.dense_end / r.plan.end)
+                    for r in rows
+                    if r.model == model and r.bandwidth_bps == bw and r.method == method
+                )
+                if not pts:
+                    continue
+                label = f"{format_bandwidth(bw)} {method}"
+                ax.plot(
+                    [x for x, _ in pts],
+                    [y for _, y in pts],
+                    style,
+                    color=colour,
+                    marker="o" if method == "dp-dlgs" else None,
+                    ms=3.5,
+                    label=label,
+                )
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(model)
+        ax.set_xlabel("workers")
+        ax.set_ylabel("speed-up over dense allreduce (layer-wise)")
+        ax.grid(True, which="both", alpha=0.3)
+    for ax in list(axes.flat)[len(models) :]:
+        ax.axis("off")
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(
+        handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize=8, frameon=False
+    )
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout(rect=(0, 0.07, 1, 0.96))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _simulate(args: argparse.Namespace, command: str) -> int:
+    config = _config(args)
+    profiles: Callable[[str, int, float], Profile]
+    if args.profile is not None:
+        if args.model or args.models:
+            logger.info("--profile given: ignoring --model/--models")
+        base = Profile.load(args.profile)
+        models = [f"profile:{args.profile.stem}"]
+        source = (
+            f"profile {args.profile} ({len(base.layers)} tensors; measured compute, "
+            "ring-model collectives)"
+        )
+
+        def profiles(model: str, p: int, bps: float) -> Profile:
+            return _with_network(base, p, bps, args.latency)
+
+    else:
+        models = list(dict.fromkeys((args.model or []) + (args.models or [])))
+        models = models or list(MODELS)
+        source = (
+            "built-in catalog (`dlgs.core.catalog`: approximate compute model) and ring "
+            "collectives (`dlgs.core.netmodel`)"
+        )
+
+        def profiles(model: str, p: int, bps: float) -> Profile:
+            return _catalog(args, model, p, bps)
+
+    logger.info(
+        "simulating %s x workers %s x bandwidths %s at density %g (dp max_group=%s, max_front=%d)",
+        ",".join(models),
+        ",".join(map(str, args.workers)),
+        ",".join(format_bandwidth(b) for b in args.bandwidths),
+        args.density,
+        args.max_group,
+        args.max_front,
+    )
+    rows, seconds = simulate_grid(
+        profiles,
+        models,
+        args.workers,
+        args.bandwidths,
+        config,
+        max_group=args.max_group,
+        max_front=args.max_front,
+    )
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_csv(rows, args.out / "simulate.csv")
+    (args.out / "simulate.md").write_text(_markdown(rows, seconds, args, command, models, source))
+    written = ["simulate.csv", "simulate.md"]
+    if not args.no_plot:
+        plot_simulation(
+            rows,
+            models,
+            args.out / "simulate.png",
+            f"predicted speed-up over layer-wise dense allreduce (solid: dp-dlgs, dashed: "
+            f"dense-fused); density {args.density:g}, ring-step latency "
+            f"{args.latency * 1e6:g} us, {args.compute_flops / 1e12:g} TFLOP/s",
+        )
+        written.append("simulate.png")
+    logger.info("wrote %s to %s", ", ".join(written), args.out)
+    print(f"wrote {len(rows)} rows to {args.out / 'simulate.csv'}")
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of ``python -m dlgs.plan``; returns the exit status.
+
+    Raises:
+        SystemExit: bad options (argparse's error, naming the option).
+        ValueError: options that conflict (the message names them).
+    """
+    raw = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(raw)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(
+            level=logging.DEBUG if args.verbose else logging.INFO,
+            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        )
+    if args.command == "show":
+        return _show(args)
+    return _simulate(args, "python -m dlgs.plan " + shlex.join(raw))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
