@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install test test-fast bench lint
+.PHONY: install test test-fast bench bench-kernels lint
 
 install:
 	bash tools/install.sh
@@ -13,7 +13,14 @@ test: install
 test-fast: install
 	$(PY) -m pytest -q tests -m "not slow"
 
+# The main job: dense Horovod against dlgs on the PTB LSTM, 2 workers on a 1 Gbit/s
+# local cluster (network namespaces + tc when root; plain loopback otherwise).
 bench: install
+	$(PY) -m benchmarks.cluster --workers 2 --bandwidth 1gbit -- \
+	  $(PY) -m benchmarks.train --model lstm --batch 20 --methods no-comm,dense,dlgs \
+	  --steps 20 --warmup 8 --out benchmarks/results/main
+
+bench-kernels: install
 	$(PY) -m benchmarks.kernels --sizes 1e4,1e5,1e6,1e7,2.5e7 --out benchmarks/results/kernels-cpu
 
 lint:

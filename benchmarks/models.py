@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["FashionCNN", "ResNet20"]
+__all__ = ["FashionCNN", "ResNet20", "VGG16", "LSTMLM", "BertSmall"]
 
 
 class FashionCNN(nn.Module):
@@ -67,3 +67,127 @@ class ResNet20(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.layers(torch.relu(self.bn(self.conv(x))))
         return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(out, 1), 1))
+
+
+# VGG-16's convolution stages for 32x32 inputs (configuration D of Simonyan &
+# Zisserman, with batch-norm): (width, convs); each stage ends in a 2x2 max-pool.
+_VGG16_STAGES = ((64, 2), (128, 2), (256, 3), (512, 3), (512, 3))
+
+
+class VGG16(nn.Module):
+    """VGG-16 with batch-norm for 32x32 inputs (CIFAR-style): 13 3x3 conv
+    layers, then a 512->512->512->classes classifier (15.25 M parameters;
+    ``deep_classifier=False``: one 512->classes layer, 14.73 M). Few, large
+    tensors: the bandwidth-bound counterpart of :class:`ResNet20`."""
+
+    def __init__(self, num_classes: int = 10, deep_classifier: bool = True):
+        super().__init__()
+        layers: list = []
+        cin = 3
+        for width, convs in _VGG16_STAGES:
+            for _ in range(convs):
+                layers += [nn.Conv2d(cin, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU()]
+                cin = width
+            layers.append(nn.MaxPool2d(2))
+        self.features = nn.Sequential(*layers)
+        if deep_classifier:
+            self.classifier = nn.Sequential(
+                nn.Linear(512, 512),
+                nn.ReLU(),
+                nn.Linear(512, 512),
+                nn.ReLU(),
+                nn.Linear(512, num_classes),
+            )
+        else:
+            self.classifier = nn.Linear(512, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(torch.flatten(self.features(x), 1))
+
+
+class LSTMLM(nn.Module):
+    """Word-level LSTM language model for Penn Treebank (Zaremba et al.'s small
+    configuration): embedding, two LSTM layers, linear decoder over the vocabulary.
+
+    With the defaults (vocabulary 10000, 200 wide, untied) it has 4.65 M
+    parameters, 86% of them in the embedding and the decoder: two large tensors
+    whose gradients are dense (``nn.Embedding(sparse=False)``).
+
+    Args:
+        vocab: vocabulary size.
+        emb: embedding width (must equal ``hidden`` when ``tied``).
+        hidden: LSTM width.
+        layers: LSTM layers.
+        dropout: dropout on the embedding, between layers and before the decoder.
+        tied: share the embedding matrix with the decoder (Press & Wolf, 2017).
+
+    ``forward`` takes ``(batch, seq)`` token ids and returns ``(batch, seq, vocab)``
+    logits; every sequence starts from a zero state (no state carried between
+    batches).
+    """
+
+    def __init__(
+        self,
+        vocab: int = 10000,
+        emb: int = 200,
+        hidden: int = 200,
+        layers: int = 2,
+        dropout: float = 0.0,
+        tied: bool = False,
+    ):
+        super().__init__()
+        if tied and emb != hidden:
+            raise ValueError(f"tied=True needs emb == hidden, got emb={emb}, hidden={hidden}")
+        self.embedding = nn.Embedding(vocab, emb)
+        self.drop = nn.Dropout(dropout)
+        self.lstm = nn.LSTM(
+            emb, hidden, layers, batch_first=True, dropout=dropout if layers > 1 else 0.0
+        )
+        self.decoder = nn.Linear(hidden, vocab)
+        if tied:
+            self.decoder.weight = self.embedding.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        out, _ = self.lstm(self.drop(self.embedding(tokens)))
+        return self.decoder(self.drop(out))
+
+
+class BertSmall(nn.Module):
+    """A small BERT-like encoder with a masked-LM head: token and learned
+    position embeddings, ``layers`` post-norm ``nn.TransformerEncoderLayer``
+    blocks (GELU), and a decoder over the vocabulary tied to the token embedding.
+
+    The defaults (4 layers, 512 wide, 8 heads, FFN 2048, vocabulary 8000,
+    sequences of 128) give 17.0 M parameters: a mid-sized, transformer-shaped
+    gradient (many 0.26-1 M matrices plus one 4.1 M embedding).
+
+    ``forward`` takes ``(batch, seq)`` token ids and returns ``(batch, seq, vocab)``
+    logits.
+    """
+
+    def __init__(
+        self,
+        vocab: int = 8000,
+        hidden: int = 512,
+        layers: int = 4,
+        heads: int = 8,
+        ffn: int = 2048,
+        max_len: int = 128,
+        dropout: float = 0.0,
+    ):
+        super().__init__()
+        self.token = nn.Embedding(vocab, hidden)
+        self.position = nn.Embedding(max_len, hidden)
+        self.norm = nn.LayerNorm(hidden)
+        block = nn.TransformerEncoderLayer(
+            hidden, heads, ffn, dropout=dropout, activation="gelu", batch_first=True
+        )
+        self.encoder = nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
+        self.head = nn.Sequential(nn.Linear(hidden, hidden), nn.GELU(), nn.LayerNorm(hidden))
+        self.decoder = nn.Linear(hidden, vocab)
+        self.decoder.weight = self.token.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.norm(self.token(tokens) + self.position(pos))
+        return self.decoder(self.head(self.encoder(x)))

@@ -94,7 +94,7 @@ def test_generated_class_mirrors_horovod():
     assert {r["name"] for r in sparse} == {"0.weight", "2.weight"}
     for r in sparse:
         assert r["sent"] == min(r["selected"], r["capacity"])
-        assert r["wire_bytes"] == 8 * r["capacity"]
+        assert r["wire_bytes"] == 4 + 8 * r["capacity"]
         assert r["threshold"] > 0
     assert "dlgs" in opt.state_dict()
 

@@ -354,7 +354,7 @@ class SparseExchange:
         if biggest and (self._scratch_abs is None or ops.numel(self._scratch_abs) < biggest):
             self._scratch_abs = ops.zeros(biggest, "float32", like)
             self._scratch_mask = ops.zeros(biggest, "bool", like)
-        logger.info(
+        logger.debug(
             "dlgs layout at step %d: density %g, %d layers in %d messages (%d sparse)",
             self.step,
             density,
@@ -514,6 +514,7 @@ class SparseExchange:
         (selected / numel), threshold, wire_bytes (this rank, per step).
         """
         ops = self.ops
+        vbytes = 2 if self.config.value_dtype is ValueDType.FLOAT16 else 4
         rows = []
         for layer in self.layers:
             plan = layer.plan
@@ -526,7 +527,9 @@ class SparseExchange:
                 "sparse": sparse,
                 "k": plan.k,
                 "capacity": plan.capacity,
-                "wire_bytes": 8 * plan.capacity if sparse else 4 * layer.numel,
+                # This rank's contribution: count word, values and indices, or the
+                # float32 gradient (before any Horovod compression of dense layers).
+                "wire_bytes": 4 + plan.capacity * (vbytes + 4) if sparse else 4 * layer.numel,
                 "message": layer.group,
             }
             if sparse and layer.count is not None:

@@ -34,8 +34,10 @@ logger = logging.getLogger(__name__)
 
 MERGE_STRATEGIES = ("dp", "none", "all", "buckets", "greedy")
 
-# Probe message sizes (bytes of one rank's chunk / of the allreduced buffer).
-_PROBE_BYTES = (4 << 10, 64 << 10, 256 << 10, 1 << 20)
+# Probe message sizes (bytes of one rank's chunk / of the allreduced buffer):
+# from 4 KiB up to the model's dense size, at most 4 MiB, so that the fitted
+# slope covers the messages the plan will send.
+_PROBE_MIN, _PROBE_MAX = 4 << 10, 4 << 20
 
 
 class OnlinePlanner:
@@ -127,6 +129,11 @@ class OnlinePlanner:
         elif ex.step >= self.skip_steps:
             ex.trace = {"arrive": {}, "done": {}}  # time the next step
 
+    @property
+    def ready(self) -> bool:
+        """Whether a plan has been made (it applies from the following step)."""
+        return self.plan is not None
+
     def restart(self) -> None:
         """Profile again from the next step and re-plan (call on every rank at
         the same step, between steps)."""
@@ -194,7 +201,12 @@ class OnlinePlanner:
         ops, comm, clock = ex.ops, ex.comm, ex.clock
         like = ex.like
         sizes, times = [], []
-        for nbytes in _PROBE_BYTES:
+        top = min(_PROBE_MAX, max(_PROBE_MIN * 16, 4 * sum(layer.numel for layer in ex.layers)))
+        probes, nbytes = [], _PROBE_MIN
+        while nbytes < top:
+            probes.append(nbytes)
+            nbytes *= 4
+        for nbytes in probes + [top]:
             words = nbytes // 4
             buf = ops.zeros(words, "int32" if kind == "allgather" else "float32", like)
             name = f"{ex.prefix}.probe.{kind}.{nbytes}"
@@ -207,8 +219,17 @@ class OnlinePlanner:
                     comm.synchronize(comm.allreduce_async(buf, name))
                 samples.append(clock() - t0)
             sizes.append(float(nbytes))
-            times.append(statistics.median(samples[1:]))
-        return fit_cost_model(sizes, times)
+            # The minimum: other work on the machine only ever adds time.
+            times.append(min(samples[1:]))
+        model = fit_cost_model(sizes, times)
+        if model.beta == 0.0:
+            logger.warning(
+                "dlgs: %s times did not grow with size (%s): the plan will treat bytes as "
+                "free; profile again on a quieter machine (opt.dlgs_reprofile())",
+                kind,
+                ", ".join(f"{s / 1024:.0f} KiB {t * 1e3:.2f} ms" for s, t in zip(sizes, times)),
+            )
+        return model
 
     def _probe_copy(self, ex) -> CostModel:
         ops, clock = ex.ops, ex.clock

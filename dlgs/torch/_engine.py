@@ -184,8 +184,9 @@ def build_exchange(
     return exchange
 
 
-def build_planner(merge: str, options: Dict[str, Any]) -> OnlinePlanner:
-    """The online planner for ``merge=`` and its keyword options."""
+def build_planner(merge: str, **options: Any) -> OnlinePlanner:
+    """The online planner for ``merge=`` and its keyword options
+    (``profile_steps``, ``bucket_elements``, ``max_group``)."""
     if not isinstance(merge, str):
         raise TypeError(f"merge must be a str, got {type(merge).__name__}")
     return OnlinePlanner(merge, **options)

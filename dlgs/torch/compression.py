@@ -77,8 +77,7 @@ class Compression:
             raise ValueError(f"log_every must be an int >= 0, got {log_every!r}")
         cfg = build_config(config, density, options)
         planner = build_planner(
-            merge,
-            dict(profile_steps=profile_steps, bucket_elements=bucket_elements, max_group=max_group),
+            merge, profile_steps=profile_steps, bucket_elements=bucket_elements, max_group=max_group
         )
         params = named_trainable(named_parameters)
         if not params:

@@ -268,8 +268,7 @@ def DistributedOptimizer(
         raise ValueError(f"log_every must be an int >= 0, got {log_every!r}")
     cfg = build_config(config, density, options)
     planner = build_planner(
-        merge,
-        dict(profile_steps=profile_steps, bucket_elements=bucket_elements, max_group=max_group),
+        merge, profile_steps=profile_steps, bucket_elements=bucket_elements, max_group=max_group
     )
     methods = {k: v for k, v in _SparseOverrides.__dict__.items() if k not in _NOT_COPIED}
     cls = type(

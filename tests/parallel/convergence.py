@@ -54,6 +54,9 @@ def run(method: str, epochs: int, data):
             density=float(method),
             momentum=0.9,
             min_sparse_size=256,
+            # Layer-wise: every layer above min_sparse_size really goes sparse
+            # (a DP plan could send some dense, which would flatter the result).
+            merge="none",
         )
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     acc, ratios, step = [], {}, 0

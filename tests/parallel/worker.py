@@ -374,10 +374,31 @@ def dtypes_and_frozen():
     return out
 
 
-@scenario
-def resume():
-    """Checkpoint after 4 steps, resume in fresh objects: same as 8 uninterrupted steps."""
+def _checkpoint(model, opt, keep_dlgs=True):
+    """Round-trip model and optimizer state through torch.save / torch.load."""
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=False)
+    if not keep_dlgs:
+        ckpt["opt"].pop("dlgs")
+    return ckpt
 
+
+def _resume_run(make, total, at, keep_dlgs=True):
+    """Digests of steps at..total-1: the run going on after its checkpoint at
+    step ``at``, and fresh objects resumed from that checkpoint."""
+    model, opt = make()
+    train(model, opt, at)
+    ckpt = _checkpoint(model, opt, keep_dlgs)
+    straight = train(model, opt, total - at, start=at)
+    model, opt = make()
+    model.load_state_dict(ckpt["model"])
+    opt.load_state_dict(ckpt["opt"])
+    return straight, train(model, opt, total - at, start=at)
+
+
+def _resume_model(**opts):
     def make():
         model = mlp(5)
         opt = dlgs.torch.DistributedOptimizer(
@@ -385,60 +406,28 @@ def resume():
             named_parameters=model.named_parameters(),
             density=0.05,
             min_sparse_size=64,
-            merge="none",
-            anchor_every=3,
+            **opts,
         )
         return model, opt
 
-    model, opt = make()
-    straight = train(model, opt, 8)
-    model, opt = make()
-    train(model, opt, 4)
-    buf = io.BytesIO()
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
-    buf.seek(0)
-    ckpt = torch.load(buf, weights_only=False)
-    model, opt = make()
-    model.load_state_dict(ckpt["model"])
-    opt.load_state_dict(ckpt["opt"])
-    resumed = train(model, opt, 4, start=4)
+    return make
+
+
+@scenario
+def resume():
+    """Checkpoint mid-run, resume in fresh objects: same as the uninterrupted run,
+    layer-wise and with a DP plan in force (profiled 2 steps, planned, then saved)."""
+    layerwise = _resume_model(merge="none", anchor_every=3)
+    straight, resumed = _resume_run(layerwise, 8, 4)
     # Negative control: without dlgs' residuals and thresholds the run differs,
     # so the comparison above can fail.
-    model, opt = make()
-    model.load_state_dict(ckpt["model"])
-    opt.load_state_dict({k: v for k, v in ckpt["opt"].items() if k != "dlgs"})
-    without = train(model, opt, 4, start=4)
-
-    # With the DP planner: profile 2 steps, plan, checkpoint after the plan is in force.
-    def make_dp():
-        model = mlp(5)
-        opt = dlgs.torch.DistributedOptimizer(
-            torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
-            named_parameters=model.named_parameters(),
-            density=0.05,
-            min_sparse_size=64,
-            merge="dp",
-            profile_steps=2,
-        )
-        return model, opt
-
-    model, opt = make_dp()
-    straight_dp = train(model, opt, 10)
-    model, opt = make_dp()
-    train(model, opt, 6)
-    buf = io.BytesIO()
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
-    buf.seek(0)
-    ckpt = torch.load(buf, weights_only=False)
-    model, opt = make_dp()
-    model.load_state_dict(ckpt["model"])
-    opt.load_state_dict(ckpt["opt"])
-    resumed_dp = train(model, opt, 4, start=6)
+    _, without = _resume_run(layerwise, 8, 4, keep_dlgs=False)
+    straight_dp, resumed_dp = _resume_run(_resume_model(merge="dp", profile_steps=2), 10, 6)
     return {
-        "straight": straight[4:],
+        "straight": straight,
         "resumed": resumed,
         "without_dlgs_state": without,
-        "straight_dp": straight_dp[6:],
+        "straight_dp": straight_dp,
         "resumed_dp": resumed_dp,
     }
 
