@@ -17,6 +17,7 @@ SCENARIOS = [
     "sparse_training_identical",
     "forms_agree",
     "merge_strategies",
+    "drift_replans",
     "exact_reconstruction",
     "conservation",
     "dtypes_and_frozen",
@@ -116,3 +117,10 @@ def test_rank_disagreement_is_an_error_not_a_hang(ranks):
     for r, v in enumerate(value(ranks, "mismatch")):
         assert v["model"] and "shape" in v["model"], f"rank {r}: {v['model']!r}"
         assert v["options"] and "density" in v["options"], f"rank {r}: {v['options']!r}"
+
+
+def test_drift_in_step_time_makes_every_rank_replan(ranks):
+    r0, r1 = value(ranks, "drift_replans")
+    assert r0["made_before"] == 1, r0
+    assert r0["plans_made"] >= 2, f"no re-plan after the step slowed down: {r0}"
+    assert r0 == r1, "ranks disagree on when they re-planned"

@@ -240,6 +240,10 @@ class SparseExchange:
         self._dense_offsets: Dict[int, int] = {}
         #: A tensor on the exchange's device (the first gradient seen).
         self.like: Any = None
+        #: Seconds from the first gradient of the last step to the end of its
+        #: wait() (host clock, no device synchronisation).
+        self.last_step_seconds: Optional[float] = None
+        self._step_start: Optional[float] = None
         #: Called with the exchange at the end of every step (profiling, planning).
         self.step_hooks: List[Any] = []
         self.trace: Optional[Dict[str, Any]] = None
@@ -382,6 +386,8 @@ class SparseExchange:
             raise RuntimeError(f"gradient of {layer.name!r} submitted twice in one step")
         if self._density is None or self.density != self._density:
             self._relayout(grad)
+        if self._step_start is None:
+            self._step_start = time.perf_counter()  # never synchronises a device
         trace = self.trace
         if trace is not None:
             t0 = self.clock()
@@ -498,6 +504,9 @@ class SparseExchange:
             group.ready = 0
             group.handle = None
         self._submitted.clear()
+        if self._step_start is not None:
+            self.last_step_seconds = time.perf_counter() - self._step_start
+            self._step_start = None
         if self.trace is not None:
             self.trace["waited"] = self.clock()
         self.step += 1

@@ -54,6 +54,10 @@ class OnlinePlanner:
         profile: a ready profile: skip measuring and plan at once.
         record: keep timing every step after planning (one clock read per
             layer per step; on CUDA each read synchronises) into ``timings``.
+        drift_tolerance / drift_window: re-profile when the median step of a
+            ``drift_window``-step window moves by more than ``drift_tolerance``
+            (relative) from the first window after the plan; ``drift_window=0``
+            never re-profiles on its own. One tiny broadcast per window.
     """
 
     def __init__(
@@ -67,6 +71,8 @@ class OnlinePlanner:
         probe_reps: int = 3,
         profile: Optional[Profile] = None,
         record: bool = False,
+        drift_tolerance: float = 0.25,
+        drift_window: int = 50,
     ):
         if strategy not in MERGE_STRATEGIES:
             names = ", ".join(repr(s) for s in MERGE_STRATEGIES)
@@ -85,6 +91,16 @@ class OnlinePlanner:
         self.bucket_elements = bucket_elements
         self.max_group = max_group
         self.probe_reps = probe_reps
+        if not (isinstance(drift_tolerance, (int, float)) and drift_tolerance > 0):
+            raise ValueError(f"drift_tolerance must be a float > 0, got {drift_tolerance!r}")
+        if isinstance(drift_window, bool) or not isinstance(drift_window, int) or drift_window < 0:
+            raise ValueError(f"drift_window must be an int >= 0, got {drift_window!r}")
+        self.drift_tolerance = float(drift_tolerance)
+        self.drift_window = drift_window
+        self._ratios: List[float] = []
+        self._baseline: Optional[float] = None
+        #: How many plans have been made (1 + re-plans after drift or restart).
+        self.plans_made = 0
         self.profile = profile
         self.record = record
         #: With ``record``: per step after planning, the plan's predicted end of
@@ -105,6 +121,7 @@ class OnlinePlanner:
             if self.plan is None:
                 self._replan(ex)
             assert self.plan is not None
+            self._check_drift(ex)
             if self.record:
                 if ex.trace is not None and ex.trace["arrive"]:
                     t = ex.trace
@@ -129,6 +146,35 @@ class OnlinePlanner:
         elif ex.step >= self.skip_steps:
             ex.trace = {"arrive": {}, "done": {}}  # time the next step
 
+    def _check_drift(self, ex) -> None:
+        """Re-profile when the measured step drifts from what the plan was made for.
+
+        The ratio of measured (first gradient to end of wait) to predicted end
+        is calibrated over the first ``drift_window`` steps after a plan; when
+        a later window's median moves by more than ``drift_tolerance``, rank
+        0's verdict is broadcast and every rank profiles again.
+        """
+        if not self.drift_window or self.strategy == "none" or ex.last_step_seconds is None:
+            return
+        assert self.plan is not None
+        self._ratios.append(ex.last_step_seconds / max(self.plan.end, 1e-9))
+        if len(self._ratios) < self.drift_window:
+            return
+        ratio = statistics.median(self._ratios)
+        self._ratios = []
+        if self._baseline is None:
+            self._baseline = ratio
+            return
+        drift = ratio / self._baseline - 1.0
+        if ex.comm.broadcast_object(abs(drift) > self.drift_tolerance):
+            logger.info(
+                "dlgs: step time drifted %+.0f%% from the plan's calibration at step %d: "
+                "profiling again",
+                drift * 100,
+                ex.step,
+            )
+            self.restart()
+
     @property
     def ready(self) -> bool:
         """Whether a plan has been made (it applies from the following step)."""
@@ -136,10 +182,12 @@ class OnlinePlanner:
 
     def restart(self) -> None:
         """Profile again from the next step and re-plan (call on every rank at
-        the same step, between steps)."""
+        the same step, between steps). The current plan stays in force meanwhile."""
         self.profile = None
         self.plan = None
         self._traces = []
+        self._ratios = []
+        self._baseline = None
 
     def on_density(self, ex, density: float) -> None:
         """The density changed: re-plan from the same profile (all ranks)."""
@@ -264,6 +312,8 @@ class OnlinePlanner:
             max_group=self.max_group,
         )
         self.plan = plan
+        self.plans_made += 1
+        self._ratios, self._baseline = [], None  # calibrate drift against this plan
         self._density = d
         groups = [([self.order[p] for p in g.members], g.sparse) for g in plan.groups]
         if defer:

@@ -69,6 +69,8 @@ class Compression:
         profile_steps: int = 5,
         bucket_elements: int = 8192,
         max_group: Optional[int] = None,
+        drift_tolerance: float = 0.25,
+        drift_window: int = 50,
         process_set=hvd.global_process_set,
         log_every: int = 0,
         **options: Any,
@@ -77,7 +79,12 @@ class Compression:
             raise ValueError(f"log_every must be an int >= 0, got {log_every!r}")
         cfg = build_config(config, density, options)
         planner = build_planner(
-            merge, profile_steps=profile_steps, bucket_elements=bucket_elements, max_group=max_group
+            merge,
+            profile_steps=profile_steps,
+            bucket_elements=bucket_elements,
+            max_group=max_group,
+            drift_tolerance=drift_tolerance,
+            drift_window=drift_window,
         )
         params = named_trainable(named_parameters)
         if not params:

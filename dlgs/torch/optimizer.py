@@ -208,6 +208,8 @@ def DistributedOptimizer(
     profile_steps: int = 5,
     bucket_elements: int = 8192,
     max_group: Optional[int] = None,
+    drift_tolerance: float = 0.25,
+    drift_window: int = 50,
     log_every: int = 0,
     **options: Any,
 ) -> torch.optim.Optimizer:
@@ -230,6 +232,10 @@ def DistributedOptimizer(
         bucket_elements: elements per bucket for ``merge="buckets"``.
         max_group: most layers in one message for ``merge="dp"`` (None: any;
             bounds planning time on models with hundreds of layers).
+        drift_tolerance, drift_window: profile again and re-plan when the
+            median step time of a ``drift_window``-step window moves by more
+            than ``drift_tolerance`` from the first window after the plan
+            (``drift_window=0``: never on its own).
         log_every: log per-layer statistics to the ``dlgs.torch`` logger every
             this many steps (0: never). Each log synchronises the device once.
         **options: any other :class:`dlgs.SparsityConfig` field (``controller``,
@@ -268,7 +274,12 @@ def DistributedOptimizer(
         raise ValueError(f"log_every must be an int >= 0, got {log_every!r}")
     cfg = build_config(config, density, options)
     planner = build_planner(
-        merge, profile_steps=profile_steps, bucket_elements=bucket_elements, max_group=max_group
+        merge,
+        profile_steps=profile_steps,
+        bucket_elements=bucket_elements,
+        max_group=max_group,
+        drift_tolerance=drift_tolerance,
+        drift_window=drift_window,
     )
     methods = {k: v for k, v in _SparseOverrides.__dict__.items() if k not in _NOT_COPIED}
     cls = type(

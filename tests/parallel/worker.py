@@ -232,6 +232,42 @@ def merge_strategies():
     return out
 
 
+@scenario
+def drift_replans():
+    """A step that gets much slower after planning (a 64x larger batch) makes
+    every rank profile again and re-plan, together."""
+    model = mlp(10, hidden=256)
+    opt = dlgs.torch.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.01),
+        named_parameters=model.named_parameters(),
+        density=0.05,
+        min_sparse_size=64,
+        merge="dp",
+        profile_steps=2,
+        drift_window=3,
+        drift_tolerance=0.5,
+    )
+    planner = opt.dlgs_planner
+    steps, made_before = 0, None
+    for s in range(40):
+        n = 16 if made_before is None else 1024
+        opt.zero_grad()
+        x, y = batch(s, n)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        steps += 1
+        if made_before is None and planner.ready and planner._baseline is not None:
+            made_before = planner.plans_made  # calibrated: now slow the step down
+        if made_before is not None and planner.plans_made > made_before:
+            break
+    return {
+        "plans_made": planner.plans_made,
+        "made_before": made_before,
+        "steps": steps,
+        "digest": digest(model),
+    }
+
+
 def _sparse_grads(model, k_of, seed):
     """Gradients with at most k non-zeros per layer on this rank (some shared positions)."""
     g = torch.Generator().manual_seed(seed)
