@@ -86,6 +86,9 @@ def run_strategy(args, strategy: str) -> List[Dict[str, float]]:
         if step > args.steps + 50:
             raise RuntimeError("the planner did not start recording")
     logger.info("%s: plan\n%s", strategy, planner.plan.describe())
+    if args.save_profile and strategy == "dp" and hvd.rank() == 0:
+        planner.profile.save(args.save_profile)
+        logger.info("saved the measured profile to %s", args.save_profile)
     return rows[-args.steps :]
 
 
@@ -170,6 +173,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--profile-steps", type=int, default=5)
     parser.add_argument("--strategies", default=",".join(STRATEGIES))
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/merge"))
+    parser.add_argument(
+        "--save-profile",
+        type=Path,
+        default=None,
+        help="write the dp run's measured profile (JSON) for python -m dlgs.plan",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if hvd.rank() == 0 else logging.WARNING,
