@@ -149,3 +149,33 @@ def test_fit_cost_model_recovers_line():
     assert math.isclose(model.beta, 3e-9, rel_tol=1e-6)
     with pytest.raises(ValueError, match="alpha"):
         CostModel(-1.0, 0.0)
+
+
+def test_dp_sends_ineligible_layers_only_dense():
+    rng = random.Random(11)
+    for _ in range(40):
+        L = rng.randint(2, 10)
+        spec = random_spec(rng, L)
+        eligible = [rng.random() < 0.6 for _ in range(L)]
+        plan = plan_strategy(spec, "dp", eligible=eligible)
+        for g in plan.groups:
+            if g.sparse:
+                assert all(eligible[g.first : g.last + 1]), (eligible, g)
+        # Still optimal among the plans that respect eligibility (brute force).
+        best = math.inf
+
+        def dfs(i, c, f):
+            nonlocal best
+            if i == L:
+                best = min(best, f)
+                return
+            for j in range(i, L):
+                for sparse in (True, False):
+                    if sparse and not all(eligible[i : j + 1]):
+                        continue
+                    compute, link, _ = spec.group_cost(i, j, sparse)
+                    c2 = c + compute
+                    dfs(j + 1, c2, max(f, c2) + link)
+
+        dfs(0, 0.0, 0.0)
+        assert math.isclose(plan.end, best, rel_tol=1e-12, abs_tol=1e-15)

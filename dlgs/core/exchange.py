@@ -321,8 +321,8 @@ class SparseExchange:
             if i in sparse_layers:
                 if layer.residual is None:
                     layer.residual = ops.zeros(layer.numel + 1, "float32", like)
-                    if self.config.momentum:
-                        layer.velocity = ops.zeros(layer.numel + 1, "float32", like)
+                if self.config.momentum and layer.velocity is None:
+                    layer.velocity = ops.zeros(layer.numel + 1, "float32", like)
                 if old is None or old.k != plan.k or not layer.ctrl:
                     layer.ctrl = self.controller.init_state(ops, like, density)
         self.groups = []
@@ -400,11 +400,22 @@ class SparseExchange:
             if group.ready == len(group.members):
                 group.handle = self.comm.allgather_async(group.chunk, group.name)
         else:
+            n = layer.numel
+            if self.config.momentum:
+                # Momentum correction keeps every layer's velocity locally (the
+                # wrapped optimizer has none); a dense layer sends its velocity,
+                # whose average is what momentum SGD applies to the averaged
+                # gradient. Reduced in place, it leaves every rank the average.
+                if layer.velocity is None:
+                    layer.velocity = ops.zeros(n + 1, "float32", grad)
+                grad = ops.scale_add_(
+                    ops.narrow(layer.velocity, 0, 0, n), self.config.momentum, grad
+                )
             if layer.residual is not None:
                 # The layer went dense (e.g. end of warm-up, or a new plan): send
                 # what it still owes with this gradient, emptying the residual.
-                grad = ops.add_(ops.narrow(layer.residual, 0, 0, layer.numel), grad)
-                layer.residual = layer.velocity = None
+                grad = ops.add_(ops.narrow(layer.residual, 0, 0, n), grad)
+                layer.residual = None
             if self.dense_external:
                 result = grad
                 group.handle = grad
@@ -623,12 +634,13 @@ class SparseExchange:
             plan = layer.plan
             assert plan is not None  # set by _relayout above
             if not self.is_sparse(layer):
-                # Sent dense now: restore what it still owed, flushed next step.
-                layer.residual = layer.velocity = None
-                if own and entry["residual"] is not None:
-                    layer.residual = ops.copy_(
-                        ops.zeros(layer.numel + 1, "float32", like), entry["residual"]
-                    )
+                # Sent dense now: restore what it still owed (flushed next step)
+                # and, with momentum correction, its velocity.
+                for attr in ("residual", "velocity"):
+                    setattr(layer, attr, None)
+                    if own and entry[attr] is not None:
+                        buf = ops.zeros(layer.numel + 1, "float32", like)
+                        setattr(layer, attr, ops.copy_(buf, entry[attr]))
                 continue
             for attr in ("residual", "velocity"):
                 buf = getattr(layer, attr)

@@ -216,7 +216,13 @@ def simulate(
     return Plan(tuple(groups), strategy, exact)
 
 
-def plan_dp(spec: PlanSpec, *, max_group: Optional[int] = None, max_front: int = 256) -> Plan:
+def plan_dp(
+    spec: PlanSpec,
+    *,
+    max_group: Optional[int] = None,
+    max_front: int = 256,
+    eligible: Optional[Sequence[bool]] = None,
+) -> Plan:
     """The plan that minimises the predicted end of communication.
 
     A DP over prefixes that keeps, per prefix, the Pareto set of
@@ -236,6 +242,11 @@ def plan_dp(spec: PlanSpec, *, max_group: Optional[int] = None, max_front: int =
     if L == 0:
         return Plan((), "dp")
     width = L if max_group is None else max_group
+    # Layers that may not go sparse (below min_sparse_size: biases, norms, whose
+    # updates would otherwise wait in the residual) only enter dense messages.
+    barred = [0]
+    for is_ok in eligible if eligible is not None else [True] * L:
+        barred.append(barred[-1] + (0 if is_ok else 1))
     pre: Dict[str, List[float]] = {}
     for key in ("backward", "sparsify", "pack", "sparse_bytes", "dense_bytes"):
         acc, out = 0.0, [0.0]
@@ -261,16 +272,21 @@ def plan_dp(spec: PlanSpec, *, max_group: Optional[int] = None, max_front: int =
             # Any state from this or a longer group has c >= c_min and
             # f >= c_min + its link time, which only grows with the group: once
             # that is no better than a state already at c_min, all are dominated.
-            if c_min + min(link_s, link_d) >= f_at_c_min:
+            if (
+                c_min + (min(link_s, link_d) if barred[j + 1] == barred[i] else link_d)
+                >= f_at_c_min
+            ):
                 break
             comp_s = b + sprs[j + 1] - sprs[i]
             comp_d = b + (pack[j + 1] - pack[i] if j > i else 0.0)
+            may_sparse = barred[j + 1] == barred[i]
             for si, (c0, f0, _) in enumerate(fronts[i]):
-                c = c0 + comp_s
-                f = (f0 if f0 > c else c) + link_s
-                cands.append((c, f, (i, si, True)))
-                if c <= c_min and f < f_at_c_min:
-                    f_at_c_min = f
+                if may_sparse:
+                    c = c0 + comp_s
+                    f = (f0 if f0 > c else c) + link_s
+                    cands.append((c, f, (i, si, True)))
+                    if c <= c_min and f < f_at_c_min:
+                        f_at_c_min = f
                 c = c0 + comp_d
                 f = (f0 if f0 > c else c) + link_d
                 cands.append((c, f, (i, si, False)))
@@ -295,7 +311,8 @@ def plan_dp(spec: PlanSpec, *, max_group: Optional[int] = None, max_front: int =
     if not exact:
         # A thinned front can miss the optimum; never return worse than the
         # simple plans the search space contains.
-        for part in (_none(spec, [True] * L), [(i, i, False) for i in range(L)]):
+        ok = list(eligible) if eligible is not None else [True] * L
+        for part in (_none(spec, ok), [(i, i, False) for i in range(L)]):
             other = simulate(spec, part, "dp", exact=False)
             if other.end < plan.end:
                 plan = other
@@ -418,7 +435,7 @@ def plan_strategy(
     strategies (``dp`` chooses every group's mode itself).
     """
     if strategy == "dp":
-        return plan_dp(spec, max_group=max_group, max_front=max_front)
+        return plan_dp(spec, max_group=max_group, max_front=max_front, eligible=eligible)
     if strategy == "buckets" and len(numel) != len(spec.layers):
         raise ValueError("merge='buckets' needs numel, the element count of every layer")
     if strategy not in STRATEGIES:

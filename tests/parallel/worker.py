@@ -130,6 +130,24 @@ def dense_equivalence():
             diff = (flat_params(model) - flat_params(ref_model)).abs().max().item()
             out[f"{kind}/{form}"] = {"max_diff": diff, "digests": digests}
         out[f"{kind}/reference"] = {"digests": ref_digests}
+    # DGC momentum correction at density 1.0: every layer dense, the momentum kept
+    # by dlgs (the wrapped SGD has none) equals plain momentum SGD.
+    ref_model = mlp(0)
+    ref = hvd.DistributedOptimizer(
+        base_opt("sgd", ref_model), named_parameters=ref_model.named_parameters()
+    )
+    ref_digests = train(ref_model, ref, 5)
+    model = mlp(0)
+    opt = dlgs.torch.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.0),
+        named_parameters=model.named_parameters(),
+        density=1.0,
+        momentum=0.9,
+    )
+    digests = train(model, opt, 5)
+    diff = (flat_params(model) - flat_params(ref_model)).abs().max().item()
+    out["sgd/momentum_correction"] = {"max_diff": diff, "digests": digests}
+    out["sgd/momentum_reference"] = {"digests": ref_digests}
     return out
 
 
