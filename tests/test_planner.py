@@ -164,7 +164,7 @@ def test_dp_sends_ineligible_layers_only_dense():
         # Still optimal among the plans that respect eligibility (brute force).
         best = math.inf
 
-        def dfs(i, c, f):
+        def dfs(i, c, f, L=L, eligible=eligible, spec=spec):
             nonlocal best
             if i == L:
                 best = min(best, f)

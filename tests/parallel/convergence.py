@@ -53,7 +53,7 @@ def run(method: str, epochs: int, data):
             named_parameters=model.named_parameters(),
             density=float(method),
             momentum=0.9,
-            min_sparse_size=256,
+            min_sparse_size=1024,
             # Layer-wise: every layer above min_sparse_size really goes sparse
             # (a DP plan could send some dense, which would flatter the result).
             merge="none",
