@@ -87,7 +87,7 @@ def test_plan_layers_sends_small_and_dense_enough_layers_dense():
     cfg = SparsityConfig(density=0.01, min_sparse_size=1024)
     small, big = plan_layers([1000, 100_000], 0.01, cfg)
     assert not small.sparse and big.sparse
-    assert big.k == 1000 and big.capacity == 1000 and big.wire_bytes == 8000
+    assert big.k == 1000 and big.capacity == 1000 and big.wire_bytes == 8004
     # values + int32 indices cost 8 bytes per element: sparse pays only below density 0.5
     assert not plan_layers([100_000], 0.5, SparsityConfig(density=0.5))[0].sparse
     assert plan_layers([100_000], 0.49, SparsityConfig(density=0.49))[0].sparse

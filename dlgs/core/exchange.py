@@ -72,8 +72,9 @@ class LayerPlan:
 
     @property
     def wire_bytes(self) -> int:
-        """Bytes this rank contributes per step (values and indices, or dense)."""
-        return self.capacity * 8 if self.sparse else self.numel * 4
+        """Bytes this rank contributes per step when sent by the per-layer rule:
+        a count word, float32 values and int32 indices, or the dense gradient."""
+        return 4 + self.capacity * 8 if self.sparse else self.numel * 4
 
 
 def plan_layers(sizes: Sequence[int], density: float, config: SparsityConfig) -> List[LayerPlan]:
