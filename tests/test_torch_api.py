@@ -45,6 +45,10 @@ def wrap(m, **kw):
         (dict(groups=2), ValueError, ["groups"]),
         (dict(backward_passes_per_step=0), ValueError, ["backward_passes_per_step", ">= 1"]),
         (dict(log_every=-1), ValueError, ["log_every"]),
+        (dict(merge="fastest"), ValueError, ["merge", "'dp'"]),
+        (dict(max_group=0), ValueError, ["max_group", ">= 1"]),
+        (dict(profile_steps=0), ValueError, ["profile_steps", ">= 1"]),
+        (dict(drift_tolerance=0), ValueError, ["drift_tolerance"]),
         (dict(config=SparsityConfig(), density=0.5, controller="topk"), ValueError, ["config="]),
     ],
 )

@@ -89,6 +89,12 @@ class OnlinePlanner:
         self.profile_steps = profile_steps
         self.skip_steps = skip_steps
         self.bucket_elements = bucket_elements
+        if max_group is not None and (
+            isinstance(max_group, bool) or not isinstance(max_group, int) or max_group < 1
+        ):
+            # Checked here, not only when planning: a bad value must fail at
+            # construction, not several steps into training.
+            raise ValueError(f"max_group must be None or an int >= 1, got {max_group!r}")
         self.max_group = max_group
         self.probe_reps = probe_reps
         if not (isinstance(drift_tolerance, (int, float)) and drift_tolerance > 0):
