@@ -15,7 +15,7 @@ setup(
     python_requires=">=3.9",
     # The core needs nothing; frameworks and Horovod are extras. Exact pins for
     # this project's machines live in constraints.txt (one place).
-    install_requires=[],
+    install_requires=["numpy"],
     extras_require={
         "torch": ["torch>=2.1"],
         "tensorflow": ["tensorflow-cpu>=2.15"],

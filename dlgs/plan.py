@@ -275,8 +275,9 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument(
         "--max-front",
         type=_type(_int_at_least(2)),
-        default=16,
-        help="most Pareto states the DP keeps per prefix before thinning (default: 16)",
+        default=256,
+        help="most Pareto states the DP keeps per prefix; past it the plan may be "
+        "approximate (default: 256, exact for the built-in models)",
     )
     common.add_argument(
         "--profile",
@@ -405,7 +406,7 @@ def plan_methods(
     eligible: Sequence[bool],
     *,
     max_group: Optional[int] = None,
-    max_front: int = 16,
+    max_front: int = 256,
 ) -> Dict[str, Plan]:
     """The plan of every method in :data:`METHODS` for one planner input.
 
@@ -567,7 +568,7 @@ def simulate_grid(
     config: SparsityConfig,
     *,
     max_group: Optional[int] = None,
-    max_front: int = 16,
+    max_front: int = 256,
 ) -> Tuple[List[SimRow], Dict[str, float]]:
     """Plan every method for every ``(model, workers, bandwidth)``.
 

@@ -42,13 +42,23 @@ def random_spec(rng: random.Random, L: int) -> PlanSpec:
     )
 
 
-def brute_force(spec: PlanSpec) -> float:
-    """Minimum predicted end over every partition into consecutive groups and
-    every sparse/dense choice per group (DFS sharing prefixes)."""
+def brute_force(spec: PlanSpec, max_group=None, eligible=None) -> float:
+    """Minimum predicted end over every partition into consecutive groups of at
+    most ``max_group`` layers and every admissible sparse/dense choice per group
+    (sparse only if all members are ``eligible``; DFS sharing prefixes)."""
     L = len(spec.layers)
     best = math.inf
+    width = max_group or L
+    ok = eligible or [True] * L
     table = [
-        [[spec.group_cost(i, j, sparse)[:2] for sparse in (True, False)] for j in range(L)]
+        [
+            [
+                spec.group_cost(i, j, sparse)[:2]
+                for sparse in (True, False)
+                if j - i < width and (not sparse or all(ok[i : j + 1]))
+            ]
+            for j in range(L)
+        ]
         for i in range(L)
     ]
 
@@ -81,6 +91,41 @@ def test_dp_is_optimal_against_brute_force():
         assert again.end == plan.end
         checked += 1
     assert checked >= 200
+
+
+def test_dp_is_optimal_with_max_group_and_eligibility():
+    rng = random.Random(99)
+    for trial in range(120):
+        L = rng.randint(1, 11)
+        spec = random_spec(rng, L)
+        max_group = rng.choice([1, 2, 3, 5, None])
+        eligible = [rng.random() < 0.7 for _ in range(L)]
+        plan = plan_dp(spec, max_group=max_group, eligible=eligible)
+        expect = brute_force(spec, max_group, eligible)
+        assert math.isclose(plan.end, expect, rel_tol=1e-12, abs_tol=1e-15), (trial, L)
+        assert plan.exact
+        for g in plan.groups:
+            assert g.last - g.first < (max_group or L)
+            assert not g.sparse or all(eligible[g.first : g.last + 1])
+
+
+def test_thinned_dp_is_marked_and_never_worse_than_layer_wise():
+    rng = random.Random(5)
+    thinned = 0
+    for _ in range(30):
+        spec = random_spec(rng, rng.randint(20, 60))
+        exact = plan_dp(spec)
+        small = plan_dp(spec, max_front=2)
+        assert small.end >= exact.end - 1e-12
+        thinned += not small.exact
+        for part in (
+            [(i, i, True) for i in range(len(spec.layers))],
+            [(i, i, False) for i in range(len(spec.layers))],
+        ):
+            assert small.end <= simulate(spec, part).end + 1e-12
+        again = simulate(spec, [(g.first, g.last, g.sparse) for g in small.groups])
+        assert math.isclose(again.end, small.end, rel_tol=1e-12)
+    assert thinned > 0  # the cap was actually exercised
 
 
 def test_dp_never_worse_than_any_strategy():
