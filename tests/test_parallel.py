@@ -121,6 +121,7 @@ def test_rank_disagreement_is_an_error_not_a_hang(ranks):
 
 def test_drift_in_step_time_makes_every_rank_replan(ranks):
     r0, r1 = value(ranks, "drift_replans")
-    assert r0["made_before"] == 1, r0
-    assert r0["plans_made"] >= 2, f"no re-plan after the step slowed down: {r0}"
+    # Plan 1 from the first profile, plan 2 refined from steps timed under plan 1.
+    assert r0["made_before"] == 2, r0
+    assert r0["plans_made"] >= 3, f"no re-plan after the step slowed down: {r0}"
     assert r0 == r1, "ranks disagree on when they re-planned"

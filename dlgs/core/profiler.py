@@ -58,6 +58,12 @@ class OnlinePlanner:
             ``drift_window``-step window moves by more than ``drift_tolerance``
             (relative) from the first window after the plan; ``drift_window=0``
             never re-profiles on its own. One tiny broadcast per window.
+        refine: after each plan made from a fresh measurement, time
+            ``profile_steps`` steps under that plan and plan once more from
+            those backward and sparsify times (the collectives stay as fitted).
+            The first profile runs before any plan, so it cannot see how the
+            plan's own messages slow back-propagation (Horovod's thread and
+            the network stack share the cores); ``False`` skips this.
     """
 
     def __init__(
@@ -73,6 +79,7 @@ class OnlinePlanner:
         record: bool = False,
         drift_tolerance: float = 0.25,
         drift_window: int = 50,
+        refine: bool = True,
     ):
         if strategy not in MERGE_STRATEGIES:
             names = ", ".join(repr(s) for s in MERGE_STRATEGIES)
@@ -97,6 +104,12 @@ class OnlinePlanner:
             raise ValueError(f"max_group must be None or an int >= 1, got {max_group!r}")
         self.max_group = max_group
         self.probe_reps = probe_reps
+        if not isinstance(refine, bool):
+            raise ValueError(f"refine must be True or False, got {refine!r}")
+        self.refine = refine
+        self._refining = False  # timing steps under a fresh plan
+        self._refine_armed = False
+        self._plan_step = 0  # ex.step when the current plan was made
         if not (isinstance(drift_tolerance, (int, float)) and drift_tolerance > 0):
             raise ValueError(f"drift_tolerance must be a float > 0, got {drift_tolerance!r}")
         if isinstance(drift_window, bool) or not isinstance(drift_window, int) or drift_window < 0:
@@ -127,6 +140,9 @@ class OnlinePlanner:
             if self.plan is None:
                 self._replan(ex)
             assert self.plan is not None
+            if self._refining:
+                self._refine_step(ex)
+                return
             self._check_drift(ex)
             if self.record:
                 if ex.trace is not None and ex.trace["arrive"]:
@@ -149,8 +165,26 @@ class OnlinePlanner:
             self.profile = self._measure(ex)
             self._traces = []
             self._replan(ex)
+            self._refining = self.refine
         elif ex.step >= self.skip_steps:
             ex.trace = {"arrive": {}, "done": {}}  # time the next step
+
+    def _refine_step(self, ex) -> None:
+        """Time steps under the fresh plan (its first step relays buffers and is
+        skipped), then re-measure and plan once more on every rank."""
+        if ex.trace is not None and self._refine_armed:
+            self._traces.append(ex.trace)
+        ex.trace = None
+        if len(self._traces) >= self.profile_steps:
+            assert self.profile is not None
+            self.profile = self._measure(ex, self.profile)
+            self._traces = []
+            self._refining = False
+            self._replan(ex)
+            return
+        if self._refine_armed or ex.step > self._plan_step:
+            self._refine_armed = True
+            ex.trace = {"arrive": {}, "done": {}}
 
     def _check_drift(self, ex) -> None:
         """Re-profile when the measured step drifts from what the plan was made for.
@@ -194,6 +228,7 @@ class OnlinePlanner:
         self._traces = []
         self._ratios = []
         self._baseline = None
+        self._refining = False
 
     def on_density(self, ex, density: float) -> None:
         """The density changed: re-plan from the same profile (all ranks)."""
@@ -201,7 +236,10 @@ class OnlinePlanner:
             self._replan(ex, density, defer=False)
 
     # -- measuring ---------------------------------------------------------------
-    def _measure(self, ex) -> Profile:
+    def _measure(self, ex, under: Optional[Profile] = None) -> Profile:
+        """Rank 0's profile from the traced steps, broadcast. ``under``: the
+        profile of the plan in force; its collectives and copy cost are kept
+        (no probes), only backward and sparsify are measured again."""
         n_layers = len(ex.layers)
         arrive = {
             i: statistics.median(t["arrive"][i] - min(t["arrive"].values()) for t in self._traces)
@@ -221,10 +259,14 @@ class OnlinePlanner:
             if ex.is_sparse(ex.layers[i]):
                 sizes.append(ex.layers[i].numel)
                 times.append(statistics.median(t["done"][i] - t["arrive"][i] for t in self._traces))
-        sparsify = _fit_or_flat(sizes, times)
-        pack = self._probe_copy(ex)
-        allgather = self._probe(ex, "allgather")
-        allreduce = self._probe(ex, "allreduce")
+        if under is None:
+            sparsify = _fit_or_flat(sizes, times)
+            pack = self._probe_copy(ex)
+            allgather = self._probe(ex, "allgather")
+            allreduce = self._probe(ex, "allreduce")
+        else:
+            sparsify = _fit_or_flat(sizes, times) if times else under.sparsify
+            pack, allgather, allreduce = under.pack, under.allgather, under.allreduce
         local = Profile(
             world_size=ex.comm.size,
             layers=tuple(
@@ -319,6 +361,10 @@ class OnlinePlanner:
         )
         self.plan = plan
         self.plans_made += 1
+        self._plan_step = ex.step
+        self._refine_armed = False
+        if self._refining:
+            self._traces = []  # steps timed under the previous plan no longer count
         self._ratios, self._baseline = [], None  # calibrate drift against this plan
         self._density = d
         groups = [([self.order[p] for p in g.members], g.sparse) for g in plan.groups]
@@ -341,6 +387,7 @@ class OnlinePlanner:
         profile = state.get("profile")
         self.profile = Profile.from_dict(profile) if profile is not None else None
         self._traces = []
+        self._refining = False  # a saved profile was measured (and refined) already
         self.plan = None
         if self.profile is not None:
             self._replan(ex)
