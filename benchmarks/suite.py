@@ -7,11 +7,16 @@ appended to ``OUT/results.csv``; at the end the suite writes ``OUT/results.md``
 dense) and PNG plots: throughput by method, speed-up over dense, and efficiency
 against the no-comm bound.
 
+``--frameworks torch,tensorflow`` runs every cell once per framework
+(``benchmarks.train --framework``); the rows carry a ``framework`` column and
+each cell's table lists both frameworks' methods side by side. Models a
+framework lacks (TensorFlow has no ``bert-small``) are skipped for it.
+
 Example (the full grid takes hours on 2 cores; ``--quick`` is a smoke run)::
 
     python -m benchmarks.suite --bandwidths 1gbit,100mbit,25mbit \\
         --models resnet20,vgg16,lstm,bert-small --workers 2,4 \\
-        --out benchmarks/results/$(date +%F)
+        --frameworks torch,tensorflow --out benchmarks/results/$(date +%F)
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
+from .report import FRAMEWORKS, MODELS, framework_of
+
 __all__ = ["main"]
 
 logger = logging.getLogger("benchmarks.suite")
@@ -33,7 +40,7 @@ logger = logging.getLogger("benchmarks.suite")
 METHODS = "no-comm,dense,fp16,topk,topk-buckets,dgc,dlgs-none,dlgs"
 
 
-def run_cell(args, bandwidth: str, model: str, workers: int) -> int:
+def run_cell(args, bandwidth: str, model: str, workers: int, framework: str = "torch") -> int:
     cmd = [
         sys.executable,
         "-m",
@@ -48,6 +55,8 @@ def run_cell(args, bandwidth: str, model: str, workers: int) -> int:
         sys.executable,
         "-m",
         "benchmarks.train",
+        "--framework",
+        framework,
         "--model",
         model,
         "--methods",
@@ -64,7 +73,9 @@ def run_cell(args, bandwidth: str, model: str, workers: int) -> int:
         "--label",
         f"{bandwidth}/{workers}w",
     ]
-    logger.info("cell %s, %s, %d workers: %s", bandwidth, model, workers, shlex.join(cmd))
+    logger.info(
+        "cell %s, %s, %s, %d workers: %s", bandwidth, framework, model, workers, shlex.join(cmd)
+    )
     t0 = time.perf_counter()
     rc = subprocess.call(cmd)
     logger.info("cell done in %.0f s (exit %d)", time.perf_counter() - t0, rc)
@@ -83,13 +94,17 @@ def report(out: Path, command: str) -> None:
         lines += [
             f"## {model}, {label}",
             "",
-            "| method | samples/s | step ms | efficiency vs no-comm | speed-up vs dense |",
-            "|---|---:|---:|---:|---:|",
+            "Efficiency and speed-up are against the same framework's no-comm and dense.",
+            "",
+            "| framework | method | samples/s | step ms | efficiency vs no-comm "
+            "| speed-up vs dense |",
+            "|---|---|---:|---:|---:|---:|",
         ]
         for r in rs:
             eff, spd = r.get("efficiency_vs_nocomm") or "", r.get("speedup_vs_dense") or ""
+            name = FRAMEWORKS.get(framework_of(r), framework_of(r))
             lines.append(
-                f"| {r['method']} | {float(r['samples_per_s']):.1f} | "
+                f"| {name} | {r['method']} | {float(r['samples_per_s']):.1f} | "
                 f"{float(r['median_step_s']) * 1e3:.1f} | "
                 f"{f'{100 * float(eff):.0f}%' if eff else ''} | "
                 f"{f'{float(spd):.2f}x' if spd else ''} |"
@@ -111,16 +126,24 @@ def _plot(cells: Dict[tuple, List[dict]], out: Path) -> None:
         ("efficiency_vs_nocomm", "efficiency against the no-comm bound", "efficiency.png"),
     ):
         fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(cells)), 4))
-        methods = list(dict.fromkeys(r["method"] for rs in cells.values() for r in rs))
-        width = 0.8 / max(1, len(methods))
-        for m_i, method in enumerate(methods):
+        # One bar series per (framework, method); named by method alone for torch-only runs.
+        series = list(
+            dict.fromkeys((framework_of(r), r["method"]) for rs in cells.values() for r in rs)
+        )
+        several = len({f for f, _ in series}) > 1
+        width = 0.8 / max(1, len(series))
+        for m_i, (framework, method) in enumerate(series):
             xs, ys = [], []
             for c_i, rs in enumerate(cells.values()):
                 for r in rs:
-                    if r["method"] == method and r.get(key) not in (None, ""):
+                    if (framework_of(r), r["method"]) == (framework, method) and r.get(key) not in (
+                        None,
+                        "",
+                    ):
                         xs.append(c_i + m_i * width)
                         ys.append(float(r[key]))
-            ax.bar(xs, ys, width, label=method)
+            name = f"{method} ({FRAMEWORKS.get(framework, framework)})" if several else method
+            ax.bar(xs, ys, width, label=name)
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cells))])
         ax.set_xticklabels([f"{m}\n{lab}" for lab, m in cells], fontsize=8)
         ax.set_title(title)
@@ -137,6 +160,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--models", default="resnet20,vgg16,lstm,bert-small")
     parser.add_argument("--workers", default="2,4")
     parser.add_argument("--methods", default=METHODS)
+    parser.add_argument(
+        "--frameworks",
+        default="torch",
+        help=f"comma list of {', '.join(FRAMEWORKS)}; each cell runs once per framework",
+    )
     parser.add_argument("--density", type=float, default=0.01)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=8)
@@ -152,6 +180,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         help="only rebuild results.md and the plots; COMMAND is the recorded one",
     )
     args = parser.parse_args(argv)
+    frameworks = [f.strip() for f in args.frameworks.split(",") if f.strip()]
+    bad = [f for f in frameworks if f not in FRAMEWORKS]
+    if bad or not frameworks:
+        parser.error(
+            f"argument --frameworks: unknown {bad or [args.frameworks]}; "
+            f"choose from {', '.join(FRAMEWORKS)}"
+        )
     if args.report_only is not None:
         report(args.out, args.report_only)
         return 0
@@ -163,7 +198,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for bandwidth in args.bandwidths.split(","):
         for model in args.models.split(","):
             for workers in (int(w) for w in args.workers.split(",")):
-                failed += run_cell(args, bandwidth, model, workers) != 0
+                # Both frameworks of a cell back to back: the same machine conditions.
+                for framework in frameworks:
+                    if model not in MODELS[framework]:
+                        logger.warning("%s has no %s model; skipping its cells", framework, model)
+                        continue
+                    failed += run_cell(args, bandwidth, model, workers, framework) != 0
     command = "python -m benchmarks.suite " + shlex.join(argv if argv is not None else sys.argv[1:])
     report(args.out, command)
     logger.info("wrote %s (%d failed cells)", args.out / "results.md", failed)

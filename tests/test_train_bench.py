@@ -40,6 +40,7 @@ def test_train_benchmark_writes_rows(tmp_path):
     assert list(rows) == methods
     for r in rows.values():
         assert r["model"] == "resnet20" and r["workers"] == "2" and r["batch"] == "8"
+        assert r["framework"] == "torch"
         assert float(r["samples_per_s"]) > 0
         assert float(r["p10"]) <= float(r["median_step_s"]) <= float(r["p90"])
     wire = {m: int(r["wire_bytes_per_step"]) for m, r in rows.items()}
@@ -52,7 +53,9 @@ def test_train_benchmark_writes_rows(tmp_path):
     assert wire["dlgs"] <= wire["dense"]
     assert float(rows["no-comm"]["efficiency_vs_nocomm"]) == pytest.approx(1.0)
     assert float(rows["dense"]["speedup_vs_dense"]) == pytest.approx(1.0)
-    assert (tmp_path / "train.md").read_text().count("| dlgs |") == 1
+    md = (tmp_path / "train.md").read_text()
+    assert md.count("| dlgs |") == 1
+    assert "# Training throughput: resnet20, 2 workers" in md and "torch 2." in md
     assert (tmp_path / "train.png").stat().st_size > 0
     assert "| method |" in proc.stdout
 

@@ -1,0 +1,499 @@
+"""The framework-free half of the training benchmark: records, summary, outputs, CLI.
+
+``benchmarks/train_torch.py`` and ``benchmarks/train_tf.py`` time the methods on
+their framework and hand every rank's :class:`MethodTimes` to
+:func:`write_outputs`, which writes the same CSV / Markdown / PNG for both. This
+module imports neither torch, TensorFlow nor Horovod (matplotlib only inside
+:func:`plot`), so ``python -m benchmarks.train --framework tensorflow`` never
+loads torch and the reporting can be tested without a framework.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import logging
+import os
+import platform
+import shlex
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+__all__ = [
+    "FRAMEWORKS",
+    "METHODS",
+    "MODELS",
+    "SPARSE_METHODS",
+    "MethodTimes",
+    "format_markdown",
+    "parse_args",
+    "percentile",
+    "plot",
+    "summarise",
+    "write_csv",
+    "write_outputs",
+]
+
+logger = logging.getLogger(__name__)
+
+# Every method uses this optimizer (plain SGD) so each step does the same arithmetic.
+LR = 0.01
+
+#: dlgs methods: (controller, merge).
+SPARSE_METHODS: Dict[str, Tuple[str, str]] = {
+    "topk": ("topk", "none"),
+    "topk-buckets": ("topk", "buckets"),
+    "dgc": ("dgc", "none"),
+    "dlgs-none": ("dynamic", "none"),
+    "dlgs": ("dynamic", "dp"),
+}
+METHODS: Tuple[str, ...] = ("no-comm", "dense", "fp16", *SPARSE_METHODS)
+
+#: The ``--framework`` choices and how the reports name them.
+FRAMEWORKS: Dict[str, str] = {"torch": "torch", "tensorflow": "TensorFlow"}
+
+#: The models each framework implements (``benchmarks/models.py``, ``benchmarks/models_tf.py``).
+MODELS: Dict[str, Tuple[str, ...]] = {
+    "torch": ("resnet20", "vgg16", "lstm", "bert-small"),
+    "tensorflow": ("resnet20", "vgg16", "lstm"),
+}
+
+#: Environment variables recorded with every row (empty when unset); any other
+#: ``DLGS_*`` variable that is set is recorded too.
+ENV_HINTS: Tuple[str, ...] = (
+    "DLGS_BANDWIDTH",
+    "DLGS_THREADS",
+    "HOROVOD_FUSION_THRESHOLD",
+    "HOROVOD_CYCLE_TIME",
+)
+
+
+@dataclass
+class MethodTimes:
+    """One method's measurement on this rank (seconds per timed step).
+
+    ``backward`` / ``step_wait`` stay empty where the breakdown cannot be
+    measured (a compiled ``tf.function`` step); the reports show "—".
+    """
+
+    method: str
+    iteration: List[float] = field(default_factory=list)
+    backward: List[float] = field(default_factory=list)
+    step_wait: List[float] = field(default_factory=list)
+    wire_bytes: int = 0
+    messages: Optional[int] = None
+    rounds: int = 1
+
+    def merge(self, other: "MethodTimes") -> None:
+        """Pool another round's steps into this one. Bytes are averaged over
+        rounds: a merge plan is re-profiled every round and may differ; the
+        message count is the latest round's."""
+        if other.wire_bytes != self.wire_bytes:
+            logger.warning(
+                "%s: the plan changed between rounds (%d -> %d bytes on the wire); "
+                "reporting the mean",
+                self.method,
+                self.wire_bytes,
+                other.wire_bytes,
+            )
+        total = self.wire_bytes * self.rounds + other.wire_bytes * other.rounds
+        self.rounds += other.rounds
+        self.wire_bytes = round(total / self.rounds)
+        self.iteration += other.iteration
+        self.backward += other.backward
+        self.step_wait += other.step_wait
+        self.messages = other.messages
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated ``q`` quantile (0..1) of ``values``."""
+    s = sorted(values)
+    pos = q * (len(s) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def _median_or_blank(values: Sequence[float]) -> Any:
+    return statistics.median(values) if values else ""
+
+
+def summarise(
+    per_rank: Sequence[Sequence[MethodTimes]],
+    *,
+    model: str,
+    batch: int,
+    density: float,
+    label: str,
+    framework: str = "torch",
+    load: Tuple[float, float] = (float("nan"), float("nan")),
+) -> List[Dict[str, Any]]:
+    """One CSV row per method from every rank's times (``per_rank[r][m]``).
+
+    Every number is the slowest rank's (largest median iteration): synchronous
+    training runs at its pace. Ranks of ``no-comm`` never wait for each other,
+    so a per-step maximum over ranks would pair unrelated noise and overstate
+    the compute bound; the slowest rank's median does not. ``load``: rank 0's
+    host's 1-minute load average at the start and the end (a shared machine
+    shows here).
+    """
+    workers = len(per_rank)
+    env = {k: os.environ.get(k, "") for k in ENV_HINTS}
+    env.update({k: v for k, v in sorted(os.environ.items()) if k.startswith("DLGS_")})
+    rows = []
+    for m, mine in enumerate(per_rank[0]):
+        slowest = max((r[m] for r in per_rank), key=lambda t: statistics.median(t.iteration))
+        it = slowest.iteration
+        med = statistics.median(it)
+        rows.append(
+            {
+                "label": label,
+                "framework": framework,
+                "model": model,
+                "method": mine.method,
+                "workers": workers,
+                "density": density if mine.method in SPARSE_METHODS else "",
+                "batch": batch,
+                "steps": len(it),
+                "rounds": slowest.rounds,
+                "median_step_s": med,
+                "p10": percentile(it, 0.1),
+                "p90": percentile(it, 0.9),
+                "samples_per_s": batch * workers / med,
+                "wire_bytes_per_step": mine.wire_bytes,
+                "messages": "" if mine.messages is None else mine.messages,
+                "backward_s": _median_or_blank(slowest.backward),
+                "step_wait_s": _median_or_blank(slowest.step_wait),
+                "efficiency_vs_nocomm": "",
+                "speedup_vs_dense": "",
+                "load_start": round(load[0], 2),
+                "load_end": round(load[1], 2),
+                **env,
+            }
+        )
+    by = {r["method"]: r["median_step_s"] for r in rows}
+    for r in rows:
+        if "no-comm" in by:
+            r["efficiency_vs_nocomm"] = by["no-comm"] / r["median_step_s"]
+        if "dense" in by:
+            r["speedup_vs_dense"] = by["dense"] / r["median_step_s"]
+    return rows
+
+
+def write_csv(rows: Sequence[Dict[str, Any]], path: Path, append: bool) -> List[Dict[str, Any]]:
+    """Write ``rows`` (after the existing ones with ``append``); return every row.
+
+    Columns are the union over old and new rows, so a later suite may record
+    other environment hints; missing cells are left empty (rows written before
+    the ``framework`` column existed are torch's).
+    """
+    old: List[Dict[str, Any]] = []
+    if append and path.exists():
+        with open(path, newline="") as f:
+            old = list(csv.DictReader(f))
+    everything = old + list(rows)
+    fields = list(dict.fromkeys(k for r in everything for k in r))
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields, restval="")
+        w.writeheader()
+        w.writerows(everything)
+    return everything
+
+
+def _fmt(value: Any, scale: float = 1.0, spec: str = ".2f", suffix: str = "") -> str:
+    return "—" if value == "" or value is None else f"{float(value) * scale:{spec}}{suffix}"
+
+
+def framework_of(row: Dict[str, Any]) -> str:
+    """A row's framework; rows from before the column existed are torch's."""
+    return str(row.get("framework") or "torch")
+
+
+def format_markdown(
+    rows: Sequence[Dict[str, Any]],
+    command: str,
+    *,
+    versions: str,
+    threads: str,
+    sample: str,
+    timing: str,
+    note: str = "",
+) -> str:
+    """One run's section: the table, what was measured, the command and versions.
+
+    Args:
+        rows: this run's rows (:func:`summarise`).
+        command: the command line that reproduces the run.
+        versions: the framework and Horovod versions, e.g. ``"torch 2.13.0, Horovod 0.28.1"``.
+        threads: the threading, e.g. ``"1 torch thread(s) per rank"``.
+        sample: what one sample is, e.g. ``"32x32 image"``.
+        timing: the paragraph defining the columns (the framework's step differs).
+        note: a sentence on the setting.
+    """
+    r0 = rows[0]
+    hints = ", ".join(f"{k}={r0[k]}" for k in r0 if k.isupper() and r0[k] != "") or "none"
+    framework = framework_of(r0)
+    lines = [
+        f"# Training throughput: {r0['model']}"
+        + ("" if framework == "torch" else f" ({FRAMEWORKS.get(framework, framework)})")
+        + f", {r0['workers']} workers"
+        + (f" ({r0['label']})" if r0["label"] else ""),
+        "",
+        f"Command: `{command}`",
+        "",
+        f"{versions}, Python {platform.python_version()}, world size {r0['workers']}, "
+        f"{threads}; per-rank batch {r0['batch']} ({sample} each); host load average "
+        f"{r0['load_start']} at the start, {r0['load_end']} at the end, on {os.cpu_count()} "
+        f"CPUs; environment: {hints}.",
+        "",
+        timing,
+        "",
+        "| method | step ms [p10–p90] | samples/s | wire MB/step | messages | backward ms "
+        "| step wait ms | efficiency vs no-comm | speed-up vs dense |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['method']} | {float(r['median_step_s']) * 1e3:.1f} "
+            f"[{float(r['p10']) * 1e3:.1f}–{float(r['p90']) * 1e3:.1f}] "
+            f"| {float(r['samples_per_s']):.1f} | {int(r['wire_bytes_per_step']) / 1e6:.3f} "
+            f"| {r['messages'] if r['messages'] != '' else '—'} "
+            f"| {_fmt(r['backward_s'], 1e3, '.1f')} | {_fmt(r['step_wait_s'], 1e3, '.1f')} "
+            f"| {_fmt(r['efficiency_vs_nocomm'], 100, '.0f', '%')} "
+            f"| {_fmt(r['speedup_vs_dense'], 1, '.2f', 'x')} |"
+        )
+    if note:
+        lines += ["", f"Note: {note}"]
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: Sequence[Dict[str, Any]], path: Path) -> None:
+    """Bar chart of samples/s by method, one panel per (framework, model, label, workers)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    suites: Dict[Tuple[str, str, str, str], List[Dict[str, Any]]] = {}
+    for r in rows:
+        key = (framework_of(r), str(r["model"]), str(r["label"]), str(r["workers"]))
+        suites.setdefault(key, []).append(r)
+    colours = {m: f"C{i}" for i, m in enumerate(METHODS)}
+    fig, axes = plt.subplots(
+        1,
+        len(suites),
+        figsize=(max(6.0, 1.0 + 0.8 * max(map(len, suites.values()))) * len(suites), 4.2),
+        squeeze=False,
+    )
+    for ax, ((framework, model, label, workers), rs) in zip(axes[0], suites.items()):
+        names = [r["method"] for r in rs]
+        values = [float(r["samples_per_s"]) for r in rs]
+        # Error bars: the samples/s of the p90 and p10 step times.
+        spread = [
+            [v - v * float(r["median_step_s"]) / float(r["p90"]) for v, r in zip(values, rs)],
+            [v * float(r["median_step_s"]) / float(r["p10"]) - v for v, r in zip(values, rs)],
+        ]
+        bars = ax.bar(
+            names,
+            values,
+            yerr=spread,
+            capsize=3,
+            error_kw={"elinewidth": 0.8, "ecolor": "0.3"},
+            color=[colours.get(n, "grey") for n in names],
+        )
+        for bar, r in zip(bars, rs):
+            if r["speedup_vs_dense"] not in ("", None):
+                ax.annotate(
+                    f"{float(r['speedup_vs_dense']):.2f}x",
+                    (bar.get_x() + bar.get_width() / 2, 0),
+                    xytext=(0, 3),
+                    textcoords="offset points",
+                    ha="center",
+                    va="bottom",
+                    color="white",
+                    fontweight="bold",
+                    fontsize=8,
+                )
+        ax.set_ylim(0, max(v + e for v, e in zip(values, spread[1])) * 1.08)
+        ax.set_ylabel("samples/s (all workers)")
+        name = (
+            model if framework == "torch" else f"{model} ({FRAMEWORKS.get(framework, framework)})"
+        )
+        ax.set_title(f"{name}, {workers} workers" + (f", {label}" if label else ""), fontsize=10)
+        ax.tick_params(axis="x", labelrotation=30, labelsize=8)
+    fig.suptitle(
+        "Training throughput (median, whiskers p90-p10 step time; in the bar: speed-up "
+        "over dense Horovod)",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_outputs(
+    gathered: Sequence[Sequence[Dict[str, Any]]],
+    args: argparse.Namespace,
+    argv: Sequence[str],
+    *,
+    batch: int,
+    workers: int,
+    versions: str,
+    threads: str,
+    sample: str,
+    timing: str,
+    load_start: float,
+) -> str:
+    """Rank 0's outputs from every rank's ``vars(MethodTimes)`` (``gathered[rank]``):
+    ``train.csv`` (appended with ``--append``), a ``train.md`` section and
+    ``train.png`` redrawn from every row. Returns the Markdown section."""
+    per_rank = [[MethodTimes(**t) for t in ts] for ts in gathered]
+    rows = summarise(
+        per_rank,
+        framework=args.framework,
+        model=args.model,
+        batch=batch,
+        density=args.density,
+        label=args.label,
+        load=(load_start, os.getloadavg()[0]),
+    )
+    args.out.mkdir(parents=True, exist_ok=True)
+    everything = write_csv(rows, args.out / "train.csv", args.append)
+    command = f"horovodrun -np {workers} python -m benchmarks.train " + " ".join(
+        shlex.quote(str(a)) for a in argv
+    )
+    section = format_markdown(
+        rows,
+        command,
+        versions=versions,
+        threads=threads,
+        sample=sample,
+        timing=timing,
+        note=args.note,
+    )
+    md = args.out / "train.md"
+    if args.append and md.exists():
+        md.write_text(md.read_text().rstrip("\n") + "\n\n---\n\n" + section)
+    else:
+        md.write_text(section)
+    plot(everything, args.out / "train.png")
+    return section
+
+
+# -- the command line -----------------------------------------------------------
+
+
+def _methods(text: str) -> List[str]:
+    names = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in names if m not in METHODS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown method(s) {bad or [text]}; choose from {', '.join(METHODS)}"
+        )
+    if len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"a method is listed twice: {text!r}")
+    return names
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def density(text: str) -> float:
+    """argparse type: a density in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+    return value
+
+
+def parse_args(argv: Optional[Sequence[str]] = None, description: str = "") -> argparse.Namespace:
+    """The training benchmark's command line, validated (errors name the option)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.train",
+        description=description,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument(
+        "--framework",
+        default="torch",
+        choices=list(FRAMEWORKS),
+        help="torch: benchmarks/train_torch.py; tensorflow: benchmarks/train_tf.py (Keras 3)",
+    )
+    every_model = list(dict.fromkeys(m for ms in MODELS.values() for m in ms))
+    parser.add_argument(
+        "--model",
+        default="resnet20",
+        choices=every_model,
+        help=f"tensorflow has {', '.join(MODELS['tensorflow'])}",
+    )
+    parser.add_argument(
+        "--methods", type=_methods, default=list(METHODS), help=f"comma list of {METHODS}"
+    )
+    parser.add_argument(
+        "--batch", type=positive_int, default=None, help="per-rank batch (default: per model)"
+    )
+    parser.add_argument("--density", type=density, default=0.01, help="sparse methods")
+    parser.add_argument("--steps", type=positive_int, default=20, help="timed steps per method")
+    parser.add_argument("--warmup", type=positive_int, default=8, help="untimed steps first")
+    parser.add_argument(
+        "--rounds",
+        type=positive_int,
+        default=1,
+        help="run the method list this many times, pooling the timed steps (each round "
+        "rebuilds and warms up; spreads slow drifts of a shared machine over every method)",
+    )
+    parser.add_argument(
+        "--profile-steps", type=positive_int, default=3, help="dlgs profiling (merging methods)"
+    )
+    parser.add_argument(
+        "--tf-mode",
+        choices=["function", "eager"],
+        default=None,
+        help="tensorflow only: compile each step with tf.function (default; the exchange "
+        "then runs in one tf.py_function) or run it eagerly (slower, but measures the "
+        "backward / step-wait breakdown)",
+    )
+    parser.add_argument(
+        "--label", default=None, help="suite label (default: $DLGS_BANDWIDTH, else $DLGS_CLUSTER)"
+    )
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/train"))
+    parser.add_argument("--append", action="store_true", help="add rows to an existing CSV")
+    parser.add_argument("--note", default="", help="a sentence for the Markdown (the setting)")
+    parser.add_argument(
+        "--verbose", action="store_true", help="log dlgs's layouts, profiles and plans"
+    )
+    args = parser.parse_args(argv)
+    if args.model not in MODELS[args.framework]:
+        parser.error(
+            f"argument --model: {args.model!r} is not implemented for --framework "
+            f"{args.framework}; choose from {', '.join(MODELS[args.framework])}"
+        )
+    if args.framework == "tensorflow":
+        args.tf_mode = args.tf_mode or "function"
+    elif args.tf_mode is not None:
+        parser.error("argument --tf-mode: only with --framework tensorflow")
+    merging = [m for m in args.methods if m in SPARSE_METHODS and SPARSE_METHODS[m][1] != "none"]
+    if merging and args.warmup < args.profile_steps + 2:
+        parser.error(
+            f"argument --warmup: {merging} profile for {args.profile_steps} steps after the "
+            f"first and plan from the next one: needs --warmup >= {args.profile_steps + 2}, "
+            f"got {args.warmup}"
+        )
+    if args.label is None:
+        bandwidth = os.environ.get("DLGS_BANDWIDTH", "")
+        use = bandwidth if bandwidth not in ("", "none") else os.environ.get("DLGS_CLUSTER", "")
+        args.label = use
+    return args

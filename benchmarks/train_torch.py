@@ -1,0 +1,252 @@
+"""The torch half of the training benchmark (``python -m benchmarks.train``).
+
+Builds each method's optimizer, times full iterations on this rank and hands
+the times to :func:`benchmarks.report.write_outputs`; the methods, timing
+definitions and outputs are described in ``benchmarks/train.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+
+import horovod
+import horovod.torch as hvd
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import dlgs.torch
+
+from .models import LSTMLM, VGG16, BertSmall, ResNet20
+from .report import LR, SPARSE_METHODS, MethodTimes, write_outputs
+
+__all__ = ["MODELS", "TIMING", "ModelSpec", "build_optimizer", "run", "run_method"]
+
+logger = logging.getLogger("benchmarks.train")
+
+Batch = Tuple[torch.Tensor, torch.Tensor]
+
+#: What the Markdown says the columns measure.
+TIMING = (
+    "Step times in ms: a full iteration (zero_grad, forward, backward, step), median "
+    "[p10–p90] over the timed steps, of the slowest rank (largest median). Backward "
+    "(the `backward()` call, which starts the exchange) and step wait (inside "
+    "`opt.step()`: waiting for communication, unpacking, the update) are that rank's "
+    "medians. "
+    "Wire: bytes one rank contributes per step (dense/fp16: 4/2 bytes per parameter; "
+    "dlgs: the sum of `dlgs_stats()` `wire_bytes`, values + indices at capacity, dense "
+    "layers at 4 bytes; with `--rounds`, the mean over rounds, as each round plans "
+    "anew). Efficiency: no-comm median / method median."
+)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """How to build, feed and score one benchmark model.
+
+    Attributes:
+        build: a fresh model (seed the global RNG first for equal weights).
+        batch: default per-rank batch size.
+        make_batch: ``(batch, generator) -> (inputs, targets)``, synthetic.
+        loss: ``(outputs, targets) -> scalar``.
+        sample: what one sample is, for the report.
+    """
+
+    build: Callable[[], nn.Module]
+    batch: int
+    make_batch: Callable[[int, torch.Generator], Batch]
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    sample: str
+
+
+def _images(batch: int, g: torch.Generator) -> Batch:
+    return torch.randn(batch, 3, 32, 32, generator=g), torch.randint(0, 10, (batch,), generator=g)
+
+
+def _ptb_tokens(batch: int, g: torch.Generator) -> Batch:
+    # 35-token BPTT windows; the target is the next token.
+    seq = torch.randint(0, 10000, (batch, 36), generator=g)
+    return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+
+
+def _mlm_tokens(batch: int, g: torch.Generator) -> Batch:
+    # BERT-style masked LM: 15% of positions replaced by id 0 ([MASK]) and
+    # predicted; the rest are ignored by the loss.
+    tokens = torch.randint(1, 8000, (batch, 128), generator=g)
+    masked = torch.rand(batch, 128, generator=g) < 0.15
+    return tokens.masked_fill(masked, 0), tokens.masked_fill(~masked, -100)
+
+
+def _sequence_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1), ignore_index=-100)
+
+
+MODELS: Dict[str, ModelSpec] = {
+    "resnet20": ModelSpec(ResNet20, 32, _images, F.cross_entropy, "32x32 image"),
+    "vgg16": ModelSpec(VGG16, 32, _images, F.cross_entropy, "32x32 image"),
+    "lstm": ModelSpec(LSTMLM, 20, _ptb_tokens, _sequence_loss, "35-token sequence"),
+    "bert-small": ModelSpec(BertSmall, 16, _mlm_tokens, _sequence_loss, "128-token sequence"),
+}
+
+
+def build_optimizer(
+    method: str, model: nn.Module, density: float, profile_steps: int
+) -> torch.optim.Optimizer:
+    """The optimizer ``method`` trains with (plain SGD, lr 0.01, inside)."""
+    sgd = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.0)
+    if method == "no-comm":
+        return sgd
+    if method in ("dense", "fp16"):
+        compression = hvd.Compression.fp16 if method == "fp16" else hvd.Compression.none
+        return hvd.DistributedOptimizer(
+            sgd, named_parameters=model.named_parameters(), compression=compression
+        )
+    controller, merge = SPARSE_METHODS[method]
+    return dlgs.torch.DistributedOptimizer(
+        sgd,
+        named_parameters=model.named_parameters(),
+        density=density,
+        controller=controller,
+        merge=merge,
+        profile_steps=profile_steps,
+    )
+
+
+def run_method(
+    spec: ModelSpec,
+    method: str,
+    data: Batch,
+    *,
+    density: float,
+    warmup: int,
+    steps: int,
+    profile_steps: int,
+    progress: Optional[Any] = None,
+) -> MethodTimes:
+    """Warm up, then time ``steps`` full iterations of ``method`` on this rank.
+
+    The model is built from seed 0 and broadcast from rank 0, so every method
+    starts from the same weights. For merging dlgs methods the warm-up covers
+    the profile and the first planned step; a plan not in force by then is an
+    error (the timed steps would measure the profiler).
+    """
+    torch.manual_seed(0)
+    model = spec.build()
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    opt = build_optimizer(method, model, density, profile_steps)
+    x, y = data
+    out = MethodTimes(method)
+    for i in range(warmup + steps):
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        loss = spec.loss(model(x), y)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        opt.step()
+        t3 = time.perf_counter()
+        if i >= warmup:
+            out.iteration.append(t3 - t0)
+            out.backward.append(t2 - t1)
+            out.step_wait.append(t3 - t2)
+        elif i == warmup - 1 and method in SPARSE_METHODS and SPARSE_METHODS[method][1] != "none":
+            if opt.dlgs_planner.plan is None:
+                raise RuntimeError(
+                    f"{method}: no merge plan after {warmup} warm-up steps; use "
+                    f"--warmup >= --profile-steps + 2 ({profile_steps + 2})"
+                )
+        if progress is not None:
+            progress.update(1)
+    params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    if method == "dense":
+        out.wire_bytes = 4 * params
+    elif method == "fp16":
+        out.wire_bytes = 2 * params
+    elif method in SPARSE_METHODS:
+        out.wire_bytes = sum(int(r["wire_bytes"]) for r in opt.dlgs_stats())
+        out.messages = len(opt.dlgs_exchange.groups)
+        if SPARSE_METHODS[method][1] != "none":
+            logger.debug("%s: plan in force\n%s", method, opt.dlgs_planner.plan.describe())
+    return out
+
+
+def run(args: argparse.Namespace, argv: Sequence[str]) -> None:
+    """Run the benchmark on this rank (under horovodrun on every rank);
+    ``args`` from :func:`benchmarks.report.parse_args`, ``argv`` for the record."""
+    hvd.init()
+    rank = hvd.rank()
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format="%(asctime)s %(name)s: %(message)s",
+    )
+    if not args.verbose:
+        # dlgs logs every layout and plan at INFO; keep the benchmark's output readable.
+        logging.getLogger("dlgs").setLevel(logging.WARNING)
+    threads = int(os.environ.get("DLGS_THREADS", "1"))
+    torch.set_num_threads(threads)
+    spec = MODELS[args.model]
+    batch = args.batch or spec.batch
+    data = spec.make_batch(batch, torch.Generator().manual_seed(1000 + rank))
+    load_start = os.getloadavg()[0]
+
+    from tqdm import tqdm
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    mine: Dict[str, MethodTimes] = {}
+    total = args.rounds * len(args.methods) * (args.warmup + args.steps)
+    # Under horovodrun stderr is a pipe: redraw rarely so the log stays readable.
+    interval = 0.1 if sys.stderr.isatty() else 10.0
+    bar = tqdm(total=total, disable=rank != 0, unit="step", mininterval=interval)
+    with bar, logging_redirect_tqdm():
+        for round_ in range(args.rounds):
+            for method in args.methods:
+                bar.set_description(f"{args.model} {method}")
+                hvd.barrier()
+                got = run_method(
+                    spec,
+                    method,
+                    data,
+                    density=args.density,
+                    warmup=args.warmup,
+                    steps=args.steps,
+                    profile_steps=args.profile_steps,
+                    progress=bar,
+                )
+                gc.collect()
+                if method in mine:
+                    mine[method].merge(got)
+                else:
+                    mine[method] = got
+                logger.info(
+                    "round %d, %s: median %.1f ms on rank %d, %.3f MB on the wire per step",
+                    round_ + 1,
+                    method,
+                    statistics.median(got.iteration) * 1e3,
+                    rank,
+                    got.wire_bytes / 1e6,
+                )
+    # Plain dicts: a dataclass would pickle by its module path.
+    gathered = hvd.allgather_object([vars(t) for t in mine.values()], name="benchmarks.train.times")
+    if rank != 0:
+        return
+    section = write_outputs(
+        gathered,
+        args,
+        argv,
+        batch=batch,
+        workers=hvd.size(),
+        versions=f"torch {torch.__version__}, Horovod {horovod.__version__}",
+        threads=f"{threads} torch thread(s) per rank",
+        sample=spec.sample,
+        timing=TIMING,
+        load_start=load_start,
+    )
+    print(section)
