@@ -18,7 +18,7 @@ test-fast: install
 bench: install
 	$(PY) -m benchmarks.cluster --workers 2 --bandwidth 1gbit -- \
 	  $(PY) -m benchmarks.train --model lstm --batch 20 --methods no-comm,dense,dlgs \
-	  --steps 20 --warmup 8 --out benchmarks/results/main
+	  --steps 20 --warmup 10 --out benchmarks/results/main
 
 bench-kernels: install
 	$(PY) -m benchmarks.kernels --sizes 1e4,1e5,1e6,1e7,2.5e7 --out benchmarks/results/kernels-cpu

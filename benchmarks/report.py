@@ -419,6 +419,14 @@ def density(text: str) -> float:
     return value
 
 
+def settle_steps(profile_steps: int) -> int:
+    """Steps before a merging method's plan is final and in force: one skipped,
+    ``profile_steps`` profiled, the plan's first step (buffers re-laid),
+    ``profile_steps`` timed under it for the refined plan, and that plan's
+    first step (see ``dlgs.core.profiler.OnlinePlanner``)."""
+    return 2 * profile_steps + 3
+
+
 def parse_args(argv: Optional[Sequence[str]] = None, description: str = "") -> argparse.Namespace:
     """The training benchmark's command line, validated (errors name the option)."""
     parser = argparse.ArgumentParser(
@@ -447,7 +455,12 @@ def parse_args(argv: Optional[Sequence[str]] = None, description: str = "") -> a
     )
     parser.add_argument("--density", type=density, default=0.01, help="sparse methods")
     parser.add_argument("--steps", type=positive_int, default=20, help="timed steps per method")
-    parser.add_argument("--warmup", type=positive_int, default=8, help="untimed steps first")
+    parser.add_argument(
+        "--warmup",
+        type=positive_int,
+        default=10,
+        help="untimed steps first (merging methods need 2 x --profile-steps + 3; default: 10)",
+    )
     parser.add_argument(
         "--rounds",
         type=positive_int,
@@ -486,11 +499,11 @@ def parse_args(argv: Optional[Sequence[str]] = None, description: str = "") -> a
     elif args.tf_mode is not None:
         parser.error("argument --tf-mode: only with --framework tensorflow")
     merging = [m for m in args.methods if m in SPARSE_METHODS and SPARSE_METHODS[m][1] != "none"]
-    if merging and args.warmup < args.profile_steps + 2:
+    if merging and args.warmup < settle_steps(args.profile_steps):
         parser.error(
             f"argument --warmup: {merging} profile for {args.profile_steps} steps after the "
-            f"first and plan from the next one: needs --warmup >= {args.profile_steps + 2}, "
-            f"got {args.warmup}"
+            f"first, plan, time {args.profile_steps} more steps under the plan and plan again: "
+            f"needs --warmup >= {settle_steps(args.profile_steps)}, got {args.warmup}"
         )
     if args.label is None:
         bandwidth = os.environ.get("DLGS_BANDWIDTH", "")

@@ -167,7 +167,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     )
     parser.add_argument("--density", type=float, default=0.01)
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--cell-timeout", type=float, default=1800)
     parser.add_argument(
         "--quick", action="store_true", help="smoke run: 1gbit, resnet20, 2 workers, 3 steps"

@@ -26,7 +26,7 @@ from torch import nn
 import dlgs.torch
 
 from .models import LSTMLM, VGG16, BertSmall, ResNet20
-from .report import LR, SPARSE_METHODS, MethodTimes, write_outputs
+from .report import LR, SPARSE_METHODS, MethodTimes, settle_steps, write_outputs
 
 __all__ = ["MODELS", "TIMING", "ModelSpec", "build_optimizer", "run", "run_method"]
 
@@ -158,10 +158,10 @@ def run_method(
             out.backward.append(t2 - t1)
             out.step_wait.append(t3 - t2)
         elif i == warmup - 1 and method in SPARSE_METHODS and SPARSE_METHODS[method][1] != "none":
-            if opt.dlgs_planner.plan is None:
+            if not opt.dlgs_planner.settled:
                 raise RuntimeError(
-                    f"{method}: no merge plan after {warmup} warm-up steps; use "
-                    f"--warmup >= --profile-steps + 2 ({profile_steps + 2})"
+                    f"{method}: no final merge plan after {warmup} warm-up steps; use "
+                    f"--warmup >= 2 x --profile-steps + 3 ({settle_steps(profile_steps)})"
                 )
         if progress is not None:
             progress.update(1)

@@ -28,6 +28,8 @@ def test_train_benchmark_writes_rows(tmp_path):
             "3",
             "--warmup",
             "6",
+            "--profile-steps",
+            "1",
             "--batch",
             "8",
             "--out",

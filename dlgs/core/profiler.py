@@ -220,6 +220,12 @@ class OnlinePlanner:
         """Whether a plan has been made (it applies from the following step)."""
         return self.plan is not None
 
+    @property
+    def settled(self) -> bool:
+        """Whether the plan in force is final for this profile (made, and refined
+        unless ``refine`` is off); it applies from the following step."""
+        return self.plan is not None and not self._refining
+
     def restart(self) -> None:
         """Profile again from the next step and re-plan (call on every rank at
         the same step, between steps). The current plan stays in force meanwhile."""
