@@ -13,13 +13,20 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 import horovod.torch as hvd
 import torch
 
+from .._options import build_config, build_planner
 from ..core.config import SparsityConfig
 from ..core.consistency import RankMismatchError, describe_mismatch, signature
 from ..core.exchange import SparseExchange
 from ..core.profiler import OnlinePlanner
 from ._ops import OPS
 
-__all__ = ["HorovodCollectives", "build_config", "build_exchange", "named_trainable"]
+__all__ = [
+    "HorovodCollectives",
+    "build_config",
+    "build_exchange",
+    "build_planner",
+    "named_trainable",
+]
 
 logger = logging.getLogger("dlgs.torch")
 
@@ -80,24 +87,6 @@ class HorovodCollectives:
             handle, ctx = handle
             return self.compression.decompress(hvd.synchronize(handle), ctx)
         return hvd.synchronize(handle)
-
-
-def build_config(
-    config: Optional[SparsityConfig], density: float, options: Dict[str, Any]
-) -> SparsityConfig:
-    """One :class:`SparsityConfig` from either a ready config or keyword options."""
-    if config is not None:
-        if not isinstance(config, SparsityConfig):
-            raise TypeError(f"config must be a dlgs.SparsityConfig, got {type(config).__name__}")
-        if options:
-            raise ValueError(f"pass either config= or keyword options, not both: {sorted(options)}")
-        return config
-    try:
-        return SparsityConfig(density=density, **options)
-    except TypeError as err:
-        if "unexpected keyword" in str(err):
-            raise TypeError(f"unknown dlgs option: {err}") from None
-        raise
 
 
 def named_trainable(
@@ -182,14 +171,6 @@ def build_exchange(
     if merge is not None:
         exchange.step_hooks.append(merge)
     return exchange
-
-
-def build_planner(merge: str, **options: Any) -> OnlinePlanner:
-    """The online planner for ``merge=`` and its keyword options
-    (``profile_steps``, ``bucket_elements``, ``max_group``)."""
-    if not isinstance(merge, str):
-        raise TypeError(f"merge must be a str, got {type(merge).__name__}")
-    return OnlinePlanner(merge, **options)
 
 
 def _clock(device: torch.device):

@@ -25,6 +25,7 @@ from typing import Any, Dict, List, Optional
 import horovod.torch as hvd
 import torch
 
+from .._options import check_log_every
 from ..core.config import SparsityConfig
 from ._engine import (
     HorovodCollectives,
@@ -75,8 +76,7 @@ class Compression:
         log_every: int = 0,
         **options: Any,
     ):
-        if isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 0:
-            raise ValueError(f"log_every must be an int >= 0, got {log_every!r}")
+        check_log_every(log_every)
         cfg = build_config(config, density, options)
         planner = build_planner(
             merge,

@@ -23,6 +23,7 @@ import horovod.torch as hvd
 import torch
 from horovod.torch.optimizer import _DistributedOptimizer
 
+from .._options import check_int, check_log_every, check_no_groups, check_op, check_predivide
 from ..core.config import SparsityConfig
 from ._engine import HorovodCollectives, build_config, build_exchange, build_planner, log_stats
 
@@ -251,27 +252,11 @@ def DistributedOptimizer(
         raise TypeError(
             f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
         )
-    if op not in (hvd.Average, hvd.Sum):
-        raise ValueError(
-            "op must be hvd.Average or hvd.Sum (Adasum cannot combine sparse gradients)"
-        )
-    if num_groups or groups is not None:
-        raise ValueError(
-            "groups/num_groups are Horovod's fusion groups; dlgs packs its own messages, "
-            "leave them unset"
-        )
-    if (
-        isinstance(backward_passes_per_step, bool)
-        or not isinstance(backward_passes_per_step, int)
-        or backward_passes_per_step < 1
-    ):
-        raise ValueError(
-            f"backward_passes_per_step must be an int >= 1, got {backward_passes_per_step!r}"
-        )
-    if gradient_predivide_factor != 1.0 and op != hvd.Average:
-        raise ValueError("gradient_predivide_factor is only supported with op=hvd.Average")
-    if isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 0:
-        raise ValueError(f"log_every must be an int >= 0, got {log_every!r}")
+    check_op(op, hvd.Average, hvd.Sum)
+    check_no_groups(num_groups, groups)
+    check_int("backward_passes_per_step", backward_passes_per_step, 1)
+    check_predivide(gradient_predivide_factor, op, hvd.Average)
+    check_log_every(log_every)
     cfg = build_config(config, density, options)
     planner = build_planner(
         merge,

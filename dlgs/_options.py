@@ -1,0 +1,82 @@
+"""Argument handling shared by the framework adapters (no framework import).
+
+The adapters accept the same dlgs options and must raise the same errors; the
+checks that do not depend on a framework's types live here. Horovod's op
+constants are passed in by the caller, so this module imports neither torch,
+TensorFlow nor Horovod.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+from .core.config import SparsityConfig
+from .core.profiler import OnlinePlanner
+
+__all__ = [
+    "build_config",
+    "build_planner",
+    "check_log_every",
+    "check_op",
+    "check_no_groups",
+    "check_predivide",
+    "check_int",
+]
+
+
+def build_config(
+    config: Optional[SparsityConfig], density: float, options: Dict[str, Any]
+) -> SparsityConfig:
+    """One :class:`SparsityConfig` from either a ready config or keyword options."""
+    if config is not None:
+        if not isinstance(config, SparsityConfig):
+            raise TypeError(f"config must be a dlgs.SparsityConfig, got {type(config).__name__}")
+        if options:
+            raise ValueError(f"pass either config= or keyword options, not both: {sorted(options)}")
+        return config
+    try:
+        return SparsityConfig(density=density, **options)
+    except TypeError as err:
+        if "unexpected keyword" in str(err):
+            raise TypeError(f"unknown dlgs option: {err}") from None
+        raise
+
+
+def build_planner(merge: str, **options: Any) -> OnlinePlanner:
+    """The online planner for ``merge=`` and its keyword options
+    (``profile_steps``, ``bucket_elements``, ``max_group``, ``drift_*``)."""
+    if not isinstance(merge, str):
+        raise TypeError(f"merge must be a str, got {type(merge).__name__}")
+    return OnlinePlanner(merge, **options)
+
+
+def check_int(name: str, value: Any, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+
+
+def check_log_every(log_every: Any) -> None:
+    check_int("log_every", log_every, 0)
+
+
+def check_op(op: Any, average: Any, sum_: Any) -> None:
+    """Only Average and Sum combine sparse gradients."""
+    if op not in (average, sum_):
+        raise ValueError(
+            "op must be hvd.Average or hvd.Sum (Adasum cannot combine sparse gradients)"
+        )
+
+
+def check_no_groups(num_groups: Any, groups: Any) -> None:
+    if num_groups or groups is not None:
+        raise ValueError(
+            "groups/num_groups are Horovod's fusion groups; dlgs packs its own messages, "
+            "leave them unset"
+        )
+
+
+def check_predivide(factor: Any, op: Any, average: Any) -> None:
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+        raise ValueError(f"gradient_predivide_factor must be a float > 0, got {factor!r}")
+    if factor != 1.0 and op != average:
+        raise ValueError("gradient_predivide_factor is only supported with op=hvd.Average")

@@ -1,0 +1,378 @@
+"""Glue between TensorFlow variables, Horovod's TF collectives and the core.
+
+:class:`Engine` owns one :class:`~dlgs.core.exchange.SparseExchange` (and its
+:class:`~dlgs.core.profiler.OnlinePlanner`) over a fixed list of variables, and
+exchanges a list of gradients for them, the way ``dlgs/torch/_engine.py`` and
+the torch optimizer drive the same core:
+
+* eagerly, :meth:`Engine.exchange` submits every gradient to the exchange in
+  backward order (last layer first) and waits;
+* while a ``tf.function`` is being traced, it inserts one ``tf.py_function``
+  that runs the same eager code when the graph executes. The exchange decides
+  at run time, in Python, which layers go sparse, when to re-anchor a threshold
+  and when to profile and re-plan; a traced graph would freeze those decisions
+  at trace time, so the exchange is never traced (docs/tensorflow.md).
+
+Collectives run on one background thread in submission order (the same order
+on every rank), so a message's allgather overlaps the selection of the next
+messages, as the planner's model assumes.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import horovod.tensorflow as hvd
+import numpy as np
+import tensorflow as tf
+
+from ..core.config import SparsityConfig
+from ..core.consistency import RankMismatchError, describe_mismatch, signature
+from ..core.exchange import SparseExchange
+from ..core.profiler import OnlinePlanner
+from ._ops import OPS, _read
+
+__all__ = ["Engine", "HorovodCollectives", "variable_name", "log_stats"]
+
+logger = logging.getLogger("dlgs.tensorflow")
+
+
+def variable_name(v: Any) -> str:
+    """A stable name for a variable: ``v.path`` for a Keras 3 variable (e.g.
+    ``"dense/kernel"``), ``v.name`` for a ``tf.Variable``."""
+    path = getattr(v, "path", None)
+    if isinstance(path, str) and path:
+        return path
+    name = getattr(v, "name", None)
+    if isinstance(name, str) and name:
+        return name
+    raise TypeError(f"expected a tf.Variable or keras.Variable, got {type(v).__name__}")
+
+
+def _dtype(v: Any) -> tf.DType:
+    return tf.as_dtype(v.dtype)
+
+
+def _shape(v: Any) -> Tuple[int, ...]:
+    shape = tuple(v.shape)
+    if any(s is None for s in shape):
+        raise ValueError(f"variable {variable_name(v)!r} has an unknown shape {shape}")
+    return tuple(int(s) for s in shape)
+
+
+class HorovodCollectives:
+    """:class:`dlgs.core.exchange.Collectives` on ``horovod.tensorflow`` (eager).
+
+    Horovod's TF ops have no asynchronous Python API; each collective is run
+    eagerly on one worker thread (Horovod releases the GIL while it waits), so
+    ``*_async`` return a future and messages go out in submission order.
+    """
+
+    def __init__(
+        self,
+        op=hvd.Average,
+        prescale_factor: float = 1.0,
+        postscale_factor: float = 1.0,
+        process_set=hvd.global_process_set,
+        compression=hvd.Compression.none,
+        device_dense: str = "",
+        device_sparse: str = "",
+    ):
+        self.op = op
+        self.prescale_factor = prescale_factor
+        self.postscale_factor = postscale_factor
+        self.process_set = process_set
+        self.compression = compression
+        self.device_dense = device_dense
+        self.device_sparse = device_sparse
+        glob = process_set is hvd.global_process_set
+        self.size = hvd.size() if glob else process_set.size()
+        self.rank = hvd.rank() if glob else process_set.rank()
+        self._pool: Optional[ThreadPoolExecutor] = None
+
+    def _submit(self, fn, *args):
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="dlgs-tf")
+        return self._pool.submit(fn, *args)
+
+    def allgather_async(self, chunk, name):
+        return self._submit(self._allgather, _read(chunk), name)
+
+    def _allgather(self, tensor, name):
+        with tf.device(self.device_sparse):
+            return hvd.allgather(
+                tensor, name=name, ignore_name_scope=True, process_set=self.process_set
+            )
+
+    def allreduce_async(self, tensor, name):
+        return self._submit(self._allreduce, _read(tensor), name)
+
+    def _allreduce(self, tensor, name):
+        with tf.device(self.device_dense):
+            return hvd.allreduce(
+                tensor,
+                op=self.op,
+                prescale_factor=self.prescale_factor,
+                postscale_factor=self.postscale_factor,
+                compression=self.compression,
+                name=name,
+                ignore_name_scope=True,
+                process_set=self.process_set,
+            )
+
+    def synchronize(self, handle):
+        return handle.result()
+
+    def broadcast_object(self, obj):
+        root = 0 if self.process_set is hvd.global_process_set else self.process_set.ranks[0]
+        return hvd.broadcast_object(
+            obj, root_rank=root, name="dlgs.broadcast", process_set=self.process_set
+        )
+
+    def allgather_object(self, obj, name):
+        return hvd.allgather_object(obj, name=name, process_set=self.process_set)
+
+
+def check_ranks_agree(comm: HorovodCollectives, sig: Dict[str, Any]) -> None:
+    """Gather every rank's signature; every rank raises the same error if they differ."""
+    if comm.size <= 1:
+        return
+    problem = describe_mismatch(comm.allgather_object(sig, "dlgs.signature"))
+    if problem:
+        raise RankMismatchError(problem)
+
+
+class Engine:
+    """One sparse exchange over a fixed list of variables.
+
+    Built lazily, eagerly (``tf.init_scope``), from the first gradient list it
+    is given, after checking that every rank has the same variables and
+    options. Later calls must pass the same variables (by name).
+
+    Args:
+        config: the sparsification options.
+        planner: the merge planner (a step hook of the exchange).
+        comm: the collectives.
+        average: average (``op=hvd.Average``) or sum the gradients.
+        prefix: prefix of the Horovod tensor names (distinct per engine).
+        extra_options: more options every rank must agree on.
+        log_every: log per-layer statistics every this many steps (0: never).
+    """
+
+    def __init__(
+        self,
+        config: SparsityConfig,
+        planner: OnlinePlanner,
+        comm: HorovodCollectives,
+        *,
+        average: bool,
+        prefix: str,
+        extra_options: Optional[Dict[str, Any]] = None,
+        log_every: int = 0,
+    ):
+        self.config = config
+        self.planner = planner
+        self.comm = comm
+        self.average = average
+        self.prefix = prefix
+        self.extra_options = dict(extra_options or {})
+        self.log_every = log_every
+        self.names: Optional[List[str]] = None
+        self.shapes: List[Tuple[int, ...]] = []
+        self.exchange: Optional[SparseExchange] = None
+        self._order: List[int] = []  # exchange layer index -> position in names
+        self._pending_state: Optional[Dict[str, Any]] = None
+        self._lock = threading.Lock()
+        self.trackable = ExchangeState(self)
+
+    # -- construction -----------------------------------------------------------
+    def specs(self, variables: Sequence[Any]) -> List[str]:
+        """Validated names of ``variables``; builds the exchange on first use."""
+        names = [variable_name(v) for v in variables]
+        if self.names is None:
+            if not names:
+                raise ValueError("no variables to exchange gradients for")
+            dups = sorted({n for n in names if names.count(n) > 1})
+            if dups:
+                raise ValueError(
+                    f"variable names must be unique to key dlgs' per-variable state, duplicates: "
+                    f"{dups[:5]} (give the variables distinct names)"
+                )
+            shapes = [_shape(v) for v in variables]
+            for v in variables:
+                if not _dtype(v).is_floating:
+                    raise TypeError(
+                        f"variable {variable_name(v)!r} has dtype {_dtype(v).name}: only "
+                        "floating-point variables have gradients to exchange"
+                    )
+            with tf.init_scope():  # eager even while a tf.function is traced
+                self._build(names, shapes, [_dtype(v).name for v in variables])
+        elif names != self.names:
+            raise ValueError(
+                "this dlgs exchange was built for other variables "
+                f"({len(self.names)} starting {self.names[:3]}), got {len(names)} starting "
+                f"{names[:3]}; use one DistributedGradientTape name= / optimizer per variable list"
+            )
+        return names
+
+    def _build(self, names: List[str], shapes: List[Tuple[int, ...]], dtypes: List[str]) -> None:
+        # Backward order: gradients of the last layers are ready first.
+        order = list(reversed(range(len(names))))
+        options = dict(self.config.to_dict(), average=self.average, **self.extra_options)
+        options.update(merge=self.planner.strategy, profile_steps=self.planner.profile_steps)
+        check_ranks_agree(
+            self.comm,
+            signature([(names[i], shapes[i], dtypes[i]) for i in order], options),
+        )
+        exchange = SparseExchange(
+            OPS,
+            self.comm,
+            self.config,
+            [(names[i], int(np.prod(shapes[i], dtype=np.int64))) for i in order],
+            average=self.average,
+            prefix=self.prefix,
+            clock=_clock(),
+        )
+        exchange.step_hooks.append(self.planner)
+        self.names, self.shapes, self._order = names, shapes, order
+        self.exchange = exchange
+        if self._pending_state is not None:
+            state, self._pending_state = self._pending_state, None
+            self.load_state_dict(state)
+
+    # -- the step -----------------------------------------------------------------
+    def exchange_gradients(self, grads: Sequence[Any], variables: Sequence[Any]) -> List[Any]:
+        """Reduced gradients for ``variables``, eagerly or via ``tf.py_function``.
+
+        ``None`` gradients take part as zeros (every rank must submit every
+        layer) and come back as ``None``; ``tf.IndexedSlices`` are densified.
+        """
+        if len(grads) != len(variables):
+            raise ValueError(f"got {len(grads)} gradients for {len(variables)} variables")
+        self.specs(variables)
+        missing = [g is None for g in grads]
+        dense = []
+        for g, v in zip(grads, variables):
+            if g is None:
+                g = tf.zeros(_shape(v), _dtype(v))
+            elif isinstance(g, tf.IndexedSlices):
+                g = tf.convert_to_tensor(g)
+            dense.append(g)
+        if tf.executing_eagerly():
+            out = self._run(dense)
+        else:
+            out = tf.py_function(self._run, dense, Tout=[g.dtype for g in dense])
+            out = list(out) if isinstance(out, (list, tuple)) else [out]
+            for o, g in zip(out, dense):
+                o.set_shape(g.shape)
+        return [None if m else o for m, o in zip(missing, out)]
+
+    def _run(self, *grads: Any) -> List[tf.Tensor]:
+        """The eager step: submit in backward order, wait, reshape back."""
+        if len(grads) == 1 and isinstance(grads[0], (list, tuple)):
+            grads = tuple(grads[0])
+        exchange = self.exchange
+        assert exchange is not None
+        with self._lock:
+            for i, pos in enumerate(self._order):
+                exchange.submit(i, tf.reshape(tf.cast(grads[pos], tf.float32), [-1]))
+            reduced = exchange.wait()
+            out: List[Any] = [None] * len(grads)
+            for i, pos in enumerate(self._order):
+                g = grads[pos]
+                out[pos] = tf.cast(tf.reshape(_read(reduced[i]), tf.shape(g)), g.dtype)
+            if self.log_every and exchange.step % self.log_every == 0:
+                log_stats(exchange)
+        return out
+
+    # -- statistics and checkpoints ----------------------------------------------
+    def stats(self) -> List[Dict[str, Any]]:
+        if self.exchange is None:
+            return []
+        return log_stats(self.exchange, logging.DEBUG)
+
+    def state_dict(self) -> Dict[str, Any]:
+        """This rank's residuals, controller states, step and plan, as NumPy."""
+        if self.exchange is None:
+            return dict(self._pending_state or {})
+        return _to_numpy(self.exchange.state_dict())
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict` (deferred until the exchange is built)."""
+        if not state:
+            return
+        if self.exchange is None:
+            self._pending_state = state
+            return
+        like = tf.zeros([1], tf.float32)
+        self.exchange.load_state_dict(state, like=like)
+
+
+class ExchangeState(tf.train.experimental.PythonState):
+    """The exchange's rank-local state as one checkpoint entry.
+
+    ``tf.train.Checkpoint(model=model, dlgs=tape_or_opt.dlgs_state)``: the
+    residuals (the part of this rank's gradient not sent yet), controller
+    states, step and merge plan are saved as one pickled string. Save one
+    checkpoint per rank to resume exactly; a state saved by another rank or at
+    another world size resumes with zero residuals (docs/design.md).
+    """
+
+    def __init__(self, engine: Engine):
+        self._engine = engine
+
+    def serialize(self):
+        return pickle.dumps(self._engine.state_dict(), protocol=4)
+
+    def deserialize(self, string_value):
+        raw = string_value.numpy() if hasattr(string_value, "numpy") else string_value
+        self._engine.load_state_dict(pickle.loads(raw))
+
+
+def _to_numpy(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _to_numpy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_numpy(v) for v in obj)
+    if isinstance(obj, (tf.Variable, tf.Tensor)) or hasattr(obj, "var"):
+        return np.asarray(_read(obj).numpy())
+    return obj
+
+
+def _clock():
+    """Seconds after queued device work finished (profiling only)."""
+    if tf.config.list_logical_devices("GPU"):
+
+        def clock() -> float:
+            tf.test.experimental.sync_devices()
+            return time.perf_counter()
+
+        return clock
+    return time.perf_counter  # eager CPU ops complete before they return
+
+
+def log_stats(exchange: SparseExchange, level: int = logging.INFO) -> List[Dict[str, Any]]:
+    """Per-layer statistics of the last step, also written to the ``dlgs.tensorflow`` logger."""
+    rows = exchange.stats()
+    if logger.isEnabledFor(level):
+        for row in rows:
+            if row["sparse"] and "selected" in row:
+                logger.log(
+                    level,
+                    "step %d %s: selected %d of %d (density %.4g, target %d), threshold %.3g, "
+                    "%d bytes",
+                    exchange.step,
+                    row["name"],
+                    row["selected"],
+                    row["numel"],
+                    row["density"],
+                    row["k"],
+                    row["threshold"],
+                    row["wire_bytes"],
+                )
+    return rows

@@ -1,0 +1,401 @@
+"""TensorFlow implementation of :class:`dlgs.core.backend.ArrayOps`.
+
+The core is written against *mutable* buffers: it narrows a view into a send
+buffer and writes into it (``gather_`` into a message's value slots,
+``fill_at_`` on a residual) without using the return value. TensorFlow tensors
+are immutable, so every buffer the core allocates with :meth:`TFOps.zeros` is a
+1-D ``tf.Variable`` and :meth:`TFOps.narrow` / :meth:`TFOps.view_as` on it
+return a :class:`_View` (variable, offset, length, dtype). Writes into a view
+are in-place variable updates (``ResourceStridedSliceAssign``,
+``ResourceScatterUpdate/Add/Sub``); reads are slices of the variable. Tensors
+that did not come from :meth:`zeros` (gradients, collective outputs, controller
+scalars) stay ordinary immutable tensors and the same operations return new
+tensors for them, as the protocol allows.
+
+Nothing here calls ``.numpy()`` except :meth:`TFOps.to_host`. Runs eagerly
+(the exchange's Python control flow is not traceable, see ``docs/tensorflow.md``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+__all__ = ["TFOps", "OPS"]
+
+_DTYPES = {
+    "float32": tf.float32,
+    "float16": tf.float16,
+    "int32": tf.int32,
+    "int64": tf.int64,
+    "bool": tf.bool,
+}
+
+
+_CONSTS: dict = {}
+
+
+def _ivec(*values: int) -> tf.Tensor:
+    """A cached int32 vector constant (shape arguments): Python lists send
+    TensorFlow's eager ops through their slow fallback path (~150 us)."""
+    t = _CONSTS.get(values)
+    if t is None:
+        with tf.init_scope(), tf.device("CPU:0"):
+            t = _CONSTS[values] = tf.constant(values, tf.int32)
+    return t
+
+
+class _View:
+    """``length`` elements of dtype ``dtype`` starting at element ``start`` of
+    a 1-D variable reinterpreted as ``dtype`` (same or half the width)."""
+
+    __slots__ = ("var", "start", "length", "dtype")
+
+    def __init__(self, var: tf.Variable, start: int, length: int, dtype: tf.DType):
+        self.var = var
+        self.start = start
+        self.length = length
+        self.dtype = dtype
+
+    @property
+    def device(self) -> str:
+        return self.var.device
+
+    @property
+    def ratio(self) -> int:
+        """Elements of the view's dtype per element of the variable."""
+        return self.var.dtype.size // self.dtype.size
+
+    @property
+    def whole(self) -> bool:
+        return self.start == 0 and self.ratio == 1 and self.length == self.var.shape[0]
+
+    def _slice(self, start: int, length: int) -> tf.Tensor:
+        # Raw ops: ``var[a:b]`` goes through ~300 us of Python per call.
+        t = tf.raw_ops.ReadVariableOp(resource=self.var.handle, dtype=self.var.dtype)
+        if start == 0 and length == self.var.shape[0]:
+            return t
+        return tf.raw_ops.Slice(input=t, begin=_ivec(start), size=_ivec(length))
+
+    def _assign(self, start: int, value: tf.Tensor) -> None:
+        var = self.var
+        if start == 0 and value.shape[0] == var.shape[0]:
+            tf.raw_ops.AssignVariableOp(resource=var.handle, value=value)
+        else:
+            end = start + int(value.shape[0])
+            tf.raw_ops.ResourceStridedSliceAssign(
+                ref=var.handle, begin=_ivec(start), end=_ivec(end), strides=_ivec(1), value=value
+            )
+
+    def read(self) -> tf.Tensor:
+        var, r = self.var, self.ratio
+        if r == 1:
+            out = self._slice(self.start, self.length)
+            return out if var.dtype == self.dtype else tf.bitcast(out, self.dtype)
+        w0, w1 = self.start // r, -(-(self.start + self.length) // r)
+        words = tf.reshape(tf.bitcast(self._slice(w0, w1 - w0), self.dtype), [-1])
+        return tf.slice(words, _ivec(self.start - w0 * r), _ivec(self.length))
+
+    def write(self, value: Any) -> None:
+        value = _vec(value, self.dtype)
+        var, r = self.var, self.ratio
+        if r == 1:
+            if var.dtype != self.dtype:
+                value = tf.bitcast(value, var.dtype)
+            self._assign(self.start, value)
+            return
+        # Narrower dtype than the variable (float16 values in an int32 chunk):
+        # read-modify-write the words the view touches.
+        w0, w1 = self.start // r, -(-(self.start + self.length) // r)
+        words = tf.reshape(tf.bitcast(self._slice(w0, w1 - w0), self.dtype), [-1])
+        lo = self.start - w0 * r
+        merged = tf.concat([words[:lo], value, words[lo + self.length :]], 0)
+        self._assign(w0, tf.bitcast(tf.reshape(merged, [-1, r]), var.dtype))
+
+    def indices(self, idx: tf.Tensor) -> tf.Tensor:
+        """Indices into the variable for view indices ``idx`` (same width only)."""
+        if self.ratio != 1:
+            raise NotImplementedError("indexed updates on a narrower view")
+        return idx + self.start if self.start else idx
+
+
+def _as_view(x: Any) -> _View | None:
+    if isinstance(x, _View):
+        return x
+    if isinstance(x, tf.Variable):
+        return _View(x, 0, int(x.shape[0]), x.dtype)
+    return None
+
+
+def _read(x: Any) -> tf.Tensor:
+    view = _as_view(x)
+    return view.read() if view is not None else tf.convert_to_tensor(x)
+
+
+def _flat(x: Any) -> tf.Tensor:
+    t = _read(x)
+    return t if t.shape.rank == 1 else tf.reshape(t, _ivec(-1))
+
+
+def _vec(x: Any, dtype: tf.DType) -> tf.Tensor:
+    """``x`` as a 1-D tensor of ``dtype`` (no op when it already is one)."""
+    t = _flat(x)
+    return t if t.dtype == dtype else tf.cast(t, dtype)
+
+
+class TFOps:
+    """Array primitives for the core, on TensorFlow tensors and variables."""
+
+    def zeros(self, n: int, dtype: str, like: Any) -> tf.Variable:
+        with tf.device(_device(like)):
+            return tf.Variable(tf.zeros([n], _DTYPES[dtype]), trainable=False)
+
+    def scalar(self, value: float, like: Any) -> Any:
+        if _on_host(like):
+            return np.float32(value)
+        with tf.device(_device(like)):
+            return tf.constant(value, tf.float32)
+
+    def view_as(self, x: Any, dtype: str) -> Any:
+        dt = _DTYPES[dtype]
+        view = _as_view(x)
+        if view is not None:
+            if view.var.dtype.size % dt.size:
+                raise NotImplementedError(f"view of {view.var.dtype.name} as {dtype}")
+            scale = view.dtype.size // dt.size if view.dtype.size >= dt.size else None
+            if scale is None:
+                raise NotImplementedError(f"view of {view.dtype.name} as wider {dtype}")
+            return _View(view.var, view.start * scale, view.length * scale, dt)
+        x = tf.convert_to_tensor(x)
+        if x.dtype == dt:
+            return x
+        out = tf.bitcast(x, dt)
+        if x.dtype.size > dt.size:  # bitcast adds a trailing dimension
+            out = tf.reshape(out, tf.concat([tf.shape(x)[:-1], [-1]], 0))
+        return out
+
+    def narrow(self, x: Any, dim: int, start: int, length: int) -> Any:
+        view = _as_view(x)
+        if view is not None:
+            if dim != 0:
+                raise NotImplementedError("buffers are 1-D")
+            return _View(view.var, view.start + start, length, view.dtype)
+        x = tf.convert_to_tensor(x)
+        begin = [0] * x.shape.rank
+        size = [-1] * x.shape.rank
+        begin[dim], size[dim] = start, length
+        return tf.slice(x, begin, size)
+
+    def reshape(self, x: Any, shape: Sequence[int]) -> tf.Tensor:
+        return tf.reshape(_read(x), list(shape))
+
+    def numel(self, x: Any) -> int:
+        if isinstance(x, _View):
+            return x.length
+        return int(x.shape.num_elements())
+
+    def cast(self, x: Any, dtype: str) -> tf.Tensor:
+        return tf.cast(_read(x), _DTYPES[dtype])
+
+    # -- element-wise --------------------------------------------------------
+    def _update(self, dst: Any, value: tf.Tensor) -> Any:
+        view = _as_view(dst)
+        if isinstance(dst, (np.ndarray, np.generic)):
+            return np.asarray(_host(value), dst.dtype).reshape(np.shape(dst))
+        if view is None:
+            return tf.reshape(tf.cast(value, dst.dtype), tf.shape(dst))
+        view.write(value)
+        return dst
+
+    def add_(self, dst, src):
+        return self._update(dst, _flat(dst) + _vec(src, _dtype(dst)))
+
+    def scale_add_(self, dst, scale, src):
+        return self._update(dst, _flat(dst) * scale + _vec(src, _dtype(dst)))
+
+    def abs_(self, x, out):
+        # The result is only read (controller, compare): a new tensor avoids
+        # writing the scratch buffer and reading it back.
+        return tf.abs(_read(x))
+
+    def ge_(self, x, thr, out):
+        return tf.greater_equal(_read(x), thr if _is_np(thr) else tf.cast(thr, _dtype(x)))
+
+    def count_nonzero(self, mask):
+        return tf.math.count_nonzero(_read(mask), dtype=tf.int32)
+
+    def nonzero_static(self, mask, size, fill):
+        # tf.where has a data-dependent shape (on GPU it synchronises once to
+        # size its output); truncating and padding restores the fixed size
+        # the wire format needs.
+        found = tf.reshape(tf.cast(tf.where(_read(mask)), tf.int32), _ivec(-1))
+        padded = tf.concat([found, _fill(size, fill)], 0)
+        return tf.slice(padded, _ivec(0), _ivec(size))
+
+    def gather_(self, src, idx, out):
+        view = _as_view(src)
+        if view is not None and view.ratio == 1 and view.var.dtype == view.dtype:
+            vals = tf.gather(view.var, view.indices(idx))  # ResourceGather: no full read
+        else:
+            vals = tf.gather(_read(src), idx)
+        return self._update(out, vals)
+
+    def _scatter(self, dst, idx, vals, kind: str):
+        view = _as_view(dst)
+        if view is None:
+            fn = {
+                "update": tf.tensor_scatter_nd_update,
+                "add": tf.tensor_scatter_nd_add,
+                "sub": tf.tensor_scatter_nd_sub,
+            }[kind]
+            vals = tf.broadcast_to(vals, tf.shape(idx)) if vals.shape.rank == 0 else vals
+            return fn(dst, tf.reshape(idx, [-1, 1]), vals)
+        op = {
+            "update": tf.raw_ops.ResourceScatterUpdate,
+            "add": tf.raw_ops.ResourceScatterAdd,
+            "sub": tf.raw_ops.ResourceScatterSub,
+        }[kind]
+        vals = vals if vals.dtype == view.dtype else tf.cast(vals, view.dtype)
+        op(resource=view.var.handle, indices=view.indices(_flat(idx)), updates=vals)
+        return dst
+
+    def fill_at_(self, dst, idx, value):
+        # A scalar update: one op, no tensor of ``len(idx)`` values.
+        return self._scatter(dst, idx, _scalar_const(float(value), _dtype(dst)), "update")
+
+    def sub_at_(self, dst, idx, vals):
+        return self._scatter(dst, idx, _flat(vals), "sub")
+
+    def copy_(self, dst, src):
+        return self._update(dst, _vec(src, _dtype(dst)))
+
+    def add_offset_(self, dst, idx, offset):
+        return self._update(dst, _vec(idx, tf.int32) + offset)
+
+    def index_add_rows_(self, dst, idx, vals, scale):
+        idx, vals = _read(idx), tf.cast(_read(vals), tf.float32)
+        if scale != 1.0:
+            vals = vals * scale
+        # Every rank must compute the same bits. A slot selected on several
+        # ranks receives one value per row; scatter kernels that run in
+        # parallel (GPU, and TensorFlow's CPU kernel from 1024 updates with
+        # several threads, see tensorflow/core/kernels/scatter_functor.h) add
+        # them in any order. Indices are unique within a row, so adding one row
+        # at a time is deterministic. With two rows the order cannot matter
+        # (0 + a + b == 0 + b + a exactly), so one op does.
+        rows = int(idx.shape[0]) if idx.shape.rank == 2 else 1
+        if rows <= 2:
+            return self._scatter(dst, tf.reshape(idx, [-1]), tf.reshape(vals, [-1]), "add")
+        for r in range(rows):
+            self._scatter(dst, idx[r], vals[r], "add")
+        return dst
+
+    def mul_(self, x, factor):
+        view = _as_view(x)
+        if view is not None and factor == 0.0 and view.whole:
+            view.var.assign(tf.zeros_like(view.var))
+            return x
+        return self._update(x, _flat(x) * factor)
+
+    # -- threshold arithmetic on 0-d tensors ---------------------------------
+    # On the CPU the controllers' 0-d arithmetic (about 25 operations per
+    # layer per step) runs in NumPy: the values already live in host memory,
+    # so reading them synchronises nothing, and a NumPy scalar operation costs
+    # about 1 us against about 50 us for an eager TensorFlow op. On a GPU they
+    # stay device tensors (no host synchronisation on the hot path).
+    def kth_largest(self, x, k):
+        x = _read(x)
+        return _maybe_host(tf.reduce_min(tf.math.top_k(x, k, sorted=False).values), x)
+
+    def mean(self, x):
+        x = _read(x)
+        return _maybe_host(tf.reduce_mean(x), x)
+
+    def strided(self, x, stride):
+        x = _read(x)
+        if stride == 1:
+            return x
+        return tf.strided_slice(x, [0], [int(x.shape[0])], [stride])
+
+    def log(self, x):
+        return np.log(x) if _is_np(x) else tf.math.log(x)
+
+    def exp(self, x):
+        return np.exp(x) if _is_np(x) else tf.math.exp(x)
+
+    def clamp(self, x, low, high):
+        return (
+            np.clip(x, np.float32(low), np.float32(high))
+            if _is_np(x)
+            else (tf.clip_by_value(x, low, high))
+        )
+
+    def where(self, cond, a, b):
+        if _is_np(cond) and _is_np(a) and _is_np(b):
+            return np.where(cond, a, b)
+        return tf.where(cond, a, b)
+
+    def to_float(self, x):
+        if _is_np(x):
+            return np.float32(x)
+        return _maybe_host(tf.cast(x, tf.float32), x)
+
+    def to_host(self, x: Any) -> Any:
+        if _is_np(x):
+            return np.asarray(x).tolist()
+        return _read(x).numpy().tolist()
+
+    def stack(self, xs):
+        if all(_is_np(x) for x in xs):
+            return np.stack(xs)
+        return tf.stack([_read(x) for x in xs])
+
+
+def _scalar_const(value: float, dtype: tf.DType) -> tf.Tensor:
+    key = ("scalar", value, dtype.name)
+    t = _CONSTS.get(key)
+    if t is None:
+        with tf.init_scope():
+            t = _CONSTS[key] = tf.constant(value, dtype)
+    return t
+
+
+def _fill(n: int, value: int) -> tf.Tensor:
+    key = ("fill", n, value)
+    t = _CONSTS.get(key)
+    if t is None:
+        with tf.init_scope(), tf.device("CPU:0"):
+            t = _CONSTS[key] = tf.fill([n], tf.constant(value, tf.int32))
+    return t
+
+
+def _is_np(x: Any) -> bool:
+    return isinstance(x, (np.ndarray, np.generic, float, int))
+
+
+def _on_host(like: Any) -> bool:
+    return "GPU" not in _device(like).upper()
+
+
+def _maybe_host(t: tf.Tensor, like: Any) -> Any:
+    """A 0-d result as a NumPy scalar when it lives on the CPU."""
+    return np.float32(t.numpy()) if _on_host(like) else t
+
+
+def _host(x: Any) -> Any:
+    return x.numpy() if isinstance(x, tf.Tensor) else x
+
+
+def _dtype(x: Any) -> tf.DType:
+    return x.dtype if isinstance(x, (_View, tf.Variable)) else tf.convert_to_tensor(x).dtype
+
+
+def _device(like: Any) -> str:
+    if like is None:
+        return ""
+    return getattr(like, "device", "") or ""
+
+
+OPS = TFOps()

@@ -1,0 +1,160 @@
+"""``dlgs.tensorflow.keras.DistributedOptimizer``: a Keras 3 optimizer that
+exchanges gradients sparsely before applying them, under ``model.fit`` too.
+
+Horovod 0.28.1's ``horovod.tensorflow.keras.DistributedOptimizer`` overrides
+Keras 2 hooks that Keras 3 no longer calls: ``fit`` runs without error and the
+ranks silently diverge (DESIGN.md §2). Keras 3's ``fit`` (TensorFlow backend,
+``keras/src/backend/tensorflow/trainer.py``) computes the gradients with a
+``tf.GradientTape`` and calls ``optimizer.apply_gradients(zip(grads, vars))``,
+which calls ``optimizer.apply(grads, vars)``; custom loops call either. This
+wrapper builds, as Horovod does, a class deriving from the user's optimizer
+class whose ``apply`` first exchanges the gradients through the dlgs core and
+then calls the original ``apply``.
+
+Inside ``fit``'s compiled train function the exchange runs through one
+``tf.py_function`` per step (it cannot be traced, docs/tensorflow.md); compile
+with ``jit_compile=False`` (XLA cannot compile a ``py_function``; Keras only
+picks XLA by itself on GPUs).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+import horovod.tensorflow as hvd
+import keras
+
+from .. import _options
+from ..core.config import SparsityConfig
+from ._engine import Engine, HorovodCollectives
+from .tape import _check_compression
+
+__all__ = ["DistributedOptimizer"]
+
+
+class _SparseApply:
+    """Mixed in before the user's optimizer class."""
+
+    def apply(self, grads, trainable_variables=None):
+        grads = list(grads)
+        variables = (
+            list(trainable_variables)
+            if trainable_variables is not None
+            else list(getattr(self, "_trainable_variables", []))
+        )
+        if grads and variables:
+            grads = self._dlgs_engine.exchange_gradients(grads, variables)
+        return super().apply(grads, trainable_variables)
+
+    @property
+    def dlgs_state(self):
+        """A ``tf.train.Checkpoint``-able object holding this rank's residuals,
+        thresholds, step and plan: ``tf.train.Checkpoint(dlgs=opt.dlgs_state)``."""
+        return self._dlgs_engine.trackable
+
+    @property
+    def dlgs_exchange(self):
+        """The core :class:`~dlgs.core.SparseExchange` (None before the first step)."""
+        return self._dlgs_engine.exchange
+
+    @property
+    def dlgs_planner(self):
+        """The :class:`~dlgs.core.profiler.OnlinePlanner` (its ``plan`` is in force)."""
+        return self._dlgs_engine.planner
+
+    def dlgs_stats(self) -> List[Dict[str, Any]]:
+        """Per-layer statistics of the last step (reads device values)."""
+        return self._dlgs_engine.stats()
+
+    def dlgs_reprofile(self) -> None:
+        """Profile again from the next step and re-plan (every rank, between steps)."""
+        self._dlgs_engine.planner.restart()
+
+
+def DistributedOptimizer(
+    optimizer: keras.optimizers.Optimizer,
+    name: Optional[str] = None,
+    device_dense: str = "",
+    device_sparse: str = "",
+    compression=hvd.Compression.none,
+    sparse_as_dense: bool = False,
+    gradient_predivide_factor: float = 1.0,
+    op=hvd.Average,
+    backward_passes_per_step: int = 1,
+    average_aggregated_gradients: bool = False,
+    num_groups: int = 0,
+    groups=None,
+    process_set=hvd.global_process_set,
+    scale_local_gradients: bool = True,
+    *,
+    density: float = 0.01,
+    config: Optional[SparsityConfig] = None,
+    merge: str = "dp",
+    profile_steps: int = 5,
+    bucket_elements: int = 8192,
+    max_group: Optional[int] = None,
+    drift_tolerance: float = 0.25,
+    drift_window: int = 50,
+    log_every: int = 0,
+    **options: Any,
+) -> keras.optimizers.Optimizer:
+    """Wrap a Keras 3 optimizer so gradients are exchanged sparsely across ranks.
+
+    The positional arguments are :func:`horovod.tensorflow.keras.DistributedOptimizer`'s.
+    ``name`` is the prefix of the Horovod tensor names (default ``"dlgs.keras"``);
+    ``compression`` applies to the layers sent dense. ``backward_passes_per_step``
+    must be 1 (use Keras' own ``gradient_accumulation_steps``; the exchange then
+    runs every micro-step), ``groups`` / ``num_groups`` are rejected (dlgs packs
+    its own messages). ``scale_local_gradients`` has no effect (there are no
+    local variables in this form).
+
+    Args:
+        density, config, merge, profile_steps, bucket_elements, max_group,
+            drift_tolerance, drift_window, log_every, **options: as
+            :func:`dlgs.tensorflow.DistributedGradientTape`.
+
+    Returns:
+        A new optimizer of a class derived from ``optimizer``'s, built from its
+        config (as Horovod does); its ``get_config()`` is the original's, and
+        a saved model loads with the plain optimizer class.
+    """
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise TypeError(
+            f"optimizer must be a keras.optimizers.Optimizer, got {type(optimizer).__name__}"
+        )
+    _options.check_op(op, hvd.Average, hvd.Sum)
+    _options.check_no_groups(num_groups, groups)
+    _options.check_predivide(gradient_predivide_factor, op, hvd.Average)
+    _options.check_log_every(log_every)
+    _check_compression(compression)
+    _options.check_int("backward_passes_per_step", backward_passes_per_step, 1)
+    if backward_passes_per_step != 1:
+        raise ValueError(
+            "backward_passes_per_step must be 1 with Keras 3: use the optimizer's "
+            "gradient_accumulation_steps instead"
+        )
+    prefix = "dlgs.keras" if name is None else name
+    if not isinstance(prefix, str) or not prefix:
+        raise ValueError(f"name must be None or a non-empty str, got {name!r}")
+    cfg = _options.build_config(config, density, options)
+    planner = _options.build_planner(
+        merge,
+        profile_steps=profile_steps,
+        bucket_elements=bucket_elements,
+        max_group=max_group,
+        drift_tolerance=drift_tolerance,
+        drift_window=drift_window,
+    )
+    average = op == hvd.Average
+    pre, post = (
+        (1.0 / gradient_predivide_factor, gradient_predivide_factor) if average else (1.0, 1.0)
+    )
+    comm = HorovodCollectives(op, pre, post, process_set, compression, device_dense, device_sparse)
+    engine = Engine(cfg, planner, comm, average=average, prefix=prefix, log_every=log_every)
+    base = optimizer.__class__
+    # Same name and module as the user's class: get_config()/saving see the
+    # plain optimizer, so a saved model loads without dlgs.
+    cls = type(base.__name__, (_SparseApply, base), {"__module__": base.__module__})
+    wrapped = cls.from_config(optimizer.get_config())
+    wrapped._dlgs_engine = engine
+    return wrapped

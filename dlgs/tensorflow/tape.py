@@ -1,0 +1,247 @@
+"""``dlgs.tensorflow.DistributedGradientTape``: Horovod's tape, sparse inside.
+
+Mirrors :func:`horovod.tensorflow.DistributedGradientTape` (same positional
+arguments and defaults) and adds the dlgs options as keywords::
+
+    with tf.GradientTape() as tape:
+        loss = loss_fn(y, model(x, training=True))
+    tape = dlgs.tensorflow.DistributedGradientTape(tape, density=0.01)
+    grads = tape.gradient(loss, model.trainable_variables)
+
+Unlike Horovod's tape it accepts Keras 3 variables (keyed by ``v.path``) as
+well as ``tf.Variable`` (keyed by ``v.name``).
+
+A tape is usually created anew every step, but residuals, thresholds and the
+merge plan must persist: they live in an exchange kept per ``name=`` for the
+process (one per model; give two models trained side by side two names). A
+tape created with the same name and options continues the same exchange;
+other options under the same name raise ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Dict, List, Optional
+
+import horovod.tensorflow as hvd
+import tensorflow as tf
+
+from .. import _options
+from ..core.config import SparsityConfig
+from ._engine import Engine, HorovodCollectives, variable_name
+
+__all__ = ["DistributedGradientTape"]
+
+_ENGINES: Dict[str, Any] = {}
+_ENGINES_LOCK = threading.Lock()
+
+
+class _SparseTape:
+    """Methods of the generated tape class (copied over the user's tape class)."""
+
+    def gradient(
+        self,
+        target,
+        sources,
+        output_gradients=None,
+        unconnected_gradients=tf.UnconnectedGradients.NONE,
+        use_generic_names=False,
+    ):
+        flat = tf.nest.flatten(sources)
+        # The user's tape class (Horovod does the same; the generated class is
+        # not meant to be subclassed).
+        grads = super(type(self), self).gradient(
+            target, flat, output_gradients, unconnected_gradients
+        )
+        grads = list(grads)
+        glob = [i for i, v in enumerate(flat) if variable_name(v) not in self._dlgs_local]
+        if glob:
+            reduced = self._dlgs_engine.exchange_gradients(
+                [grads[i] for i in glob], [flat[i] for i in glob]
+            )
+            for i, g in zip(glob, reduced):
+                grads[i] = g
+        if self._dlgs_local and self._dlgs_scale_local:
+            size = self._dlgs_engine.comm.size
+            for i, v in enumerate(flat):
+                if variable_name(v) in self._dlgs_local and grads[i] is not None:
+                    g = grads[i]
+                    grads[i] = (
+                        tf.IndexedSlices(g.values / size, g.indices, g.dense_shape)
+                        if isinstance(g, tf.IndexedSlices)
+                        else g / size
+                    )
+        return tf.nest.pack_sequence_as(sources, grads)
+
+    def register_local_source(self, source):
+        """Keep ``source``'s gradient rank-local (not exchanged), as Horovod's
+        tape does; it is divided by the number of ranks when
+        ``scale_local_gradients`` is set."""
+        self._dlgs_local.add(variable_name(source))
+
+    @property
+    def dlgs_state(self):
+        """A ``tf.train.Checkpoint``-able object holding this rank's residuals,
+        thresholds, step and plan: ``tf.train.Checkpoint(dlgs=tape.dlgs_state)``."""
+        return self._dlgs_engine.trackable
+
+    @property
+    def dlgs_exchange(self):
+        """The core :class:`~dlgs.core.SparseExchange` (None before the first gradient)."""
+        return self._dlgs_engine.exchange
+
+    @property
+    def dlgs_planner(self):
+        """The :class:`~dlgs.core.profiler.OnlinePlanner` (its ``plan`` is in force)."""
+        return self._dlgs_engine.planner
+
+    def dlgs_stats(self) -> List[Dict[str, Any]]:
+        """Per-layer statistics of the last step (reads device values)."""
+        return self._dlgs_engine.stats()
+
+    def dlgs_reprofile(self) -> None:
+        """Profile again from the next step and re-plan (every rank, between steps)."""
+        self._dlgs_engine.planner.restart()
+
+
+_NOT_COPIED = {"__dict__", "__weakref__", "__module__", "__qualname__", "__doc__"}
+
+
+def DistributedGradientTape(
+    gradtape: tf.GradientTape,
+    device_dense: str = "",
+    device_sparse: str = "",
+    compression=hvd.Compression.none,
+    sparse_as_dense: bool = False,
+    op=hvd.Average,
+    gradient_predivide_factor: float = 1.0,
+    num_groups: int = 0,
+    groups=None,
+    process_set=hvd.global_process_set,
+    scale_local_gradients: bool = True,
+    *,
+    density: float = 0.01,
+    config: Optional[SparsityConfig] = None,
+    merge: str = "dp",
+    profile_steps: int = 5,
+    bucket_elements: int = 8192,
+    max_group: Optional[int] = None,
+    drift_tolerance: float = 0.25,
+    drift_window: int = 50,
+    log_every: int = 0,
+    name: str = "dlgs.tape",
+    **options: Any,
+) -> tf.GradientTape:
+    """Wrap ``gradtape`` so ``gradient()`` exchanges gradients sparsely across ranks.
+
+    The positional arguments are :func:`horovod.tensorflow.DistributedGradientTape`'s.
+    ``compression`` (e.g. ``hvd.Compression.fp16``) applies to the layers sent
+    dense; ``device_dense`` / ``device_sparse`` place the allreduces /
+    allgathers; ``sparse_as_dense`` is accepted (``IndexedSlices`` are always
+    densified first); ``groups`` / ``num_groups`` are rejected because dlgs
+    packs its own messages.
+
+    Works eagerly and inside ``tf.function``; there the exchange runs eagerly
+    through one ``tf.py_function`` per step (docs/tensorflow.md).
+
+    Args:
+        density: fraction of each sparsified layer sent per step, in (0, 1].
+        config: a ready :class:`dlgs.SparsityConfig` instead of keyword options.
+        merge, profile_steps, bucket_elements, max_group, drift_tolerance,
+            drift_window: the merge plan, as in :func:`dlgs.torch.DistributedOptimizer`
+            (docs/options.md).
+        log_every: log per-layer statistics to the ``dlgs.tensorflow`` logger
+            every this many steps (0: never).
+        name: the exchange this tape continues (residuals and plan persist
+            across the per-step tapes under one name) and the prefix of its
+            Horovod tensor names.
+        **options: any other :class:`dlgs.SparsityConfig` field.
+
+    Raises:
+        ValueError / TypeError: bad options (naming the option and the accepted
+            range), an unsupported ``op``, Horovod's ``groups``, or other
+            options under an existing ``name``.
+        dlgs.RankMismatchError: ranks have different variables or options
+            (raised by the first ``gradient()``).
+    """
+    if not isinstance(gradtape, tf.GradientTape):
+        raise TypeError(f"gradtape must be a tf.GradientTape, got {type(gradtape).__name__}")
+    _options.check_op(op, hvd.Average, hvd.Sum)
+    _options.check_no_groups(num_groups, groups)
+    _options.check_predivide(gradient_predivide_factor, op, hvd.Average)
+    _options.check_log_every(log_every)
+    _check_compression(compression)
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"name must be a non-empty str, got {name!r}")
+    cfg = _options.build_config(config, density, options)
+    planner_options = dict(
+        profile_steps=profile_steps,
+        bucket_elements=bucket_elements,
+        max_group=max_group,
+        drift_tolerance=drift_tolerance,
+        drift_window=drift_window,
+    )
+    planner = _options.build_planner(merge, **planner_options)
+    key = (
+        cfg,
+        merge,
+        tuple(sorted(planner_options.items())),
+        op,
+        float(gradient_predivide_factor),
+        id(process_set),
+        compression,
+        device_dense,
+        device_sparse,
+        log_every,
+    )
+    with _ENGINES_LOCK:
+        found = _ENGINES.get(name)
+        if found is not None and found[0] != key:
+            raise ValueError(
+                f"a dlgs exchange named {name!r} already exists with other options; pass "
+                "the same options every step, or another name= for another model"
+            )
+        if found is None:
+            average = op == hvd.Average
+            pre, post = (
+                (1.0 / gradient_predivide_factor, gradient_predivide_factor)
+                if average
+                else (1.0, 1.0)
+            )
+            comm = HorovodCollectives(
+                op, pre, post, process_set, compression, device_dense, device_sparse
+            )
+            engine = Engine(
+                cfg,
+                planner,
+                comm,
+                average=average,
+                prefix=name,
+                extra_options={"scale_local_gradients": bool(scale_local_gradients)},
+                log_every=log_every,
+            )
+            found = _ENGINES[name] = (key, engine)
+    engine = found[1]
+    methods = {k: v for k, v in _SparseTape.__dict__.items() if k not in _NOT_COPIED}
+    cls = type(gradtape.__class__.__name__, (gradtape.__class__,), methods)
+    tape = cls.__new__(cls)
+    tape.__dict__.update(gradtape.__dict__)  # shares the recorded tape
+    tape._dlgs_engine = engine
+    tape._dlgs_local = set()
+    tape._dlgs_scale_local = bool(scale_local_gradients)
+    return tape
+
+
+def _check_compression(compression: Any) -> None:
+    if not (hasattr(compression, "compress") and hasattr(compression, "decompress")):
+        raise TypeError(
+            "compression must be a Horovod compressor (hvd.Compression.none or .fp16), "
+            f"got {type(compression).__name__}"
+        )
+    from .compression import Compression
+
+    if isinstance(compression, Compression):
+        raise TypeError(
+            "dlgs.tensorflow.Compression is for Horovod's own tape; "
+            "dlgs.tensorflow.DistributedGradientTape sparsifies already (pass density=)"
+        )

@@ -1,0 +1,499 @@
+"""TensorFlow / Keras 3 scenarios run on every rank under ``horovodrun -np 2``.
+
+Like ``tests/parallel/worker.py``: each scenario computes numbers on real ranks
+and records them; ``tests/test_tensorflow.py`` loads every rank's record and
+asserts.
+
+Usage: ``horovodrun -np 2 --gloo python tests/parallel/tf_worker.py OUT_DIR SCENARIO...``
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+
+import tensorflow as tf
+
+tf.config.threading.set_intra_op_parallelism_threads(1)
+tf.config.threading.set_inter_op_parallelism_threads(1)
+
+import horovod.tensorflow as hvd  # noqa: E402
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+import dlgs.tensorflow  # noqa: E402
+import dlgs.tensorflow.keras  # noqa: E402
+from dlgs.core import RankMismatchError, SparsityConfig, plan_layers  # noqa: E402
+from dlgs.tensorflow._ops import OPS, _read  # noqa: E402
+
+SCENARIOS = {}
+
+
+def scenario(fn):
+    SCENARIOS[fn.__name__] = fn
+    return fn
+
+
+# -- helpers ------------------------------------------------------------------
+
+
+def mlp(seed: int, hidden: int = 64, broadcast: bool = True) -> keras.Model:
+    keras.utils.set_random_seed(seed)
+    # Explicit names: Keras uniquifies automatic ones (dense, dense_1, ...) per
+    # process, and dlgs keys its state by the variables' paths.
+    model = keras.Sequential(
+        [
+            keras.Input((32,)),
+            keras.layers.Dense(hidden, activation="relu", name="d0"),
+            keras.layers.Dense(hidden, activation="relu", name="d1"),
+            keras.layers.Dense(10, name="d2"),
+        ],
+        name="mlp",
+    )
+    if broadcast:
+        # Same start on every rank (Keras 3 variables: broadcast the tf.Variable).
+        hvd.broadcast_variables([v.value for v in model.variables], root_rank=0)
+    return model
+
+
+def batch(step: int, n: int = 16):
+    rng = np.random.default_rng(1000 * step + hvd.rank())
+    return rng.standard_normal((n, 32)).astype("float32"), rng.integers(0, 10, n)
+
+
+def loss_fn(model, x, y):
+    logits = model(x, training=True)
+    return tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True))
+
+
+def flat(model) -> np.ndarray:
+    return np.concatenate([np.asarray(v.numpy(), np.float32).ravel() for v in model.weights])
+
+
+def digest(model) -> str:
+    h = hashlib.sha256()
+    for v in model.weights:
+        h.update(np.ascontiguousarray(v.numpy()).tobytes())
+    return h.hexdigest()
+
+
+def tape_step(model, opt, x, y, wrap):
+    """One custom-loop step; ``wrap`` turns the tape into a distributed one."""
+    with tf.GradientTape() as tape:
+        loss = loss_fn(model, x, y)
+    tape, sources = wrap(tape, model)
+    grads = tape.gradient(loss, sources)
+    opt.apply(grads, model.trainable_variables)
+    return loss
+
+
+def run_loop(model, opt, wrap, steps, *, function=False, start=0):
+    step = tf.function(lambda x, y: tape_step(model, opt, x, y, wrap)) if function else None
+    digests = []
+    for s in range(start, start + steps):
+        x, y = batch(s)
+        if step is not None:
+            step(tf.constant(x), tf.constant(y))
+        else:
+            tape_step(model, opt, x, y, wrap)
+        digests.append(digest(model))
+    return digests
+
+
+def hvd_tape(tape, model):
+    # Horovod's tape needs tf.Variable sources under Keras 3 (DESIGN.md §2).
+    return hvd.DistributedGradientTape(tape), [v.value for v in model.trainable_variables]
+
+
+def dlgs_tape(**opts):
+    def wrap(tape, model):
+        return dlgs.tensorflow.DistributedGradientTape(tape, **opts), model.trainable_variables
+
+    return wrap
+
+
+def own_sent(exchange) -> dict:
+    """This rank's last sent values, decoded from its own send buffers."""
+    sent = {}
+    for group in exchange.groups:
+        if not group.sparse:
+            continue
+        lay = group.layout
+        dense = np.zeros(lay.dense_size, np.float64)
+        vals = _read(lay.values_view(OPS, group.chunk)).numpy().astype(np.float64)
+        idx = _read(lay.indices_view(OPS, group.chunk)).numpy()
+        np.add.at(dense, idx, vals)
+        for m, i in enumerate(group.members):
+            sent[i] = dense[lay.dense_offset(m) : lay.dense_offset(m) + lay.sizes[m]].copy()
+    return sent
+
+
+def linear_target(variables, grads):
+    """A loss whose gradient with respect to each variable is exactly ``grads``."""
+    return tf.add_n([tf.reduce_sum(v * g) for v, g in zip(variables, grads)])
+
+
+def sparse_grads(variables, k_of, seed):
+    """At most k non-zeros per variable on this rank (some shared positions)."""
+    rng = np.random.default_rng(seed)
+    shared_rng = np.random.default_rng(seed // 10)
+    out = []
+    for v in variables:
+        n = int(np.prod(v.shape))
+        k = k_of(v.path, n)
+        shared = shared_rng.permutation(n)[: k // 2]
+        own = rng.permutation(n)[: k - k // 2]
+        idx = np.unique(np.concatenate([shared, own]))[:k]
+        g = np.zeros(n, np.float32)
+        g[idx] = rng.standard_normal(idx.size).astype(np.float32)
+        out.append(g.reshape(v.shape))
+    return out
+
+
+# -- scenarios ----------------------------------------------------------------
+
+
+@scenario
+def dense_equivalence():
+    """density=1.0 against Horovod's dense allreduce (its tape on v.value)."""
+    out = {}
+    steps = 4
+    ref_model = mlp(1)
+    ref = run_loop(ref_model, keras.optimizers.SGD(0.1), hvd_tape, steps)
+    ref_w = flat(ref_model)
+    forms = {
+        "tape_eager": dict(wrap=dlgs_tape(density=1.0, name="de.eager")),
+        "tape_function": dict(wrap=dlgs_tape(density=1.0, name="de.fn"), function=True),
+        "compression": dict(
+            wrap=None,
+            function=False,
+        ),
+    }
+    for form, kw in forms.items():
+        model = mlp(1)
+        if form == "compression":
+            comp = dlgs.tensorflow.Compression(
+                [v.value for v in model.trainable_variables], density=1.0, name="de.c"
+            )
+
+            def wrap(tape, m, comp=comp):
+                return (
+                    hvd.DistributedGradientTape(tape, compression=comp, num_groups=1),
+                    [v.value for v in m.trainable_variables],
+                )
+
+            kw = dict(wrap=wrap)
+        digests = run_loop(
+            model, keras.optimizers.SGD(0.1), kw["wrap"], steps, function=kw.get("function", False)
+        )
+        out[form] = {
+            "max_diff": float(np.abs(flat(model) - ref_w).max()),
+            "digests": digests,
+        }
+    # The Keras optimizer (custom loop, apply()) with Adam, against Adam on
+    # Horovod's averaged gradients.
+    for kind in ("sgd", "adam"):
+        make = (
+            (lambda: keras.optimizers.SGD(0.1))
+            if kind == "sgd"
+            else (lambda: keras.optimizers.Adam(1e-3))
+        )
+        ref_model = mlp(1)
+        run_loop(ref_model, make(), hvd_tape, steps)
+        model = mlp(1)
+        opt = dlgs.tensorflow.keras.DistributedOptimizer(make(), density=1.0, name=f"de.k{kind}")
+        digests = run_loop(model, opt, lambda t, m: (t, m.trainable_variables), steps)
+        out[f"keras_{kind}"] = {
+            "max_diff": float(np.abs(flat(model) - flat(ref_model)).max()),
+            "digests": digests,
+        }
+    out["reference"] = {"digests": ref}
+    return out
+
+
+@scenario
+def exact_reconstruction():
+    """<= k non-zeros per rank: the reduced gradient equals Horovod's allreduce."""
+    out = {}
+    cases = {
+        "dynamic_first_step": (dict(density=0.05), 1),
+        "dynamic_anchor_every_step": (dict(density=0.05, anchor_every=1), 3),
+        "topk": (dict(density=0.05, controller="topk"), 3),
+        "fixed": (dict(density=0.05, controller="fixed", threshold=1e-12), 3),
+        "fp16_exact_values": (dict(density=0.05, value_dtype="float16", controller="topk"), 3),
+        "sum_op": (dict(density=0.05, controller="topk"), 3),
+        "merged_groups": (dict(density=0.05, controller="topk"), 3),
+        "in_function": (dict(density=0.05, controller="topk"), 3),
+    }
+    for case, (opts, steps) in cases.items():
+        model = mlp(2, hidden=128)
+        variables = model.trainable_variables
+        op = hvd.Sum if case == "sum_op" else hvd.Average
+        cfg = SparsityConfig(min_sparse_size=64, **opts)
+        plans = {
+            v.path: p
+            for v, p in zip(
+                variables, plan_layers([int(np.prod(v.shape)) for v in variables], cfg.density, cfg)
+            )
+        }
+
+        def grads_of(tape, target, case=case, op=op, cfg=cfg, variables=variables):
+            tape = dlgs.tensorflow.DistributedGradientTape(
+                tape, op=op, config=cfg, merge="none", name=f"ex.{case}"
+            )
+            return tape, tape.gradient(target, variables)
+
+        def step(gs, grads_of=grads_of, variables=variables):
+            with tf.GradientTape() as tape:
+                target = linear_target(variables, gs)
+            return grads_of(tape, target)
+
+        fn = tf.function(lambda gs, step=step: step(gs)[1]) if case == "in_function" else step
+        worst, tape = 0.0, None
+        for s in range(steps):
+            gs = sparse_grads(
+                variables,
+                lambda nm, n, plans=plans: plans[nm].k if plans[nm].sparse else n,
+                seed=100 * s + 7 + hvd.rank() * 1000,
+            )
+            if "fp16" in case:
+                gs = [g.astype(np.float16).astype(np.float32) for g in gs]
+            if case == "in_function":
+                got = fn([tf.constant(g) for g in gs])
+            else:
+                tape, got = fn(gs)
+            if case == "merged_groups" and s == 0:
+                ex = tape.dlgs_exchange
+                ex.set_groups([[i for i, p in enumerate(ex.layer_plans()) if p.sparse]])
+            for j, (g, r) in enumerate(zip(gs, got)):
+                expect = hvd.allreduce(tf.constant(g), op=op, name=f"ref.{case}.{s}.{j}")
+                worst = max(worst, float(np.abs(r.numpy() - expect.numpy()).max()))
+        rec = {"max_diff": worst}
+        if tape is not None and tape.dlgs_exchange is not None:
+            ex = tape.dlgs_exchange
+            rec["sparse_messages"] = sum(1 for g in ex.groups if g.sparse)
+            rec["sparse_layers"] = sum(1 for lay in ex.layers if ex.is_sparse(lay))
+        out[case] = rec
+    return out
+
+
+@scenario
+def conservation():
+    """Per rank: sum of sent + residual == sum of accumulated input."""
+    out = {}
+    for case, opts in {
+        "float32": dict(density=0.05),
+        "float16": dict(density=0.05, value_dtype="float16"),
+        "dgc": dict(density=0.02, controller="dgc"),
+        "momentum_free_dynamic": dict(density=0.02, anchor_every=4),
+    }.items():
+        model = mlp(3, hidden=128)
+        variables = model.trainable_variables
+        rng = np.random.default_rng(5 + hvd.rank())
+        total_in = [np.zeros(int(np.prod(v.shape))) for v in variables]
+        total_sent = None
+        tape = None
+        for _ in range(6):
+            gs = [rng.standard_normal(v.shape).astype(np.float32) for v in variables]
+            with tf.GradientTape() as t:
+                target = linear_target(variables, gs)
+            tape = dlgs.tensorflow.DistributedGradientTape(
+                t, min_sparse_size=64, merge="none", name=f"cons.{case}", **opts
+            )
+            tape.gradient(target, variables)
+            ex = tape.dlgs_exchange
+            if total_sent is None:
+                total_sent = {i: np.zeros(lay.numel) for i, lay in enumerate(ex.layers)}
+            for j, g in enumerate(gs):
+                total_in[j] += g.ravel()
+            for i, sent in own_sent(ex).items():
+                total_sent[i] += sent
+        ex = tape.dlgs_exchange
+        index = {v.path: j for j, v in enumerate(variables)}
+        worst, scale, sparse_layers = 0.0, 0.0, 0
+        for i, lay in enumerate(ex.layers):
+            if lay.residual is None:
+                continue
+            sparse_layers += 1
+            resid = lay.residual.numpy()[: lay.numel].astype(np.float64)
+            acc = total_in[index[lay.name]]
+            worst = max(worst, float(np.abs(total_sent[i] + resid - acc).max()))
+            scale = max(scale, float(np.abs(acc).max()))
+        out[case] = {"max_error": worst, "scale": scale, "sparse_layers": sparse_layers}
+    return out
+
+
+class _Digests(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.digests = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.digests.append(digest(self.model))
+
+
+def _fit(opt, *, run_eagerly, seed=4, batches=12, model_fn=None):
+    model = (model_fn or mlp)(seed)
+    model.compile(
+        optimizer=opt,
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        run_eagerly=run_eagerly,
+        jit_compile=False,
+    )
+    rng = np.random.default_rng(77 + hvd.rank())
+    x = rng.standard_normal((16 * batches, 32)).astype("float32")
+    y = rng.integers(0, 10, 16 * batches)
+    cb = _Digests()
+    hist = model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0, callbacks=[cb])
+    return model, cb.digests, hist.history["loss"][-1]
+
+
+@scenario
+def fit_identical():
+    """model.fit keeps every rank's weights bit-identical after every batch."""
+    out = {}
+    cases = {
+        "compiled_dp": dict(density=0.05, min_sparse_size=64, profile_steps=2),
+        "eager_none": dict(density=0.05, min_sparse_size=64, merge="none", run_eagerly=True),
+        "momentum_correction": dict(density=0.05, min_sparse_size=64, momentum=0.9, merge="all"),
+        "fp16_values_dgc": dict(
+            density=0.05,
+            min_sparse_size=64,
+            value_dtype="float16",
+            controller="dgc",
+            merge="buckets",
+            bucket_elements=4096,
+        ),
+    }
+    for case, opts in cases.items():
+        run_eagerly = opts.pop("run_eagerly", False)
+        opt = dlgs.tensorflow.keras.DistributedOptimizer(
+            keras.optimizers.SGD(0.05), name=f"fit.{case}", **opts
+        )
+        model, digests, loss = _fit(opt, run_eagerly=run_eagerly)
+        ex = opt.dlgs_exchange
+        out[case] = {
+            "digests": digests,
+            "finite": bool(np.isfinite(flat(model)).all()),
+            "sparse_layers": sum(1 for lay in ex.layers if ex.is_sparse(lay)),
+            "planned": opt.dlgs_planner.plan is not None,
+        }
+    # The custom loop inside tf.function, sparse.
+    model = mlp(4)
+    out["tape_function"] = {
+        "digests": run_loop(
+            model,
+            keras.optimizers.Adam(1e-3),
+            dlgs_tape(density=0.05, min_sparse_size=64, name="fit.tapefn", profile_steps=2),
+            8,
+            function=True,
+        ),
+        "finite": bool(np.isfinite(flat(model)).all()),
+    }
+    return out
+
+
+def _resume_run(total, at, *, keep_dlgs=True):
+    """Train ``total`` steps, or ``at`` steps, checkpoint (per rank), and
+    continue from a fresh model + optimizer restored from that checkpoint."""
+
+    def make():
+        model = mlp(8, hidden=128)
+        opt = dlgs.tensorflow.keras.DistributedOptimizer(
+            keras.optimizers.SGD(0.05),
+            density=0.02,
+            min_sparse_size=64,
+            merge="none",
+            name="resume",
+        )
+        return model, opt
+
+    def wrap(t, m):
+        return t, m.trainable_variables
+
+    model, opt = make()
+    first = run_loop(model, opt, wrap, at)
+    if at == total:
+        return first
+    ckpt_dir = tempfile.mkdtemp(prefix=f"dlgs-tf-rank{hvd.rank()}-")
+    objs = dict(model=model, optimizer=opt)
+    if keep_dlgs:
+        objs["dlgs"] = opt.dlgs_state
+    path = tf.train.Checkpoint(**objs).save(os.path.join(ckpt_dir, "ckpt"))
+    model2, opt2 = make()
+    opt2.build(model2.trainable_variables)
+    objs2 = dict(model=model2, optimizer=opt2)
+    if keep_dlgs:
+        objs2["dlgs"] = opt2.dlgs_state
+    tf.train.Checkpoint(**objs2).restore(path).assert_existing_objects_matched()
+    shutil.rmtree(ckpt_dir, ignore_errors=True)
+    return first + run_loop(model2, opt2, wrap, total - at, start=at)
+
+
+@scenario
+def resume():
+    """A per-rank tf.train.Checkpoint with dlgs_state resumes bit-identically."""
+    straight = _resume_run(8, 8)
+    resumed = _resume_run(8, 4)
+    without = _resume_run(8, 4, keep_dlgs=False)
+    return {"straight": straight, "resumed": resumed, "without_dlgs_state": without}
+
+
+@scenario
+def mismatch():
+    """Different models, or different options, on the ranks: an error on every rank."""
+    out = {}
+    model = mlp(6, hidden=64 if hvd.rank() == 0 else 65, broadcast=False)
+    x, y = batch(0)
+    try:
+        with tf.GradientTape() as t:
+            loss = loss_fn(model, x, y)
+        dlgs.tensorflow.DistributedGradientTape(t, name="mm.model").gradient(
+            loss, model.trainable_variables
+        )
+        out["model"] = None
+    except RankMismatchError as err:
+        out["model"] = str(err)
+    model = mlp(6)
+    try:
+        dlgs.tensorflow.Compression(
+            model.trainable_variables, density=0.01 if hvd.rank() == 0 else 0.02, name="mm.c"
+        )
+        out["options"] = None
+    except RankMismatchError as err:
+        out["options"] = str(err)
+    # Horovod's tape without num_groups: dlgs' compressor explains instead of hanging.
+    model = mlp(6)
+    comp = dlgs.tensorflow.Compression([v.value for v in model.trainable_variables], name="mm.g")
+    try:
+        with tf.GradientTape() as t:
+            loss = loss_fn(model, x, y)
+        hvd.DistributedGradientTape(t, compression=comp).gradient(
+            loss, [v.value for v in model.trainable_variables]
+        )
+        out["ungrouped"] = None
+    except ValueError as err:
+        out["ungrouped"] = str(err)
+    return out
+
+
+def main(argv):
+    out_dir = Path(argv[1])
+    hvd.init()
+    results = {}
+    for name in argv[2:]:
+        try:
+            results[name] = {"ok": True, "value": SCENARIOS[name]()}
+        except Exception:  # recorded for the pytest side, which reports it
+            results[name] = {"ok": False, "error": traceback.format_exc()}
+    (out_dir / f"rank{hvd.rank()}.json").write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main(sys.argv)
