@@ -30,7 +30,15 @@ from .config import SparsityConfig, ValueDType
 from .controller import ThresholdController, make_controller
 from .wire import GroupLayout
 
-__all__ = ["Collectives", "LayerPlan", "SparseExchange", "plan_layers", "select", "STATE_VERSION"]
+__all__ = [
+    "Collectives",
+    "LayerPlan",
+    "SparseExchange",
+    "log_stats",
+    "plan_layers",
+    "select",
+    "STATE_VERSION",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -658,3 +666,26 @@ class SparseExchange:
                     )
                     for key, v in entry["controller"].items()
                 }
+
+
+def log_stats(exchange: SparseExchange, log: logging.Logger, level: int = logging.INFO):
+    """Per-layer statistics of ``exchange``'s last step (:meth:`SparseExchange.stats`,
+    which synchronises), also written to ``log`` for every sparse layer."""
+    rows = exchange.stats()
+    if log.isEnabledFor(level):
+        for row in rows:
+            if row["sparse"] and "selected" in row:
+                log.log(
+                    level,
+                    "step %d %s: selected %d of %d (density %.4g, target %d), threshold %.3g, "
+                    "%d bytes",
+                    exchange.step,
+                    row["name"],
+                    row["selected"],
+                    row["numel"],
+                    row["density"],
+                    row["k"],
+                    row["threshold"],
+                    row["wire_bytes"],
+                )
+    return rows

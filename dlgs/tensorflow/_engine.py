@@ -34,10 +34,11 @@ import tensorflow as tf
 from ..core.config import SparsityConfig
 from ..core.consistency import RankMismatchError, describe_mismatch, signature
 from ..core.exchange import SparseExchange
+from ..core.exchange import log_stats as core_log_stats
 from ..core.profiler import OnlinePlanner
 from ._ops import OPS, _read
 
-__all__ = ["Engine", "HorovodCollectives", "variable_name", "log_stats"]
+__all__ = ["DlgsAccessors", "Engine", "HorovodCollectives", "variable_name", "log_stats"]
 
 logger = logging.getLogger("dlgs.tensorflow")
 
@@ -356,23 +357,37 @@ def _clock():
     return time.perf_counter  # eager CPU ops complete before they return
 
 
+class DlgsAccessors:
+    """The ``dlgs_*`` members of the tape and the Keras optimizer (both keep
+    their :class:`Engine` as ``self._dlgs_engine``)."""
+
+    _dlgs_engine: "Engine"
+
+    @property
+    def dlgs_state(self):
+        """A ``tf.train.Checkpoint``-able object holding this rank's residuals,
+        thresholds, step and plan: ``tf.train.Checkpoint(dlgs=obj.dlgs_state)``."""
+        return self._dlgs_engine.trackable
+
+    @property
+    def dlgs_exchange(self):
+        """The core :class:`~dlgs.core.SparseExchange` (None before the first exchange)."""
+        return self._dlgs_engine.exchange
+
+    @property
+    def dlgs_planner(self):
+        """The :class:`~dlgs.core.profiler.OnlinePlanner` (its ``plan`` is in force)."""
+        return self._dlgs_engine.planner
+
+    def dlgs_stats(self) -> List[Dict[str, Any]]:
+        """Per-layer statistics of the last step (reads device values)."""
+        return self._dlgs_engine.stats()
+
+    def dlgs_reprofile(self) -> None:
+        """Profile again from the next step and re-plan (every rank, between steps)."""
+        self._dlgs_engine.planner.restart()
+
+
 def log_stats(exchange: SparseExchange, level: int = logging.INFO) -> List[Dict[str, Any]]:
     """Per-layer statistics of the last step, also written to the ``dlgs.tensorflow`` logger."""
-    rows = exchange.stats()
-    if logger.isEnabledFor(level):
-        for row in rows:
-            if row["sparse"] and "selected" in row:
-                logger.log(
-                    level,
-                    "step %d %s: selected %d of %d (density %.4g, target %d), threshold %.3g, "
-                    "%d bytes",
-                    exchange.step,
-                    row["name"],
-                    row["selected"],
-                    row["numel"],
-                    row["density"],
-                    row["k"],
-                    row["threshold"],
-                    row["wire_bytes"],
-                )
-    return rows
+    return core_log_stats(exchange, logger, level)

@@ -19,20 +19,20 @@ picks XLA by itself on GPUs).
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Optional
 
 import horovod.tensorflow as hvd
 import keras
 
 from .. import _options
 from ..core.config import SparsityConfig
-from ._engine import Engine, HorovodCollectives
+from ._engine import DlgsAccessors, Engine, HorovodCollectives
 from .tape import _check_compression
 
 __all__ = ["DistributedOptimizer"]
 
 
-class _SparseApply:
+class _SparseApply(DlgsAccessors):
     """Mixed in before the user's optimizer class."""
 
     def apply(self, grads, trainable_variables=None):
@@ -45,30 +45,6 @@ class _SparseApply:
         if grads and variables:
             grads = self._dlgs_engine.exchange_gradients(grads, variables)
         return super().apply(grads, trainable_variables)
-
-    @property
-    def dlgs_state(self):
-        """A ``tf.train.Checkpoint``-able object holding this rank's residuals,
-        thresholds, step and plan: ``tf.train.Checkpoint(dlgs=opt.dlgs_state)``."""
-        return self._dlgs_engine.trackable
-
-    @property
-    def dlgs_exchange(self):
-        """The core :class:`~dlgs.core.SparseExchange` (None before the first step)."""
-        return self._dlgs_engine.exchange
-
-    @property
-    def dlgs_planner(self):
-        """The :class:`~dlgs.core.profiler.OnlinePlanner` (its ``plan`` is in force)."""
-        return self._dlgs_engine.planner
-
-    def dlgs_stats(self) -> List[Dict[str, Any]]:
-        """Per-layer statistics of the last step (reads device values)."""
-        return self._dlgs_engine.stats()
-
-    def dlgs_reprofile(self) -> None:
-        """Profile again from the next step and re-plan (every rank, between steps)."""
-        self._dlgs_engine.planner.restart()
 
 
 def DistributedOptimizer(

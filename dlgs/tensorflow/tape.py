@@ -21,14 +21,14 @@ other options under the same name raise ``ValueError``.
 from __future__ import annotations
 
 import threading
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Optional
 
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
 from .. import _options
 from ..core.config import SparsityConfig
-from ._engine import Engine, HorovodCollectives, variable_name
+from ._engine import DlgsAccessors, Engine, HorovodCollectives, variable_name
 
 __all__ = ["DistributedGradientTape"]
 
@@ -78,30 +78,6 @@ class _SparseTape:
         tape does; it is divided by the number of ranks when
         ``scale_local_gradients`` is set."""
         self._dlgs_local.add(variable_name(source))
-
-    @property
-    def dlgs_state(self):
-        """A ``tf.train.Checkpoint``-able object holding this rank's residuals,
-        thresholds, step and plan: ``tf.train.Checkpoint(dlgs=tape.dlgs_state)``."""
-        return self._dlgs_engine.trackable
-
-    @property
-    def dlgs_exchange(self):
-        """The core :class:`~dlgs.core.SparseExchange` (None before the first gradient)."""
-        return self._dlgs_engine.exchange
-
-    @property
-    def dlgs_planner(self):
-        """The :class:`~dlgs.core.profiler.OnlinePlanner` (its ``plan`` is in force)."""
-        return self._dlgs_engine.planner
-
-    def dlgs_stats(self) -> List[Dict[str, Any]]:
-        """Per-layer statistics of the last step (reads device values)."""
-        return self._dlgs_engine.stats()
-
-    def dlgs_reprofile(self) -> None:
-        """Profile again from the next step and re-plan (every rank, between steps)."""
-        self._dlgs_engine.planner.restart()
 
 
 _NOT_COPIED = {"__dict__", "__weakref__", "__module__", "__qualname__", "__doc__"}
@@ -222,7 +198,12 @@ def DistributedGradientTape(
             )
             found = _ENGINES[name] = (key, engine)
     engine = found[1]
-    methods = {k: v for k, v in _SparseTape.__dict__.items() if k not in _NOT_COPIED}
+    methods = {
+        k: v
+        for part in (DlgsAccessors, _SparseTape)
+        for k, v in part.__dict__.items()
+        if k not in _NOT_COPIED
+    }
     cls = type(gradtape.__class__.__name__, (gradtape.__class__,), methods)
     tape = cls.__new__(cls)
     tape.__dict__.update(gradtape.__dict__)  # shares the recorded tape

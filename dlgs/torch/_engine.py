@@ -17,6 +17,7 @@ from .._options import build_config, build_planner
 from ..core.config import SparsityConfig
 from ..core.consistency import RankMismatchError, describe_mismatch, signature
 from ..core.exchange import SparseExchange
+from ..core.exchange import log_stats as core_log_stats
 from ..core.profiler import OnlinePlanner
 from ._ops import OPS
 
@@ -187,21 +188,4 @@ def _clock(device: torch.device):
 
 def log_stats(exchange: SparseExchange, level: int = logging.INFO) -> List[Dict[str, Any]]:
     """Per-layer statistics of the last step, also written to the ``dlgs.torch`` logger."""
-    rows = exchange.stats()
-    if logger.isEnabledFor(level):
-        for row in rows:
-            if row["sparse"] and "selected" in row:
-                logger.log(
-                    level,
-                    "step %d %s: selected %d of %d (density %.4g, target %d), threshold %.3g, "
-                    "%d bytes",
-                    exchange.step,
-                    row["name"],
-                    row["selected"],
-                    row["numel"],
-                    row["density"],
-                    row["k"],
-                    row["threshold"],
-                    row["wire_bytes"],
-                )
-    return rows
+    return core_log_stats(exchange, logger, level)
