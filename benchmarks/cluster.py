@@ -365,13 +365,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     def stop(signum, frame):
         raise KeyboardInterrupt(f"signal {signum}")
 
+    # SIGINT too: a shell starts background jobs with SIGINT ignored, and Python
+    # then installs no handler of its own, so `kill -INT` would do nothing.
     signal.signal(signal.SIGTERM, stop)
-    with Cluster(args.workers, bandwidth) as cluster:
-        if args.measure and args.workers > 1:
-            measured = cluster.measure_bandwidth()
-            logger.info("achieved TCP bandwidth worker 1 -> 0: %.1f Mbit/s", measured / 1e6)
-            env["DLGS_MEASURED_BPS"] = f"{measured:.0f}"
-        return cluster.run(command, env=env, timeout=args.timeout)
+    signal.signal(signal.SIGINT, stop)
+    try:
+        with Cluster(args.workers, bandwidth) as cluster:
+            if args.measure and args.workers > 1:
+                measured = cluster.measure_bandwidth()
+                logger.info("achieved TCP bandwidth worker 1 -> 0: %.1f Mbit/s", measured / 1e6)
+                env["DLGS_MEASURED_BPS"] = f"{measured:.0f}"
+            return cluster.run(command, env=env, timeout=args.timeout)
+    except KeyboardInterrupt as err:
+        logger.warning("stopped (%s); the cluster was torn down", err or "Ctrl-C")
+        return 130
 
 
 if __name__ == "__main__":

@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
+import time
+from pathlib import Path
 
 import pytest
 
 from benchmarks.cluster import Cluster, parse_rate
+
+ROOT = Path(__file__).resolve().parents[1]
 
 needs_root = pytest.mark.skipif(
     os.geteuid() != 0 or not shutil.which("tc"), reason="needs root, ip and tc"
@@ -54,3 +59,31 @@ def test_cluster_caps_bandwidth_runs_horovod_and_cleans_up(tmp_path):
         assert cluster.run([sys.executable, str(script), "die"], timeout=120) == 3
     assert "dlgstest" not in _netns()
     assert not os.path.exists("/etc/netns/dlgstest0")
+
+
+@needs_root
+@pytest.mark.parallel
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_cluster_tears_down_on_ctrl_c_and_sigterm(sig):
+    # Started the way a shell starts a background job (SIGINT ignored), which
+    # is where `kill -INT` used to do nothing.
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "benchmarks.cluster", "--workers", "2", "--bandwidth", "1gbit",
+         "--no-measure", "--", sys.executable, "-c", "import time; time.sleep(600)"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )  # fmt: skip
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if "cluster up" in line:
+            break
+    time.sleep(2)  # the workers are running
+    assert "dlgsns0" in _netns()
+    proc.send_signal(sig)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, out
+    assert "dlgsns" not in _netns(), out
+    assert "torn down" in out
