@@ -419,6 +419,22 @@ def density(text: str) -> float:
     return value
 
 
+def accumulate(mine: Dict[str, "MethodTimes"], got: "MethodTimes", round_: int, rank: int) -> None:
+    """Add one round's times of ``got.method`` to this rank's results, and log them."""
+    if got.method in mine:
+        mine[got.method].merge(got)
+    else:
+        mine[got.method] = got
+    logger.info(
+        "round %d, %s: median %.1f ms on rank %d, %.3f MB on the wire per step",
+        round_ + 1,
+        got.method,
+        statistics.median(got.iteration) * 1e3,
+        rank,
+        got.wire_bytes / 1e6,
+    )
+
+
 def settle_steps(profile_steps: int) -> int:
     """Steps before a merging method's plan is final and in force: one skipped,
     ``profile_steps`` profiled, the plan's first step (buffers re-laid),

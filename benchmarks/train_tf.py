@@ -47,7 +47,6 @@ import argparse
 import gc
 import logging
 import os
-import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -65,7 +64,7 @@ import tensorflow as tf  # noqa: E402
 import dlgs.tensorflow  # noqa: E402
 
 from . import models_tf  # noqa: E402
-from .report import LR, SPARSE_METHODS, MethodTimes, settle_steps, write_outputs  # noqa: E402
+from .report import LR, SPARSE_METHODS, MethodTimes, accumulate, settle_steps, write_outputs  # noqa: E402
 
 __all__ = ["MODELS", "ModelSpec", "run", "run_method", "timing_text"]
 
@@ -324,18 +323,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> None:
                     progress=bar,
                 )
                 gc.collect()
-                if method in mine:
-                    mine[method].merge(got)
-                else:
-                    mine[method] = got
-                logger.info(
-                    "round %d, %s: median %.1f ms on rank %d, %.3f MB on the wire per step",
-                    round_ + 1,
-                    method,
-                    statistics.median(got.iteration) * 1e3,
-                    rank,
-                    got.wire_bytes / 1e6,
-                )
+                accumulate(mine, got, round_, rank)
     gathered = hvd.allgather_object([vars(t) for t in mine.values()], name="benchmarks.train.times")
     if rank != 0:
         return

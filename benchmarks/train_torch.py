@@ -11,7 +11,6 @@ import argparse
 import gc
 import logging
 import os
-import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -26,7 +25,7 @@ from torch import nn
 import dlgs.torch
 
 from .models import LSTMLM, VGG16, BertSmall, ResNet20
-from .report import LR, SPARSE_METHODS, MethodTimes, settle_steps, write_outputs
+from .report import LR, SPARSE_METHODS, MethodTimes, accumulate, settle_steps, write_outputs
 
 __all__ = ["MODELS", "TIMING", "ModelSpec", "build_optimizer", "run", "run_method"]
 
@@ -221,18 +220,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> None:
                     progress=bar,
                 )
                 gc.collect()
-                if method in mine:
-                    mine[method].merge(got)
-                else:
-                    mine[method] = got
-                logger.info(
-                    "round %d, %s: median %.1f ms on rank %d, %.3f MB on the wire per step",
-                    round_ + 1,
-                    method,
-                    statistics.median(got.iteration) * 1e3,
-                    rank,
-                    got.wire_bytes / 1e6,
-                )
+                accumulate(mine, got, round_, rank)
     # Plain dicts: a dataclass would pickle by its module path.
     gathered = hvd.allgather_object([vars(t) for t in mine.values()], name="benchmarks.train.times")
     if rank != 0:
