@@ -17,6 +17,7 @@ import os
 import platform
 import shlex
 import statistics
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -417,6 +418,26 @@ def density(text: str) -> float:
     if not 0.0 < value <= 1.0:
         raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
     return value
+
+
+def setup_rank_logging(rank: int, verbose: bool) -> None:
+    """INFO on rank 0, warnings elsewhere; dlgs' per-plan INFO lines only with ``verbose``."""
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format="%(asctime)s %(name)s: %(message)s",
+    )
+    if not verbose:
+        # dlgs logs every layout and plan at INFO; keep the benchmark's output readable.
+        logging.getLogger("dlgs").setLevel(logging.WARNING)
+
+
+def progress_bar(total: int, rank: int):
+    """A tqdm bar of ``total`` steps, shown on rank 0 only."""
+    from tqdm import tqdm
+
+    # Under horovodrun stderr is a pipe: redraw rarely so the log stays readable.
+    interval = 0.1 if sys.stderr.isatty() else 10.0
+    return tqdm(total=total, disable=rank != 0, unit="step", mininterval=interval)
 
 
 def accumulate(mine: Dict[str, "MethodTimes"], got: "MethodTimes", round_: int, rank: int) -> None:

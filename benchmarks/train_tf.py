@@ -64,7 +64,16 @@ import tensorflow as tf  # noqa: E402
 import dlgs.tensorflow  # noqa: E402
 
 from . import models_tf  # noqa: E402
-from .report import LR, SPARSE_METHODS, MethodTimes, accumulate, settle_steps, write_outputs  # noqa: E402
+from .report import (
+    LR,
+    SPARSE_METHODS,
+    MethodTimes,
+    accumulate,
+    progress_bar,
+    settle_steps,
+    setup_rank_logging,
+    write_outputs,
+)  # noqa: E402
 
 __all__ = ["MODELS", "ModelSpec", "run", "run_method", "timing_text"]
 
@@ -283,27 +292,17 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> None:
     _set_threads(threads)  # before anything starts TensorFlow's runtime
     hvd.init()
     rank = hvd.rank()
-    logging.basicConfig(
-        level=logging.INFO if rank == 0 else logging.WARNING,
-        format="%(asctime)s %(name)s: %(message)s",
-    )
-    if not args.verbose:
-        # dlgs logs every layout and plan at INFO; keep the benchmark's output readable.
-        logging.getLogger("dlgs").setLevel(logging.WARNING)
+    setup_rank_logging(rank, args.verbose)
     spec = MODELS[args.model]
     batch = args.batch or spec.batch
     x, y = spec.make_batch(batch, np.random.default_rng(1000 + rank))
     data = (tf.constant(x), tf.constant(y))
     load_start = os.getloadavg()[0]
 
-    from tqdm import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     mine: Dict[str, MethodTimes] = {}
-    total = args.rounds * len(args.methods) * (args.warmup + args.steps)
-    # Under horovodrun stderr is a pipe: redraw rarely so the log stays readable.
-    interval = 0.1 if sys.stderr.isatty() else 10.0
-    bar = tqdm(total=total, disable=rank != 0, unit="step", mininterval=interval)
+    bar = progress_bar(args.rounds * len(args.methods) * (args.warmup + args.steps), rank)
     with bar, logging_redirect_tqdm():
         for round_ in range(args.rounds):
             for method in args.methods:

@@ -11,7 +11,6 @@ import argparse
 import gc
 import logging
 import os
-import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
@@ -25,7 +24,16 @@ from torch import nn
 import dlgs.torch
 
 from .models import LSTMLM, VGG16, BertSmall, ResNet20
-from .report import LR, SPARSE_METHODS, MethodTimes, accumulate, settle_steps, write_outputs
+from .report import (
+    LR,
+    SPARSE_METHODS,
+    MethodTimes,
+    accumulate,
+    progress_bar,
+    settle_steps,
+    setup_rank_logging,
+    write_outputs,
+)
 
 __all__ = ["MODELS", "TIMING", "ModelSpec", "build_optimizer", "run", "run_method"]
 
@@ -182,13 +190,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> None:
     ``args`` from :func:`benchmarks.report.parse_args`, ``argv`` for the record."""
     hvd.init()
     rank = hvd.rank()
-    logging.basicConfig(
-        level=logging.INFO if rank == 0 else logging.WARNING,
-        format="%(asctime)s %(name)s: %(message)s",
-    )
-    if not args.verbose:
-        # dlgs logs every layout and plan at INFO; keep the benchmark's output readable.
-        logging.getLogger("dlgs").setLevel(logging.WARNING)
+    setup_rank_logging(rank, args.verbose)
     threads = int(os.environ.get("DLGS_THREADS", "1"))
     torch.set_num_threads(threads)
     spec = MODELS[args.model]
@@ -196,14 +198,10 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> None:
     data = spec.make_batch(batch, torch.Generator().manual_seed(1000 + rank))
     load_start = os.getloadavg()[0]
 
-    from tqdm import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     mine: Dict[str, MethodTimes] = {}
-    total = args.rounds * len(args.methods) * (args.warmup + args.steps)
-    # Under horovodrun stderr is a pipe: redraw rarely so the log stays readable.
-    interval = 0.1 if sys.stderr.isatty() else 10.0
-    bar = tqdm(total=total, disable=rank != 0, unit="step", mininterval=interval)
+    bar = progress_bar(args.rounds * len(args.methods) * (args.warmup + args.steps), rank)
     with bar, logging_redirect_tqdm():
         for round_ in range(args.rounds):
             for method in args.methods:

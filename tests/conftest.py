@@ -37,3 +37,21 @@ def horovodrun(
 
 def load_ranks(out_dir: Path, np: int):
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(np)]
+
+
+def run_scenarios(backend: str, worker: str, out_dir: Path, names) -> list:
+    """Run ``tests/parallel/WORKER``'s scenarios ``names`` on 2 ranks; each rank's results."""
+    horovodrun(backend, 2, [ROOT / "tests/parallel" / worker, out_dir, *names], timeout=600)
+    return load_ranks(out_dir, 2)
+
+
+def value(ranks, name):
+    """Scenario ``name``'s return value on every rank (failing the test with a
+    rank's traceback if it raised there)."""
+    vals = []
+    for r, rec in enumerate(ranks):
+        res = rec[name]
+        if not res["ok"]:
+            pytest.fail(f"scenario {name} failed on rank {r}:\n{res['error']}")
+        vals.append(res["value"])
+    return vals

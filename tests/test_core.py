@@ -123,3 +123,21 @@ def test_describe_mismatch():
     assert "density" in describe_mismatch([a, d])
     e = signature([("b", (4,), "float32"), ("w", (3, 4), "float32")], {"density": 0.01})
     assert "orders" in describe_mismatch([a, e])
+
+
+@pytest.mark.parametrize(
+    "kwargs, param",
+    [
+        (dict(strategy="fastest"), "merge"),
+        (dict(profile_steps=0), "profile_steps"),
+        (dict(max_group=0), "max_group"),
+        (dict(drift_tolerance=0), "drift_tolerance"),
+        (dict(drift_window=-1), "drift_window"),
+        (dict(refine="yes"), "refine"),
+    ],
+)
+def test_online_planner_rejects_bad_options(kwargs, param):
+    from dlgs.core.profiler import OnlinePlanner
+
+    with pytest.raises(ValueError, match=param):
+        OnlinePlanner(**kwargs)

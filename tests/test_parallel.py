@@ -8,7 +8,7 @@ numbers from both ranks.
 from __future__ import annotations
 
 import pytest
-from conftest import ROOT, horovodrun, load_ranks
+from conftest import run_scenarios, value
 
 pytestmark = pytest.mark.parallel
 
@@ -29,18 +29,7 @@ SCENARIOS = [
 @pytest.fixture(scope="module", params=["gloo", "mpi"])
 def ranks(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"ranks-{request.param}")
-    horovodrun(request.param, 2, [ROOT / "tests/parallel/worker.py", out, *SCENARIOS], timeout=600)
-    return load_ranks(out, 2)
-
-
-def value(ranks, name):
-    vals = []
-    for r, rec in enumerate(ranks):
-        res = rec[name]
-        if not res["ok"]:
-            pytest.fail(f"scenario {name} failed on rank {r}:\n{res['error']}")
-        vals.append(res["value"])
-    return vals
+    return run_scenarios(request.param, "worker.py", out, SCENARIOS)
 
 
 def test_density_one_equals_plain_horovod(ranks):

@@ -14,7 +14,7 @@ import textwrap
 
 import numpy as np
 import pytest
-from conftest import ROOT, horovodrun, load_ranks
+from conftest import ROOT, horovodrun, load_ranks, run_scenarios, value
 
 tf = pytest.importorskip("tensorflow")
 hvd = pytest.importorskip("horovod.tensorflow")
@@ -255,20 +255,7 @@ def test_checkpoint_round_trip_single_process(tmp_path):
 @pytest.fixture(scope="module", params=["gloo", "mpi"])
 def ranks(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"tf-ranks-{request.param}")
-    horovodrun(
-        request.param, 2, [ROOT / "tests/parallel/tf_worker.py", out, *SCENARIOS], timeout=600
-    )
-    return load_ranks(out, 2)
-
-
-def value(ranks, name):
-    vals = []
-    for r, rec in enumerate(ranks):
-        res = rec[name]
-        if not res["ok"]:
-            pytest.fail(f"scenario {name} failed on rank {r}:\n{res['error']}")
-        vals.append(res["value"])
-    return vals
+    return run_scenarios(request.param, "tf_worker.py", out, SCENARIOS)
 
 
 @pytest.mark.parallel

@@ -10,13 +10,10 @@ Usage: ``horovodrun -np 2 --gloo python tests/parallel/tf_worker.py OUT_DIR SCEN
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 import sys
 import tempfile
-import traceback
-from pathlib import Path
 
 import tensorflow as tf
 
@@ -26,19 +23,12 @@ tf.config.threading.set_inter_op_parallelism_threads(1)
 import horovod.tensorflow as hvd  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+from scenarios import main, scenario  # noqa: E402  (tests/parallel is the script's folder)
 
 import dlgs.tensorflow  # noqa: E402
 import dlgs.tensorflow.keras  # noqa: E402
 from dlgs.core import RankMismatchError, SparsityConfig, plan_layers  # noqa: E402
 from dlgs.tensorflow._ops import OPS, _read  # noqa: E402
-
-SCENARIOS = {}
-
-
-def scenario(fn):
-    SCENARIOS[fn.__name__] = fn
-    return fn
-
 
 # -- helpers ------------------------------------------------------------------
 
@@ -483,17 +473,5 @@ def mismatch():
     return out
 
 
-def main(argv):
-    out_dir = Path(argv[1])
-    hvd.init()
-    results = {}
-    for name in argv[2:]:
-        try:
-            results[name] = {"ok": True, "value": SCENARIOS[name]()}
-        except Exception:  # recorded for the pytest side, which reports it
-            results[name] = {"ok": False, "error": traceback.format_exc()}
-    (out_dir / f"rank{hvd.rank()}.json").write_text(json.dumps(results))
-
-
 if __name__ == "__main__":
-    main(sys.argv)
+    main(sys.argv, hvd)

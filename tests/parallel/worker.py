@@ -11,27 +11,17 @@ from __future__ import annotations
 
 import hashlib
 import io
-import json
 import sys
-import traceback
-from pathlib import Path
 
 import horovod.torch as hvd
 import torch
 import torch.nn.functional as F
+from scenarios import main, scenario  # tests/parallel, the script's own folder
 
 import dlgs.torch
 from dlgs.core import RankMismatchError
 
 torch.set_num_threads(1)
-
-SCENARIOS = {}
-
-
-def scenario(fn):
-    SCENARIOS[fn.__name__] = fn
-    return fn
-
 
 # -- helpers ------------------------------------------------------------------
 
@@ -507,17 +497,5 @@ def mismatch():
     return out
 
 
-def main(argv):
-    out_dir = Path(argv[1])
-    hvd.init()
-    results = {}
-    for name in argv[2:]:
-        try:
-            results[name] = {"ok": True, "value": SCENARIOS[name]()}
-        except Exception:  # recorded for the pytest side, which reports it
-            results[name] = {"ok": False, "error": traceback.format_exc()}
-    (out_dir / f"rank{hvd.rank()}.json").write_text(json.dumps(results))
-
-
 if __name__ == "__main__":
-    main(sys.argv)
+    main(sys.argv, hvd)

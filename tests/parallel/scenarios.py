@@ -1,0 +1,34 @@
+"""The registry and entry point shared by the multi-rank test workers
+(``worker.py`` for PyTorch, ``tf_worker.py`` for TensorFlow).
+
+A worker registers functions with :func:`scenario`; ``python WORKER OUT NAME...``
+runs the named ones on every rank and writes ``OUT/rank{r}.json`` with each
+one's return value or traceback, which ``tests/conftest.py`` reads back.
+"""
+
+from __future__ import annotations
+
+import json
+import traceback
+from pathlib import Path
+from typing import Callable, Dict, Sequence
+
+SCENARIOS: Dict[str, Callable[[], object]] = {}
+
+
+def scenario(fn):
+    SCENARIOS[fn.__name__] = fn
+    return fn
+
+
+def main(argv: Sequence[str], hvd) -> None:
+    """Run the scenarios named in ``argv[2:]`` with ``hvd`` (a Horovod framework module)."""
+    out_dir = Path(argv[1])
+    hvd.init()
+    results = {}
+    for name in argv[2:]:
+        try:
+            results[name] = {"ok": True, "value": SCENARIOS[name]()}
+        except Exception:  # recorded for the pytest side, which reports it
+            results[name] = {"ok": False, "error": traceback.format_exc()}
+    (out_dir / f"rank{hvd.rank()}.json").write_text(json.dumps(results))
