@@ -69,9 +69,12 @@ from .report import (
     SPARSE_METHODS,
     MethodTimes,
     accumulate,
+    is_merging,
     progress_bar,
     settle_steps,
     setup_rank_logging,
+    total_steps,
+    warmup_steps,
     write_outputs,
 )  # noqa: E402
 
@@ -240,7 +243,7 @@ def run_method(
         def compiled(x: tf.Tensor, y: tf.Tensor) -> None:
             step(x, y)
 
-    merging = method in SPARSE_METHODS and SPARSE_METHODS[method][1] != "none"
+    merging = is_merging(method)
     x, y = data
     out = MethodTimes(method)
     for i in range(warmup + steps):
@@ -258,8 +261,8 @@ def run_method(
                 out.step_wait.append(t3 - t2)
         elif i == warmup - 1 and merging and not last["tape"].dlgs_planner.settled:
             raise RuntimeError(
-                f"{method}: no final merge plan after {warmup} warm-up steps; use "
-                f"--warmup >= 2 x --profile-steps + 3 ({settle_steps(profile_steps)})"
+                f"{method}: no final merge plan after {warmup} warm-up steps "
+                f"(expected one after {settle_steps(profile_steps)})"
             )
         if progress is not None:
             progress.update(1)
@@ -302,7 +305,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> None:
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     mine: Dict[str, MethodTimes] = {}
-    bar = progress_bar(args.rounds * len(args.methods) * (args.warmup + args.steps), rank)
+    bar = progress_bar(total_steps(args), rank)
     with bar, logging_redirect_tqdm():
         for round_ in range(args.rounds):
             for method in args.methods:
@@ -314,7 +317,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> None:
                     method,
                     data,
                     density=args.density,
-                    warmup=args.warmup,
+                    warmup=warmup_steps(method, args.warmup, args.profile_steps),
                     steps=args.steps,
                     profile_steps=args.profile_steps,
                     mode=args.tf_mode,
