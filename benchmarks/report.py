@@ -76,13 +76,17 @@ class MethodTimes:
     """One method's measurement on this rank (seconds per timed step).
 
     ``backward`` / ``step_wait`` stay empty where the breakdown cannot be
-    measured (a compiled ``tf.function`` step); the reports show "—".
+    measured (a compiled ``tf.function`` step); ``sparsify`` (host seconds in
+    dlgs's submit: selection, packing, starting the collectives, inside
+    ``backward``) is only measured for the dlgs-based methods. The reports
+    show "—" for an empty list.
     """
 
     method: str
     iteration: List[float] = field(default_factory=list)
     backward: List[float] = field(default_factory=list)
     step_wait: List[float] = field(default_factory=list)
+    sparsify: List[float] = field(default_factory=list)
     wire_bytes: int = 0
     messages: Optional[int] = None
     rounds: int = 1
@@ -105,6 +109,7 @@ class MethodTimes:
         self.iteration += other.iteration
         self.backward += other.backward
         self.step_wait += other.step_wait
+        self.sparsify += other.sparsify
         self.messages = other.messages
 
 
@@ -167,6 +172,7 @@ def summarise(
                 "messages": "" if mine.messages is None else mine.messages,
                 "backward_s": _median_or_blank(slowest.backward),
                 "step_wait_s": _median_or_blank(slowest.step_wait),
+                "sparsify_s": _median_or_blank(slowest.sparsify),
                 "efficiency_vs_nocomm": "",
                 "speedup_vs_dense": "",
                 "load_start": round(load[0], 2),
@@ -252,8 +258,8 @@ def format_markdown(
         timing,
         "",
         "| method | step ms [p10–p90] | samples/s | wire MB/step | messages | backward ms "
-        "| step wait ms | efficiency vs no-comm | speed-up vs dense |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| sparsify ms | step wait ms | efficiency vs no-comm | speed-up vs dense |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
@@ -261,7 +267,8 @@ def format_markdown(
             f"[{float(r['p10']) * 1e3:.1f}–{float(r['p90']) * 1e3:.1f}] "
             f"| {float(r['samples_per_s']):.1f} | {int(r['wire_bytes_per_step']) / 1e6:.3f} "
             f"| {r['messages'] if r['messages'] != '' else '—'} "
-            f"| {_fmt(r['backward_s'], 1e3, '.1f')} | {_fmt(r['step_wait_s'], 1e3, '.1f')} "
+            f"| {_fmt(r['backward_s'], 1e3, '.1f')} | {_fmt(r.get('sparsify_s'), 1e3, '.1f')} "
+            f"| {_fmt(r['step_wait_s'], 1e3, '.1f')} "
             f"| {_fmt(r['efficiency_vs_nocomm'], 100, '.0f', '%')} "
             f"| {_fmt(r['speedup_vs_dense'], 1, '.2f', 'x')} |"
         )

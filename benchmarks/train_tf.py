@@ -129,10 +129,13 @@ def timing_text(mode: str) -> str:
         "`tape.gradient` with the exchange, `optimizer.apply`), median [p10–p90] over "
         "the timed steps, of the slowest rank (largest median). "
         + breakdown
-        + " Wire: bytes one rank contributes per step (dense/fp16: 4/2 bytes per "
-        "parameter; dlgs: the sum of `dlgs_stats()` `wire_bytes`, values + indices at "
-        "capacity, dense layers at 4 bytes; with `--rounds`, the mean over rounds, as each "
-        "round plans anew). Efficiency: no-comm median / method median."
+        + " Sparsify: for the methods built on dlgs, that rank's median host time in its "
+        "exchange's submits (selection, packing, starting collectives), which run after "
+        "the local gradient, inside step wait. Wire: bytes one rank contributes per step "
+        "(dense/fp16: 4/2 bytes per parameter; dlgs: the sum of `dlgs_stats()` "
+        "`wire_bytes`, values + indices at capacity, dense layers at 4 bytes; with "
+        "`--rounds`, the mean over rounds, as each round plans anew). Efficiency: "
+        "no-comm median / method median."
     )
 
 
@@ -259,6 +262,8 @@ def run_method(
             if compiled is None:
                 out.backward.append(t2 - t1)
                 out.step_wait.append(t3 - t2)
+            if method in SPARSE_METHODS:
+                out.sparsify.append(last["tape"].dlgs_exchange.last_submit_seconds)
         elif i == warmup - 1 and merging and not last["tape"].dlgs_planner.settled:
             raise RuntimeError(
                 f"{method}: no final merge plan after {warmup} warm-up steps "

@@ -50,7 +50,8 @@ TIMING = (
     "[p10–p90] over the timed steps, of the slowest rank (largest median). Backward "
     "(the `backward()` call, which starts the exchange) and step wait (inside "
     "`opt.step()`: waiting for communication, unpacking, the update) are that rank's "
-    "medians. "
+    "medians. Sparsify: for the methods built on dlgs, that rank's median host time in "
+    "its gradient hooks (selection, packing, starting collectives), part of backward. "
     "Wire: bytes one rank contributes per step (dense/fp16: 4/2 bytes per parameter; "
     "dlgs: the sum of `dlgs_stats()` `wire_bytes`, values + indices at capacity, dense "
     "layers at 4 bytes; with `--rounds`, the mean over rounds, as each round plans "
@@ -167,6 +168,8 @@ def run_method(
             out.iteration.append(t3 - t0)
             out.backward.append(t2 - t1)
             out.step_wait.append(t3 - t2)
+            if method in SPARSE_METHODS:
+                out.sparsify.append(opt.dlgs_exchange.last_submit_seconds)
         elif i == warmup - 1 and is_merging(method):
             if not opt.dlgs_planner.settled:
                 raise RuntimeError(

@@ -134,6 +134,7 @@ def test_describe_mismatch():
         (dict(drift_tolerance=0), "drift_tolerance"),
         (dict(drift_window=-1), "drift_window"),
         (dict(refine="yes"), "refine"),
+        (dict(guard=1), "guard"),
     ],
 )
 def test_online_planner_rejects_bad_options(kwargs, param):

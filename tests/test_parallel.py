@@ -18,6 +18,7 @@ SCENARIOS = [
     "forms_agree",
     "merge_strategies",
     "drift_replans",
+    "guard",
     "exact_reconstruction",
     "conservation",
     "dtypes_and_frozen",
@@ -106,6 +107,22 @@ def test_rank_disagreement_is_an_error_not_a_hang(ranks):
     for r, v in enumerate(value(ranks, "mismatch")):
         assert v["model"] and "shape" in v["model"], f"rank {r}: {v['model']!r}"
         assert v["options"] and "density" in v["options"], f"rank {r}: {v['options']!r}"
+
+
+def test_guard_keeps_a_plan_only_if_its_steps_measured_faster(ranks):
+    r0, r1 = value(ranks, "guard")
+    assert r0 == r1, "ranks disagree on the guard's verdict or the plan"
+    rejected, kept = r0["plan"], r0["layerwise"]
+    assert rejected["settled"] and kept["settled"]
+    g = rejected["guard"]
+    assert g["kept"] is False and g["plan"] > g["layerwise"], g
+    # Rejected: one message per layer, also after a checkpoint round trip.
+    assert rejected["messages"] == rejected["layers"], rejected
+    assert sorted(rejected["members"]) == [[i] for i in range(rejected["layers"])]
+    assert rejected["resumed_plan"] == rejected["plan"]
+    g = kept["guard"]
+    assert g["kept"] is True and g["plan"] < g["layerwise"], g
+    assert kept["resumed_plan"] == kept["plan"]
 
 
 def test_drift_in_step_time_makes_every_rank_replan(ranks):

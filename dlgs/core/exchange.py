@@ -253,6 +253,10 @@ class SparseExchange:
         #: wait() (host clock, no device synchronisation).
         self.last_step_seconds: Optional[float] = None
         self._step_start: Optional[float] = None
+        #: Host seconds spent inside submit() in the last step: selection,
+        #: packing and starting collectives (on a GPU: launching them).
+        self.last_submit_seconds: Optional[float] = None
+        self._submit_seconds = 0.0
         #: Called with the exchange at the end of every step (profiling, planning).
         self.step_hooks: List[Any] = []
         self.trace: Optional[Dict[str, Any]] = None
@@ -395,8 +399,9 @@ class SparseExchange:
             raise RuntimeError(f"gradient of {layer.name!r} submitted twice in one step")
         if self._density is None or self.density != self._density:
             self._relayout(grad)
+        entered = time.perf_counter()  # never synchronises a device
         if self._step_start is None:
-            self._step_start = time.perf_counter()  # never synchronises a device
+            self._step_start = entered
         trace = self.trace
         if trace is not None:
             t0 = self.clock()
@@ -439,6 +444,7 @@ class SparseExchange:
         if trace is not None:
             trace["arrive"][i] = t0
             trace["done"][i] = self.clock()
+        self._submit_seconds += time.perf_counter() - entered
         return result
 
     def _sparsify(self, layer: _Layer, group: _Group, grad: Any) -> None:
@@ -527,6 +533,7 @@ class SparseExchange:
         if self._step_start is not None:
             self.last_step_seconds = time.perf_counter() - self._step_start
             self._step_start = None
+        self.last_submit_seconds, self._submit_seconds = self._submit_seconds, 0.0
         if self.trace is not None:
             self.trace["waited"] = self.clock()
         self.step += 1

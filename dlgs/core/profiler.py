@@ -64,6 +64,13 @@ class OnlinePlanner:
             The first profile runs before any plan, so it cannot see how the
             plan's own messages slow back-propagation (Horovod's thread and
             the network stack share the cores); ``False`` skips this.
+        guard: ``dp`` with ``refine`` only: keep the plan only if the steps
+            timed under it ended no later (median, first gradient to the end
+            of the exchange's wait) than the layer-wise steps profiled before
+            it; otherwise send layer by layer. The cost model cannot see every
+            cost of a plan's messages (on shared CPU cores their copies and
+            Horovod's thread slow back-propagation), the measurement can.
+            Rank 0's verdict is broadcast, so every rank keeps the same plan.
     """
 
     def __init__(
@@ -80,6 +87,7 @@ class OnlinePlanner:
         drift_tolerance: float = 0.25,
         drift_window: int = 50,
         refine: bool = True,
+        guard: bool = True,
     ):
         if strategy not in MERGE_STRATEGIES:
             names = ", ".join(repr(s) for s in MERGE_STRATEGIES)
@@ -107,6 +115,16 @@ class OnlinePlanner:
         if not isinstance(refine, bool):
             raise ValueError(f"refine must be True or False, got {refine!r}")
         self.refine = refine
+        if not isinstance(guard, bool):
+            raise ValueError(f"guard must be True or False, got {guard!r}")
+        self.guard = guard
+        #: The last guard's verdict: measured medians (seconds) of the
+        #: layer-wise steps and of the steps under the plan, and whether the
+        #: plan was kept; None until a guard has run.
+        self.guard_result: Optional[Dict[str, Any]] = None
+        self._fallback = False  # the guard rejected the plan: layer-wise in force
+        self._layerwise_in_force = True  # what the profiled steps ran under
+        self._before: Optional[float] = None  # their median measured end
         self._refining = False  # timing steps under a fresh plan
         self._refine_armed = False
         self._plan_step = 0  # ex.step when the current plan was made
@@ -163,7 +181,9 @@ class OnlinePlanner:
             ex.trace = None
         if len(self._traces) >= self.profile_steps:
             self.profile = self._measure(ex)
+            self._before = _measured_end(self._traces) if self._layerwise_in_force else None
             self._traces = []
+            self._fallback = False  # a fresh profile: the strategy's plan first
             self._replan(ex)
             self._refining = self.refine
         elif ex.step >= self.skip_steps:
@@ -177,14 +197,37 @@ class OnlinePlanner:
         ex.trace = None
         if len(self._traces) >= self.profile_steps:
             assert self.profile is not None
+            keep = self._judge(ex)
             self.profile = self._measure(ex, self.profile)
             self._traces = []
             self._refining = False
+            self._fallback = not keep
             self._replan(ex)
             return
         if self._refine_armed or ex.step > self._plan_step:
             self._refine_armed = True
             ex.trace = {"arrive": {}, "done": {}}
+
+    def _judge(self, ex) -> bool:
+        """The guard: whether the plan timed in refinement may stay (rank 0's
+        verdict, broadcast to every rank)."""
+        if not (self.guard and self.strategy == "dp" and self._before is not None):
+            return True
+        during = _measured_end(self._traces)
+        verdict = {
+            "layerwise": self._before,
+            "plan": during,
+            "kept": during is None or during <= self._before,
+        }
+        self.guard_result = verdict = ex.comm.broadcast_object(verdict)
+        if not verdict["kept"]:
+            logger.info(
+                "dlgs: the plan's steps ended at %.3g ms against %.3g ms layer by layer: "
+                "sending layer by layer",
+                verdict["plan"] * 1e3,
+                verdict["layerwise"] * 1e3,
+            )
+        return bool(verdict["kept"])
 
     def _check_drift(self, ex) -> None:
         """Re-profile when the measured step drifts from what the plan was made for.
@@ -357,9 +400,11 @@ class OnlinePlanner:
         index = {layer.name: i for i, layer in enumerate(ex.layers)}
         self.order = [index[layer.name] for layer in profile.layers]
         spec, eligible = build_spec(profile, ex.config, d)
+        strategy = "none" if self._fallback else self.strategy
+        self._layerwise_in_force = strategy == "none"
         plan = plan_strategy(
             spec,
-            self.strategy,
+            strategy,
             eligible=eligible,
             bucket_elements=self.bucket_elements,
             numel=[layer.numel for layer in profile.layers],
@@ -387,16 +432,28 @@ class OnlinePlanner:
 
     # -- checkpoints -------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
-        return {"profile": self.profile.to_dict() if self.profile is not None else None}
+        return {
+            "profile": self.profile.to_dict() if self.profile is not None else None,
+            "fallback": self._fallback,
+        }
 
     def load_state_dict(self, state: Dict[str, Any], ex) -> None:
         profile = state.get("profile")
         self.profile = Profile.from_dict(profile) if profile is not None else None
+        self._fallback = bool(state.get("fallback", False))
         self._traces = []
         self._refining = False  # a saved profile was measured (and refined) already
         self.plan = None
         if self.profile is not None:
             self._replan(ex)
+
+
+def _measured_end(traces: Sequence[Dict[str, Any]]) -> Optional[float]:
+    """Median time from a traced step's first gradient to the end of its wait."""
+    ends = [
+        t["waited"] - min(t["arrive"].values()) for t in traces if "waited" in t and t["arrive"]
+    ]
+    return statistics.median(ends) if ends else None
 
 
 def _fit_or_flat(sizes: Sequence[float], times: Sequence[float]) -> CostModel:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import io
 import sys
+import time
 
 import horovod.torch as hvd
 import torch
@@ -274,6 +275,54 @@ def drift_replans():
         "steps": steps,
         "digest": digest(model),
     }
+
+
+def _guarded(seed: int):
+    model = mlp(seed, hidden=128)
+    opt = dlgs.torch.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.01),
+        named_parameters=model.named_parameters(),
+        density=0.05,
+        min_sparse_size=64,
+        merge="dp",
+        profile_steps=2,
+    )
+    return model, opt
+
+
+@scenario
+def guard():
+    """The dp guard: a plan whose timed steps end later than the layer-wise
+    profiled ones is dropped for layer-wise on every rank; one whose steps end
+    sooner is kept; a checkpoint carries the verdict. Steps are made slow with a
+    sleep between backward and the exchange's wait, in one phase or the other."""
+    out = {}
+    for slow in ("plan", "layerwise"):
+        model, opt = _guarded(11)
+        planner = opt.dlgs_planner
+        for s in range(10):
+            opt.zero_grad()
+            x, y = batch(s)
+            F.cross_entropy(model(x), y).backward()
+            phase = "layerwise" if planner.plan is None else "plan" if planner._refining else None
+            if phase == slow and s > 0:
+                time.sleep(0.05)
+            opt.step()
+        ex = opt.dlgs_exchange
+        ckpt = _checkpoint(model, opt)
+        model2, opt2 = _guarded(11)
+        opt2.load_state_dict(ckpt["opt"])
+        out[slow] = {
+            "settled": planner.settled,
+            "guard": planner.guard_result,
+            "messages": len(ex.groups),
+            "layers": len(ex.layers),
+            "members": [g.members for g in ex.groups],
+            "plan": [list(g.members) for g in planner.plan.groups],
+            "resumed_plan": [list(g.members) for g in opt2.dlgs_planner.plan.groups],
+            "digest": digest(model),
+        }
+    return out
 
 
 def _sparse_grads(model, k_of, seed):
