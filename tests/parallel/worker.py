@@ -241,11 +241,9 @@ def merge_strategies():
     return out
 
 
-@scenario
-def drift_replans():
-    """A step that gets much slower after planning (a 64x larger batch) makes
-    every rank profile again and re-plan, together."""
-    model = mlp(10, hidden=256)
+def _dp_mlp(seed: int, hidden: int, **options):
+    """An MLP and a dlgs optimizer planning with dp after 2 profiled steps."""
+    model = mlp(seed, hidden=hidden)
     opt = dlgs.torch.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.01),
         named_parameters=model.named_parameters(),
@@ -253,9 +251,16 @@ def drift_replans():
         min_sparse_size=64,
         merge="dp",
         profile_steps=2,
-        drift_window=3,
-        drift_tolerance=0.5,
+        **options,
     )
+    return model, opt
+
+
+@scenario
+def drift_replans():
+    """A step that gets much slower after planning (a 64x larger batch) makes
+    every rank profile again and re-plan, together."""
+    model, opt = _dp_mlp(10, 256, drift_window=3, drift_tolerance=0.5)
     planner = opt.dlgs_planner
     steps, made_before = 0, None
     for s in range(40):
@@ -277,19 +282,6 @@ def drift_replans():
     }
 
 
-def _guarded(seed: int):
-    model = mlp(seed, hidden=128)
-    opt = dlgs.torch.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.01),
-        named_parameters=model.named_parameters(),
-        density=0.05,
-        min_sparse_size=64,
-        merge="dp",
-        profile_steps=2,
-    )
-    return model, opt
-
-
 @scenario
 def guard():
     """The dp guard: a plan whose timed steps end later than the layer-wise
@@ -298,7 +290,7 @@ def guard():
     sleep between backward and the exchange's wait, in one phase or the other."""
     out = {}
     for slow in ("plan", "layerwise"):
-        model, opt = _guarded(11)
+        model, opt = _dp_mlp(11, 128)
         planner = opt.dlgs_planner
         for s in range(10):
             opt.zero_grad()
@@ -306,11 +298,11 @@ def guard():
             F.cross_entropy(model(x), y).backward()
             phase = "layerwise" if planner.plan is None else "plan" if planner._refining else None
             if phase == slow and s > 0:
-                time.sleep(0.05)
+                time.sleep(0.5)  # far above any scheduling noise of a loaded machine
             opt.step()
         ex = opt.dlgs_exchange
         ckpt = _checkpoint(model, opt)
-        model2, opt2 = _guarded(11)
+        model2, opt2 = _dp_mlp(11, 128)
         opt2.load_state_dict(ckpt["opt"])
         out[slow] = {
             "settled": planner.settled,
