@@ -89,6 +89,8 @@ class MethodTimes:
     sparsify: List[float] = field(default_factory=list)
     wire_bytes: int = 0
     messages: Optional[int] = None
+    #: The dp guard's verdict on the first plan ("kept" / "layer-wise"), "" if none ran.
+    guard: str = ""
     rounds: int = 1
 
     def merge(self, other: "MethodTimes") -> None:
@@ -111,6 +113,7 @@ class MethodTimes:
         self.step_wait += other.step_wait
         self.sparsify += other.sparsify
         self.messages = other.messages
+        self.guard = other.guard
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -170,6 +173,7 @@ def summarise(
                 "samples_per_s": batch * workers / med,
                 "wire_bytes_per_step": mine.wire_bytes,
                 "messages": "" if mine.messages is None else mine.messages,
+                "guard": mine.guard,
                 "backward_s": _median_or_blank(slowest.backward),
                 "step_wait_s": _median_or_blank(slowest.step_wait),
                 "sparsify_s": _median_or_blank(slowest.sparsify),
@@ -266,7 +270,8 @@ def format_markdown(
             f"| {r['method']} | {float(r['median_step_s']) * 1e3:.1f} "
             f"[{float(r['p10']) * 1e3:.1f}–{float(r['p90']) * 1e3:.1f}] "
             f"| {float(r['samples_per_s']):.1f} | {int(r['wire_bytes_per_step']) / 1e6:.3f} "
-            f"| {r['messages'] if r['messages'] != '' else '—'} "
+            f"| {r['messages'] if r['messages'] != '' else '—'}"
+            f"{' (guard: layer-wise)' if r.get('guard') == 'layer-wise' else ''} "
             f"| {_fmt(r['backward_s'], 1e3, '.1f')} | {_fmt(r.get('sparsify_s'), 1e3, '.1f')} "
             f"| {_fmt(r['step_wait_s'], 1e3, '.1f')} "
             f"| {_fmt(r['efficiency_vs_nocomm'], 100, '.0f', '%')} "
@@ -469,6 +474,13 @@ def settle_steps(profile_steps: int) -> int:
     ``profile_steps`` timed under it for the refined plan, and that plan's
     first step (see ``dlgs.core.profiler.OnlinePlanner``)."""
     return 2 * profile_steps + 3
+
+
+def guard_verdict(planner: Any) -> str:
+    """``"kept"`` or ``"layer-wise"``: the dp guard's verdict on ``planner``'s
+    first plan (``dlgs.core.profiler.OnlinePlanner``); ``""`` if none ran."""
+    result = planner.guard_result
+    return "" if result is None else "kept" if result["kept"] else "layer-wise"
 
 
 def is_merging(method: str) -> bool:

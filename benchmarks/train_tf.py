@@ -69,6 +69,7 @@ from .report import (
     SPARSE_METHODS,
     MethodTimes,
     accumulate,
+    guard_verdict,
     is_merging,
     progress_bar,
     settle_steps,
@@ -280,6 +281,7 @@ def run_method(
         tape = last["tape"]
         out.wire_bytes = sum(int(r["wire_bytes"]) for r in tape.dlgs_stats())
         out.messages = len(tape.dlgs_exchange.groups)
+        out.guard = guard_verdict(tape.dlgs_planner)
         if merging:
             logger.debug("%s: plan in force\n%s", method, tape.dlgs_planner.plan.describe())
     return out

@@ -29,6 +29,7 @@ from .report import (
     SPARSE_METHODS,
     MethodTimes,
     accumulate,
+    guard_verdict,
     is_merging,
     progress_bar,
     settle_steps,
@@ -186,6 +187,7 @@ def run_method(
     elif method in SPARSE_METHODS:
         out.wire_bytes = sum(int(r["wire_bytes"]) for r in opt.dlgs_stats())
         out.messages = len(opt.dlgs_exchange.groups)
+        out.guard = guard_verdict(opt.dlgs_planner)
         if SPARSE_METHODS[method][1] != "none":
             logger.debug("%s: plan in force\n%s", method, opt.dlgs_planner.plan.describe())
     return out

@@ -55,6 +55,11 @@ def test_train_benchmark_writes_rows(tmp_path):
     # dense messages where the network is fast (loopback), never more bytes.
     assert wire["dlgs-none"] < wire["dense"] / 4
     assert wire["dlgs"] <= wire["dense"]
+    # The dp guard judged dlgs's first plan; layer-wise dlgs has no plan to judge.
+    assert rows["dlgs"]["guard"] in ("kept", "layer-wise") and rows["dlgs-none"]["guard"] == ""
+    # Sparsify is timed for the dlgs-based methods only, and is part of backward.
+    assert 0 < float(rows["dlgs-none"]["sparsify_s"]) < float(rows["dlgs-none"]["backward_s"])
+    assert rows["dense"]["sparsify_s"] == ""
     assert float(rows["no-comm"]["efficiency_vs_nocomm"]) == pytest.approx(1.0)
     assert float(rows["dense"]["speedup_vs_dense"]) == pytest.approx(1.0)
     md = (tmp_path / "train.md").read_text()
