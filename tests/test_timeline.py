@@ -12,7 +12,6 @@ from conftest import ROOT, horovodrun
 pytestmark = pytest.mark.parallel
 
 STEPS = 6
-PLANNED_STEPS = STEPS - 2  # step 0 as is, step 1 profiled, the plan applies from step 2
 
 
 def read_timeline(path):
@@ -43,19 +42,25 @@ def test_one_collective_per_planned_message(merge, tmp_path, monkeypatch):
         timeout=300,
         extra_path=ROOT / "tests/parallel",
     )
-    plan = json.loads((tmp_path / "plan.json").read_text())
+    record = json.loads((tmp_path / "plan.json").read_text())
+    plan = record["final"]
+    # Steps each message was in force (the plan applies from step 2, after one
+    # skipped and one profiled step; the refined plan two steps later).
+    in_force = Counter(
+        f"{'allgather' if sparse else 'allreduce'}.{name}"
+        for groups in record["history"]
+        for name, sparse in groups
+    )
     wire, fused = read_timeline(tmp_path / "timeline.json")
     for group in plan:
-        op = "allgather" if group["sparse"] else "allreduce"
-        count = wire[f"{op}.{group['name']}"]
-        assert count >= PLANNED_STEPS, f"{group['name']}: {count} collectives in {STEPS} steps"
-        assert count <= STEPS, f"{group['name']}: {count} collectives in {STEPS} steps"
+        key = f"{'allgather' if group['sparse'] else 'allreduce'}.{group['name']}"
+        assert in_force[key] >= 2, f"{key}: the final plan was in force for under 2 steps"
+        got = wire[key]
+        assert got == in_force[key], f"{key}: {got} collectives in {in_force[key]} steps"
     assert not any(
         n and n.startswith(("allgather.dlgs.sparse", "allreduce.dlgs.dense")) for n in fused
     ), fused
     if merge == "all":
         sparse = [g for g in plan if g["sparse"]]
         assert len(sparse) == 1 and len(sparse[0]["members"]) > 1
-        # Exactly one allgather per step once the plan is in force.
-        assert wire[f"allgather.{sparse[0]['name']}"] == PLANNED_STEPS
     assert os.path.getsize(tmp_path / "timeline.json") > 0

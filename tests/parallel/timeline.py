@@ -1,7 +1,9 @@
 """Train a few steps under a given merge strategy with Horovod's timeline on.
 
 Usage: ``HOROVOD_TIMELINE=... horovodrun -np 2 python tests/parallel/timeline.py OUT MERGE STEPS``
-Writes ``OUT/plan.json`` (rank 0): the messages in force after planning.
+Writes ``OUT/plan.json`` (rank 0): the messages in force at the end, and for
+every step the messages that step sent (the layout changes when a plan, or the
+refined plan, takes effect).
 """
 
 from __future__ import annotations
@@ -31,11 +33,16 @@ def main(argv):
         merge=merge,
         profile_steps=1,
     )
-    train(model, opt, steps)
     ex = opt.dlgs_exchange
+    history = []
+    for s in range(steps):
+        train(model, opt, 1, start=s)
+        # A new plan is laid out at the next step's first gradient, so the
+        # groups now are the ones this step used.
+        history.append([[g.name, g.sparse] for g in ex.groups])
     if hvd.rank() == 0:
         plan = [{"name": g.name, "sparse": g.sparse, "members": g.members} for g in ex.groups]
-        (out / "plan.json").write_text(json.dumps(plan))
+        (out / "plan.json").write_text(json.dumps({"final": plan, "history": history}))
     hvd.shutdown()  # flushes the timeline
 
 
