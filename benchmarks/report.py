@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import gc
 import logging
 import os
 import platform
@@ -20,7 +21,7 @@ import statistics
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 __all__ = [
     "FRAMEWORKS",
@@ -474,6 +475,36 @@ def settle_steps(profile_steps: int) -> int:
     ``profile_steps`` timed under it for the refined plan, and that plan's
     first step (see ``dlgs.core.profiler.OnlinePlanner``)."""
     return 2 * profile_steps + 3
+
+
+def run_rounds(
+    args: argparse.Namespace,
+    rank: int,
+    barrier: Callable[[], Any],
+    one: Callable[[str, int, int, Any], MethodTimes],
+) -> Dict[str, MethodTimes]:
+    """Every method of ``args`` ``args.rounds`` times in turn on this rank, behind
+    a progress bar, pooled per method (:func:`accumulate`).
+
+    ``barrier()`` runs before each method so that every rank starts it together;
+    ``one(method, round_, warmup, bar)`` runs and times one method with
+    ``warmup`` untimed steps (:func:`warmup_steps`), ticking ``bar`` per step.
+    """
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    mine: Dict[str, MethodTimes] = {}
+    bar = progress_bar(total_steps(args), rank)
+    with bar, logging_redirect_tqdm():
+        for round_ in range(args.rounds):
+            for method in args.methods:
+                bar.set_description(f"{args.model} {method}")
+                barrier()
+                got = one(
+                    method, round_, warmup_steps(method, args.warmup, args.profile_steps), bar
+                )
+                gc.collect()
+                accumulate(mine, got, round_, rank)
+    return mine
 
 
 def guard_verdict(planner: Any) -> str:

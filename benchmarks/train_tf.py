@@ -44,7 +44,6 @@ runs the step eagerly (about twice as slow on a CPU) and also measures backward
 from __future__ import annotations
 
 import argparse
-import gc
 import logging
 import os
 import sys
@@ -68,14 +67,11 @@ from .report import (
     LR,
     SPARSE_METHODS,
     MethodTimes,
-    accumulate,
     guard_verdict,
     is_merging,
-    progress_bar,
+    run_rounds,
     settle_steps,
     setup_rank_logging,
-    total_steps,
-    warmup_steps,
     write_outputs,
 )  # noqa: E402
 
@@ -309,30 +305,24 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> None:
     data = (tf.constant(x), tf.constant(y))
     load_start = os.getloadavg()[0]
 
-    from tqdm.contrib.logging import logging_redirect_tqdm
+    def barrier() -> None:  # horovod.tensorflow has none
+        hvd.allreduce(tf.zeros([]), name="benchmarks.train.barrier")
 
-    mine: Dict[str, MethodTimes] = {}
-    bar = progress_bar(total_steps(args), rank)
-    with bar, logging_redirect_tqdm():
-        for round_ in range(args.rounds):
-            for method in args.methods:
-                bar.set_description(f"{args.model} {method}")
-                # A barrier (horovod.tensorflow has none): every rank starts together.
-                hvd.allreduce(tf.zeros([]), name="benchmarks.train.barrier")
-                got = run_method(
-                    spec,
-                    method,
-                    data,
-                    density=args.density,
-                    warmup=warmup_steps(method, args.warmup, args.profile_steps),
-                    steps=args.steps,
-                    profile_steps=args.profile_steps,
-                    mode=args.tf_mode,
-                    name=f"benchmarks.train.{method}.{round_}",
-                    progress=bar,
-                )
-                gc.collect()
-                accumulate(mine, got, round_, rank)
+    def one(method: str, round_: int, warmup: int, bar: Any) -> MethodTimes:
+        return run_method(
+            spec,
+            method,
+            data,
+            density=args.density,
+            warmup=warmup,
+            steps=args.steps,
+            profile_steps=args.profile_steps,
+            mode=args.tf_mode,
+            name=f"benchmarks.train.{method}.{round_}",
+            progress=bar,
+        )
+
+    mine = run_rounds(args, rank, barrier, one)
     gathered = hvd.allgather_object([vars(t) for t in mine.values()], name="benchmarks.train.times")
     if rank != 0:
         return

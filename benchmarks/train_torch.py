@@ -8,7 +8,6 @@ definitions and outputs are described in ``benchmarks/train.py``.
 from __future__ import annotations
 
 import argparse
-import gc
 import logging
 import os
 import time
@@ -28,14 +27,11 @@ from .report import (
     LR,
     SPARSE_METHODS,
     MethodTimes,
-    accumulate,
     guard_verdict,
     is_merging,
-    progress_bar,
+    run_rounds,
     settle_steps,
     setup_rank_logging,
-    total_steps,
-    warmup_steps,
     write_outputs,
 )
 
@@ -206,27 +202,19 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> None:
     data = spec.make_batch(batch, torch.Generator().manual_seed(1000 + rank))
     load_start = os.getloadavg()[0]
 
-    from tqdm.contrib.logging import logging_redirect_tqdm
+    def one(method: str, round_: int, warmup: int, bar: Any) -> MethodTimes:
+        return run_method(
+            spec,
+            method,
+            data,
+            density=args.density,
+            warmup=warmup,
+            steps=args.steps,
+            profile_steps=args.profile_steps,
+            progress=bar,
+        )
 
-    mine: Dict[str, MethodTimes] = {}
-    bar = progress_bar(total_steps(args), rank)
-    with bar, logging_redirect_tqdm():
-        for round_ in range(args.rounds):
-            for method in args.methods:
-                bar.set_description(f"{args.model} {method}")
-                hvd.barrier()
-                got = run_method(
-                    spec,
-                    method,
-                    data,
-                    density=args.density,
-                    warmup=warmup_steps(method, args.warmup, args.profile_steps),
-                    steps=args.steps,
-                    profile_steps=args.profile_steps,
-                    progress=bar,
-                )
-                gc.collect()
-                accumulate(mine, got, round_, rank)
+    mine = run_rounds(args, rank, hvd.barrier, one)
     # Plain dicts: a dataclass would pickle by its module path.
     gathered = hvd.allgather_object([vars(t) for t in mine.values()], name="benchmarks.train.times")
     if rank != 0:

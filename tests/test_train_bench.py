@@ -75,6 +75,9 @@ def test_train_benchmark_writes_rows(tmp_path):
         (["--model", "resnet50"], "--model"),
         (["--methods", "dense,sparse"], "--methods"),
         (["--warmup", "0"], "--warmup"),
+        (["--framework", "tensorflow", "--model", "bert-small"], "--model"),
+        (["--framework", "jax"], "--framework"),
+        (["--tf-mode", "eager"], "--tf-mode"),
     ],
 )
 def test_bad_arguments_name_the_option(args, option):

@@ -106,23 +106,3 @@ def test_tensorflow_benchmark_never_imports_torch():
         """
     )
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
-
-
-@pytest.mark.parametrize(
-    "args, option",
-    [
-        (["--framework", "tensorflow", "--model", "bert-small"], "--model"),
-        (["--framework", "jax"], "--framework"),
-        (["--tf-mode", "eager"], "--tf-mode"),
-    ],
-)
-def test_bad_framework_arguments_name_the_option(args, option):
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.train", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert proc.returncode == 2
-    assert f"argument {option}" in proc.stderr
