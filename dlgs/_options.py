@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional
 
+from .core._checks import check_float, check_int
 from .core.config import SparsityConfig
 from .core.profiler import OnlinePlanner
 
@@ -25,17 +26,27 @@ __all__ = [
 
 
 def build_config(
-    config: Optional[SparsityConfig], density: float, options: Dict[str, Any]
+    config: Optional[SparsityConfig], density: Optional[float], options: Dict[str, Any]
 ) -> SparsityConfig:
-    """One :class:`SparsityConfig` from either a ready config or keyword options."""
+    """One :class:`SparsityConfig` from either a ready config or keyword options.
+
+    ``density=None`` is the entry points' default: :class:`SparsityConfig`'s
+    0.01 without ``config``. Any explicit ``density`` beside ``config`` is an
+    error rather than silently losing to the config's density.
+    """
     if config is not None:
         if not isinstance(config, SparsityConfig):
             raise TypeError(f"config must be a dlgs.SparsityConfig, got {type(config).__name__}")
-        if options:
-            raise ValueError(f"pass either config= or keyword options, not both: {sorted(options)}")
+        given = sorted(options) + (["density"] if density is not None else [])
+        if given:
+            raise ValueError(
+                f"pass either config= or density=/keyword options, not both: got {given}"
+            )
         return config
+    if density is not None:
+        options = dict(options, density=density)
     try:
-        return SparsityConfig(density=density, **options)
+        return SparsityConfig(**options)
     except TypeError as err:
         if "unexpected keyword" in str(err):
             raise TypeError(f"unknown dlgs option: {err}") from None
@@ -48,11 +59,6 @@ def build_planner(merge: str, **options: Any) -> OnlinePlanner:
     if not isinstance(merge, str):
         raise TypeError(f"merge must be a str, got {type(merge).__name__}")
     return OnlinePlanner(merge, **options)
-
-
-def check_int(name: str, value: Any, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
 
 
 def check_log_every(log_every: Any) -> None:
@@ -76,7 +82,6 @@ def check_no_groups(num_groups: Any, groups: Any) -> None:
 
 
 def check_predivide(factor: Any, op: Any, average: Any) -> None:
-    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
-        raise ValueError(f"gradient_predivide_factor must be a float > 0, got {factor!r}")
+    check_float("gradient_predivide_factor", factor, low=0, low_open=True)
     if factor != 1.0 and op != average:
         raise ValueError("gradient_predivide_factor is only supported with op=hvd.Average")

@@ -432,7 +432,7 @@ def plan_methods(
 
 def _show(args: argparse.Namespace) -> int:
     if args.profile is not None:
-        profile = Profile.load(args.profile)
+        profile = args.loaded_profile
         if args.model is not None:
             logger.info("--profile given: ignoring --model %s", args.model)
         if args.bandwidth is not None:
@@ -441,11 +441,6 @@ def _show(args: argparse.Namespace) -> int:
             network = (
                 f"ring model: {workers} workers, {format_bandwidth(args.bandwidth)} links, "
                 f"latency {args.latency * 1e6:g} us per step"
-            )
-        elif args.workers is not None:
-            raise ValueError(
-                "--workers with --profile needs --bandwidth too: the profile's fitted "
-                "collectives are not rescaled to another world size"
             )
         else:
             network = (
@@ -457,8 +452,6 @@ def _show(args: argparse.Namespace) -> int:
             )
         source = f"profile {args.profile} ({len(profile.layers)} tensors)"
     else:
-        if args.model is None:
-            raise ValueError(f"--model is required without --profile; one of {', '.join(MODELS)}")
         workers = args.workers if args.workers is not None else 8
         bps = args.bandwidth if args.bandwidth is not None else 1e10
         profile = _catalog(args, args.model, workers, bps)
@@ -775,7 +768,7 @@ def _simulate(args: argparse.Namespace, command: str) -> int:
     if args.profile is not None:
         if args.model or args.models:
             logger.info("--profile given: ignoring --model/--models")
-        base = Profile.load(args.profile)
+        base = args.loaded_profile
         models = [f"profile:{args.profile.stem}"]
         source = (
             f"profile {args.profile} ({len(base.layers)} tensors; measured compute, "
@@ -833,15 +826,40 @@ def _simulate(args: argparse.Namespace, command: str) -> int:
     return 0
 
 
+def _check_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """What argparse cannot check alone: option combinations and the profile
+    file (``parser.error`` exits with status 2 and one line, no traceback)."""
+    args.loaded_profile = None
+    if args.profile is not None:
+        try:
+            args.loaded_profile = Profile.load(args.profile)
+        except OSError as err:
+            parser.error(f"argument --profile: cannot read {args.profile}: {err.strerror or err}")
+        except ValueError as err:
+            parser.error(f"argument --profile: {args.profile}: {err}")
+    if args.command != "show":
+        return
+    if args.profile is None and args.model is None:
+        parser.error(f"argument --model: required without --profile; one of {', '.join(MODELS)}")
+    if args.profile is not None and args.workers is not None and args.bandwidth is None:
+        parser.error(
+            "argument --workers: with --profile it needs --bandwidth too (the profile's "
+            "fitted collectives are not rescaled to another world size)"
+        )
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of ``python -m dlgs.plan``; returns the exit status.
 
     Raises:
-        SystemExit: bad options (argparse's error, naming the option).
-        ValueError: options that conflict (the message names them).
+        SystemExit: bad or conflicting options, or an unreadable or malformed
+            ``--profile`` (argparse's error: status 2 and one line naming the
+            option or the profile's field).
     """
     raw = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(raw)
+    parser = build_parser()
+    args = parser.parse_args(raw)
+    _check_options(parser, args)
     if not logging.getLogger().handlers:
         logging.basicConfig(
             level=logging.DEBUG if args.verbose else logging.INFO,

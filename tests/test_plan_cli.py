@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import csv
+import json
 import math
 import re
 import subprocess
@@ -16,7 +17,7 @@ from dlgs.core.catalog import DEFAULT_LATENCY_S, MODELS, catalog_model, catalog_
 from dlgs.core.config import SparsityConfig
 from dlgs.core.netmodel import allgather_cost, allreduce_cost
 from dlgs.core.planner import plan_dp, plan_strategy, simulate
-from dlgs.core.profile import build_spec
+from dlgs.core.profile import Profile, build_spec
 from dlgs.plan import CSV_FIELDS, METHODS, format_bandwidth, main, parse_bandwidth
 
 # Parameter counts of the reference implementations (torchvision ResNet-50 and
@@ -241,13 +242,124 @@ def test_show_profile(tmp_path, capsys):
     assert "fitted collectives at 2 workers" in out and "decoder.weight" in out
     assert main(["show", "--profile", str(path), "--workers", "16", "--bandwidth", "10gbit"]) == 0
     assert "ring model: 16 workers, 10gbit" in capsys.readouterr().out
-    with pytest.raises(ValueError, match="--workers with --profile needs --bandwidth"):
-        main(["show", "--profile", str(path), "--workers", "16"])
 
 
-def test_show_needs_a_model():
-    with pytest.raises(ValueError, match="--model is required"):
-        main(["show"])
+@pytest.mark.parametrize(
+    "with_profile, extra, words",
+    [
+        (True, ["--workers", "16"], ["argument --workers", "needs --bandwidth"]),
+        (False, [], ["argument --model", "required without --profile"]),
+    ],
+)
+def test_show_rejects_conflicting_options(tmp_path, with_profile, extra, words, capsys):
+    path = tmp_path / "p.json"
+    catalog_profile("ptb-lstm", world_size=2, bandwidth_bps=1e9).save(path)
+    profile = ["--profile", str(path)] if with_profile else []
+    with pytest.raises(SystemExit) as e:
+        main(["show", *profile, *extra])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert all(w in err for w in words), err
+
+
+def _profile_dict():
+    return catalog_profile("ptb-lstm", world_size=2, bandwidth_bps=1e9).to_dict()
+
+
+def _drop(d, *keys):
+    for key in keys[:-1]:
+        d = d[key]
+    del d[keys[-1]]
+
+
+def _set(d, *keys_value):
+    *keys, value = keys_value
+    for key in keys[:-1]:
+        d = d[key]
+    d[keys[-1]] = value
+
+
+# (what to do to a good profile, the field the one-line error must name)
+BAD_PROFILES = [
+    (lambda d: _drop(d, "world_size"), "world_size"),
+    (lambda d: _set(d, "world_size", 0), "world_size"),
+    (lambda d: _set(d, "world_size", "2"), "world_size"),
+    (lambda d: _drop(d, "layers"), "layers"),
+    (lambda d: _set(d, "layers", []), "layers"),
+    (lambda d: _set(d, "layers", 0, "numel", -5), "layers[0].numel"),
+    (lambda d: _set(d, "layers", 1, "numel", "10"), "layers[1].numel"),
+    (lambda d: _drop(d, "layers", 2, "backward"), "layers[2].backward"),
+    (lambda d: _set(d, "layers", 0, "backward", -1.0), "layers[0].backward"),
+    (lambda d: _set(d, "layers", 0, "name", ""), "layers[0].name"),
+    (lambda d: _set(d, "layers", 1, "name", d["layers"][0]["name"]), "name"),
+    (lambda d: _set(d, "layers", 0, "size", 3), "layers[0].size"),
+    (lambda d: _drop(d, "allgather", "beta"), "allgather.beta"),
+    (lambda d: _set(d, "allreduce", "alpha", -1e-3), "allreduce.alpha"),
+    (lambda d: _set(d, "sparsify", "beta", "fast"), "sparsify.beta"),
+    (lambda d: _set(d, "pack", None), "pack"),
+    (lambda d: _set(d, "allgather", {"alpha": 0, "beta": 0}), "allgather.alpha"),
+    (lambda d: _set(d, "version", 7), "version"),
+]
+
+
+def _run_cli(*argv):
+    return subprocess.run(
+        [sys.executable, "-m", "dlgs.plan", *argv], capture_output=True, text=True, timeout=120
+    )
+
+
+def _assert_one_line_error(proc, field):
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and field in errors[0] and "--profile" in errors[0], proc.stderr
+    assert proc.stdout == ""
+
+
+def test_profile_round_trips_in_process_and_through_json(tmp_path):
+    """The online planner broadcasts ``to_dict()`` (tuples) and checkpoints it;
+    the validation must accept both that and the JSON file (lists)."""
+    prof = catalog_profile("ptb-lstm", world_size=2, bandwidth_bps=1e9)
+    assert Profile.from_dict(prof.to_dict()) == prof
+    prof.save(tmp_path / "p.json")
+    assert Profile.load(tmp_path / "p.json") == prof
+
+
+@pytest.mark.parametrize("spoil, field", BAD_PROFILES, ids=[f for _, f in BAD_PROFILES])
+def test_malformed_profile_is_one_line_naming_the_field(tmp_path, spoil, field, capsys):
+    d = _profile_dict()
+    spoil(d)
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(d))
+    with pytest.raises(ValueError, match=re.escape(field)):
+        Profile.from_dict(json.loads(path.read_text()))
+    with pytest.raises(SystemExit) as e:
+        main(["show", "--profile", str(path)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and field in err.splitlines()[-1], err
+
+
+@pytest.mark.parametrize("command", ["show", "simulate"])
+def test_unreadable_profiles_exit_2_without_traceback(tmp_path, command):
+    """Through the real ``python -m dlgs.plan``: what a user sees on stderr."""
+    extra = ["--out", str(tmp_path / "out"), "--no-plot"] if command == "simulate" else []
+    bad = tmp_path / "bad.json"
+    d = _profile_dict()
+    d["layers"][0]["numel"] = -5  # once printed a plan
+    bad.write_text(json.dumps(d))
+    _assert_one_line_error(_run_cli(command, "--profile", str(bad), *extra), "layers[0].numel")
+    nojson = tmp_path / "p.txt"
+    nojson.write_text("not json")
+    _assert_one_line_error(_run_cli(command, "--profile", str(nojson), *extra), "not a JSON")
+    missing = str(tmp_path / "missing.json")
+    _assert_one_line_error(_run_cli(command, "--profile", missing, *extra), "missing.json")
+    if command == "show":
+        good = tmp_path / "good.json"
+        good.write_text(json.dumps(_profile_dict()))
+        proc = _run_cli("show", "--profile", str(good), "--workers", "4")
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+        assert "argument --workers" in proc.stderr and "--bandwidth" in proc.stderr
 
 
 # -- simulate -----------------------------------------------------------------------

@@ -71,7 +71,7 @@ def test_importing_dlgs_and_dlgs_torch_does_not_import_tensorflow():
 BAD = [
     (dict(density=0.0), ValueError, ["density", "(0, 1]"]),
     (dict(density=1.01), ValueError, ["density", "(0, 1]"]),
-    (dict(density=None), TypeError, ["density"]),
+    (dict(density="0.01"), TypeError, ["density"]),
     (dict(controller="bogus"), ValueError, ["controller", "'dynamic'"]),
     (dict(max_ratio=20), ValueError, ["max_ratio", "[1.0, 16.0]"]),
     (dict(no_such_option=1), TypeError, ["no_such_option"]),

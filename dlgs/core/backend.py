@@ -91,6 +91,46 @@ class ArrayOps(Protocol):
     def mul_(self, x: T, factor: float) -> T:
         """``x *= factor``."""
 
+    # -- loss scaling and non-finite gradients --------------------------------
+    def add_into_(self, out: T, a: T, b: T, scale: T | None) -> T:
+        """``out = a + b * scale`` (``scale`` a 0-d tensor, or None for 1); ``a``
+        and ``b`` may have any shape with ``out``'s element count."""
+
+    def momentum_into_(self, out: T, v: T, momentum: float, g: T, scale: T | None) -> T:
+        """``out = momentum * v + g * scale`` (``scale`` as in :meth:`add_into_`)."""
+
+    def mul(self, x: T, factor: T | float) -> T:
+        """``x * factor`` as a new tensor (``factor`` a number or a 0-d tensor)."""
+
+    def reciprocal(self, x: T) -> T:
+        """``1 / x`` of a 0-d tensor, as float32."""
+
+    def amax(self, x: T) -> T:
+        """Largest element of 1-D ``x``, 0-d; NaN if any element is NaN."""
+
+    def isfinite(self, x: T) -> T:
+        """0-d bool: the 0-d ``x`` is neither NaN nor infinite."""
+
+    def count_or_flag(self, count: T, ok: T) -> T:
+        """``count`` where the 0-d bool ``ok`` holds, else -1 (0-d integer)."""
+
+    def any_negative_rows(self, x: T) -> T:
+        """For 2-D integer ``x``: 1-D bool, column ``j`` true if some row has
+        ``x[r, j] < 0``."""
+
+    def any_nonfinite(self, xs: Sequence[T]) -> T:
+        """0-d bool: some element of some tensor in ``xs`` is NaN or infinite
+        (one reduction per tensor, no host read)."""
+
+    def any_true(self, flags: Sequence[T]) -> T:
+        """0-d bool: some element of some bool tensor in ``flags`` is true."""
+
+    def index_vector(self, values: Sequence[int], like: T) -> T:
+        """A 1-D int64 tensor holding ``values`` on ``like``'s device (set-up only)."""
+
+    def nan_at_(self, dst: T, idx: T, flags: T) -> T:
+        """``dst[idx[j]] = NaN`` where the bool ``flags[j]`` is true (no host read)."""
+
     # -- threshold arithmetic on 0-d tensors --------------------------------
     def kth_largest(self, x: T, k: int) -> T:
         """The ``k``-th largest element of 1-D ``x`` (1-based), 0-d."""

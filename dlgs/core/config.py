@@ -8,9 +8,11 @@ errors. Every field is documented with what it trades.
 from __future__ import annotations
 
 import enum
-import math
+from collections.abc import Iterable, Mapping, Set
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional, Tuple
+from typing import Optional, Tuple
+
+from ._checks import check_float, check_int
 
 __all__ = ["Controller", "ValueDType", "SparsityConfig"]
 
@@ -41,22 +43,6 @@ class ValueDType(str, enum.Enum):
 
     FLOAT32 = "float32"
     FLOAT16 = "float16"
-
-
-def _check_unit_interval(name: str, value: Any, *, closed_low: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a float in (0, 1], got {type(value).__name__}")
-    low_ok = value >= 0 if closed_low else value > 0
-    if not (low_ok and value <= 1 and math.isfinite(value)):
-        rng = "[0, 1]" if closed_low else "(0, 1]"
-        raise ValueError(f"{name} must be in {rng}, got {value!r}")
-
-
-def _check_int(name: str, value: Any, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int >= {low}, got {type(value).__name__}")
-    if value < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -112,7 +98,7 @@ class SparsityConfig:
     value_dtype: ValueDType = ValueDType.FLOAT32
 
     def __post_init__(self) -> None:
-        _check_unit_interval("density", self.density)
+        check_float("density", self.density, low=0, high=1, low_open=True)
         try:
             object.__setattr__(self, "controller", Controller(self.controller))
         except ValueError:
@@ -127,28 +113,32 @@ class SparsityConfig:
             raise ValueError(
                 f"value_dtype must be one of {names}, got {self.value_dtype!r}"
             ) from None
-        if isinstance(self.max_ratio, bool) or not isinstance(self.max_ratio, (int, float)):
-            raise TypeError("max_ratio must be a float >= 1.0")
-        if not (1.0 <= self.max_ratio <= 16.0):
-            raise ValueError(f"max_ratio must be in [1.0, 16.0], got {self.max_ratio!r}")
-        _check_int("min_sparse_size", self.min_sparse_size, 1)
-        _check_int("anchor_every", self.anchor_every, 0)
-        _check_int("warmup_steps", self.warmup_steps, 0)
+        check_float("max_ratio", self.max_ratio, low=1.0, high=16.0)
+        check_int("min_sparse_size", self.min_sparse_size, 1)
+        check_int("anchor_every", self.anchor_every, 0)
+        check_int("warmup_steps", self.warmup_steps, 0)
         if self.controller is Controller.FIXED:
             if self.threshold is None:
-                raise ValueError("threshold is required (a float > 0) when controller='fixed'")
-            if not (isinstance(self.threshold, (int, float)) and self.threshold > 0):
-                raise ValueError(f"threshold must be a float > 0, got {self.threshold!r}")
+                raise ValueError(
+                    "threshold is required (a finite float > 0) when controller='fixed'"
+                )
+            check_float("threshold", self.threshold, low=0, low_open=True)
         elif self.threshold is not None:
             raise ValueError("threshold is only used with controller='fixed'")
-        _check_unit_interval("sample_ratio", self.sample_ratio)
-        if isinstance(self.momentum, bool) or not isinstance(self.momentum, (int, float)):
-            raise TypeError("momentum must be a float in [0, 1)")
-        if not (0.0 <= self.momentum < 1.0):
-            raise ValueError(f"momentum must be in [0, 1), got {self.momentum!r}")
+        check_float("sample_ratio", self.sample_ratio, low=0, high=1, low_open=True)
+        check_float("momentum", self.momentum, low=0, high=1, high_open=True)
+        # A bare float is not iterable and a str iterates its characters: both
+        # are a mistaken list of stage densities (issue 10), refused by name.
+        if not isinstance(self.warmup, Iterable) or isinstance(
+            self.warmup, (str, bytes, Mapping, Set)
+        ):
+            raise TypeError(
+                "warmup must be a sequence of densities in (0, 1], e.g. (0.25, 0.063), "
+                f"got {type(self.warmup).__name__}"
+            )
         warmup = tuple(self.warmup)
         for i, d in enumerate(warmup):
-            _check_unit_interval(f"warmup[{i}]", d)
+            check_float(f"warmup[{i}]", d, low=0, high=1, low_open=True)
         object.__setattr__(self, "warmup", warmup)
         if warmup and self.warmup_steps == 0:
             raise ValueError("warmup_steps must be an int >= 1 when warmup is given")

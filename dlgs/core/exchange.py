@@ -37,12 +37,18 @@ __all__ = [
     "log_stats",
     "plan_layers",
     "select",
+    "MAX_MESSAGE_ELEMENTS",
     "STATE_VERSION",
 ]
 
 logger = logging.getLogger(__name__)
 
 STATE_VERSION = 1
+
+#: Most elements (with padding slots) one message may index: indices are int32.
+MAX_MESSAGE_ELEMENTS = 2**31 - 1
+# Non-finite steps are logged at most once per this many seconds.
+_NONFINITE_LOG_INTERVAL = 30.0
 
 
 class Collectives(Protocol):
@@ -125,6 +131,14 @@ def select(
         as zero); the number of elements at or above ``theta`` (0-d, on
         device); the threshold used.
     """
+    idx, count, theta, _ = _select(
+        ops, controller, state, acc, k, capacity, step, scratch_abs, scratch_mask
+    )
+    return idx, count, theta
+
+
+def _select(ops, controller, state, acc, k, capacity, step, scratch_abs, scratch_mask):
+    """:func:`select`, also returning ``|acc|`` (for the non-finite check)."""
     n = ops.numel(acc)
     absx = ops.abs_(acc, scratch_abs)
     theta = controller.threshold(ops, state, absx, k, step)
@@ -132,19 +146,29 @@ def select(
     count = ops.count_nonzero(mask)
     idx = ops.nonzero_static(mask, capacity, n)
     controller.update(ops, state, theta, count, k)
-    return idx, count, theta
+    return idx, count, theta, absx
 
 
 class _Layer:
-    """Mutable per-layer state: residual, optional velocity, controller state."""
+    """Mutable per-layer state: residual, optional velocity, controller state.
+
+    Residual and velocity are double-buffered: a step writes its new state into
+    the ``*_next`` buffers and :meth:`SparseExchange.finish` swaps them in only
+    if the step was finite on every rank, so a skipped step is undone exactly
+    and at no cost (no copy, no extra pass).
+    """
 
     __slots__ = (
         "name",
         "numel",
         "plan",
         "residual",
+        "residual_next",
         "velocity",
+        "velocity_next",
         "ctrl",
+        "ctrl_prev",
+        "flush",
         "count",
         "theta",
         "group",
@@ -155,9 +179,14 @@ class _Layer:
         self.name = name
         self.numel = numel
         self.plan: Optional[LayerPlan] = None
-        self.residual: Any = None  # n + 1 float32: the last slot is the padding slot
+        # n + 1 float32, in unscaled gradient units: the last slot is the padding slot.
+        self.residual: Any = None
+        self.residual_next: Any = None
         self.velocity: Any = None
+        self.velocity_next: Any = None
         self.ctrl: Dict[str, Any] = {}
+        self.ctrl_prev: Optional[Dict[str, Any]] = None
+        self.flush = False  # a dense layer sent what its residual owed this step
         self.count: Any = None
         self.theta: Any = None
         self.group = -1
@@ -177,6 +206,8 @@ class _Group:
         "handle",
         "verified",
         "name",
+        "first",
+        "bad",
     )
 
     def __init__(self, members: List[int], sparse: bool, name: str):
@@ -189,6 +220,8 @@ class _Group:
         self.ready = 0
         self.handle: Any = None
         self.verified = False
+        self.first: Any = None  # sparse: each member's first slot in ``dense`` (int64)
+        self.bad: Any = None  # sparse: per member, non-finite on some rank this step
 
 
 Plan = Sequence[Tuple[Sequence[int], Optional[bool]]]
@@ -211,6 +244,22 @@ class SparseExchange:
             merged and :meth:`submit` returns their tensor for the caller.
         clock: a function returning seconds, used only while profiling (an
             adapter on an asynchronous device synchronises in it).
+        loss_scale: with mixed precision and a dynamic loss scaler, a function
+            returning the scale (a 0-d tensor on the device, or None for 1) by
+            which this step's gradients are multiplied; called once per step,
+            at the first :meth:`submit`. Residuals, velocities and the sparse
+            values on the wire are kept in unscaled units, and every output is
+            returned in the step's scaled units (the scaler unscales it), so
+            what waits in a residual means the same whatever the scale does.
+
+    Non-finite gradients: if any rank's gradient of any layer is NaN or
+    infinite in a step (or a dense layer's reduced gradient is), every rank
+    (1) returns outputs that are non-finite for the same layers (a sparse
+    layer's output gets NaN in its first element; dense layers carry Horovod's
+    non-finite average), so that a loss scaler skips the step everywhere, and
+    (2) leaves every residual, velocity and controller state as if the step had
+    not happened. The verdict costs one host read per step (an 8-byte flag, as
+    a loss scaler's own check does); :attr:`last_step_finite` holds it.
     """
 
     def __init__(
@@ -224,11 +273,24 @@ class SparseExchange:
         prefix: str = "dlgs",
         dense_external: bool = False,
         clock: Callable[[], float] = time.perf_counter,
+        loss_scale: Optional[Callable[[], Any]] = None,
     ):
         names = [name for name, _ in layers]
         if len(set(names)) != len(names):
             dups = sorted({n for n in names if names.count(n) > 1})
             raise ValueError(f"layer names must be unique, duplicates: {dups}")
+        too_big = [(name, int(n)) for name, n in layers if int(n) + 1 > MAX_MESSAGE_ELEMENTS]
+        if too_big:
+            name, n = too_big[0]
+            raise ValueError(
+                f"parameter {name!r} has {n} elements; dlgs indexes a message with int32, "
+                f"so a layer may have at most {MAX_MESSAGE_ELEMENTS - 1} elements (split the "
+                "parameter, or leave it out of named_parameters and reduce it yourself)"
+            )
+        if loss_scale is not None and not callable(loss_scale):
+            raise TypeError(
+                f"loss_scale must be a callable or None, got {type(loss_scale).__name__}"
+            )
         self.ops = ops
         self.comm = comm
         self.config = config
@@ -260,10 +322,28 @@ class SparseExchange:
         #: Called with the exchange at the end of every step (profiling, planning).
         self.step_hooks: List[Any] = []
         self.trace: Optional[Dict[str, Any]] = None
+        self.loss_scale = loss_scale
+        self._open = False  # a step has begun (first submit) and not finished
+        self._scale: Any = None  # this step's loss scale (0-d) or None
+        self._inv_scale: Any = None
+        self._out_scale: Any = 1.0  # applied to sparse outputs: scale / world
+        self._flags: List[Any] = []  # device bools: something non-finite this step
+        self._dense_out: Dict[int, Any] = {}  # dense outputs to check this step
+        #: Whether the last finished step was finite on every rank (host bool).
+        self.last_step_finite = True
+        #: Steps whose gradients were non-finite somewhere (state left untouched).
+        self.nonfinite_steps = 0
+        self._nonfinite_logged = -math.inf  # time of the last warning
+        self._nonfinite_unlogged = 0
 
     # -- introspection -------------------------------------------------------
     def index(self, name: str) -> int:
         return self._index[name]
+
+    @property
+    def in_step(self) -> bool:
+        """A step has begun (a gradient was submitted) and not finished."""
+        return self._open
 
     @property
     def density(self) -> float:
@@ -313,7 +393,7 @@ class SparseExchange:
             out.append((list(members), mode))
             placed.update(members)
         out += [([i], plans[i].sparse) for i in range(len(plans)) if i not in placed]
-        return sorted(out, key=lambda g: min(g[0]))
+        return sorted(_split_oversized(out, plans), key=lambda g: min(g[0]))
 
     def _relayout(self, like: Any) -> None:
         """(Re)compute plans and groups for the density in force; allocate buffers."""
@@ -334,10 +414,17 @@ class SparseExchange:
             if i in sparse_layers:
                 if layer.residual is None:
                     layer.residual = ops.zeros(layer.numel + 1, "float32", like)
+                if layer.residual_next is None:
+                    layer.residual_next = ops.zeros(layer.numel + 1, "float32", like)
                 if self.config.momentum and layer.velocity is None:
                     layer.velocity = ops.zeros(layer.numel + 1, "float32", like)
                 if old is None or old.k != plan.k or not layer.ctrl:
                     layer.ctrl = self.controller.init_state(ops, like, density)
+            else:
+                layer.residual_next = None  # a dense layer flushes its residual
+            if self.config.momentum and layer.velocity is not None:
+                if layer.velocity_next is None:
+                    layer.velocity_next = ops.zeros(layer.numel + 1, "float32", like)
         self.groups = []
         for gi, (members, mode) in enumerate(groups):
             kind = "sparse" if mode else "dense"
@@ -356,6 +443,9 @@ class SparseExchange:
                 group.layout = layout
                 group.chunk = layout.new_chunk(ops, like)
                 group.dense = ops.zeros(layout.dense_size, "float32", like)
+                group.first = ops.index_vector(
+                    [layout.dense_offset(m) for m in range(len(members))], like
+                )
             elif len(members) > 1:
                 group.dense = ops.zeros(sum(plans[i].numel for i in members), "float32", like)
             offset = 0
@@ -381,13 +471,28 @@ class SparseExchange:
         )
 
     # -- the per-step path -----------------------------------------------------
+    def _begin_step(self) -> None:
+        """Once per step, at the first submit: read the loss scale."""
+        self._open = True
+        ops = self.ops
+        base = 1.0 / self.comm.size if self.average else 1.0
+        scale = self.loss_scale() if self.loss_scale is not None else None
+        self._scale = scale
+        if scale is None:
+            self._inv_scale = None
+            self._out_scale = base
+        else:
+            self._inv_scale = ops.reciprocal(scale)
+            self._out_scale = ops.mul(scale, base) if base != 1.0 else scale
+
     def submit(self, i: int, grad: Any) -> Any:
         """Hand in layer ``i``'s gradient; starts its group's collective once
         every member is in. Call at most once per layer per step.
 
         With ``dense_external``, returns the tensor the caller must allreduce
         for a dense layer (its gradient, plus any residual it still owed);
-        otherwise None.
+        otherwise None. Multiply the caller's reduced result by
+        :meth:`external_scale` (when not None) before handing it on.
         """
         layer = self.layers[i]
         ops = self.ops
@@ -400,6 +505,8 @@ class SparseExchange:
         if self._density is None or self.density != self._density:
             self._relayout(grad)
         entered = time.perf_counter()  # never synchronises a device
+        if not self._open:
+            self._begin_step()
         if self._step_start is None:
             self._step_start = entered
         trace = self.trace
@@ -414,22 +521,7 @@ class SparseExchange:
             if group.ready == len(group.members):
                 group.handle = self.comm.allgather_async(group.chunk, group.name)
         else:
-            n = layer.numel
-            if self.config.momentum:
-                # Momentum correction keeps every layer's velocity locally (the
-                # wrapped optimizer has none); a dense layer sends its velocity,
-                # whose average is what momentum SGD applies to the averaged
-                # gradient. Reduced in place, it leaves every rank the average.
-                if layer.velocity is None:
-                    layer.velocity = ops.zeros(n + 1, "float32", grad)
-                grad = ops.scale_add_(
-                    ops.narrow(layer.velocity, 0, 0, n), self.config.momentum, grad
-                )
-            if layer.residual is not None:
-                # The layer went dense (e.g. end of warm-up, or a new plan): send
-                # what it still owes with this gradient, emptying the residual.
-                grad = ops.add_(ops.narrow(layer.residual, 0, 0, n), grad)
-                layer.residual = None
+            grad = self._dense_send(layer, grad)
             if self.dense_external:
                 result = grad
                 group.handle = grad
@@ -447,6 +539,48 @@ class SparseExchange:
         self._submit_seconds += time.perf_counter() - entered
         return result
 
+    def _dense_send(self, layer: _Layer, grad: Any) -> Any:
+        """What a dense layer sends: its gradient (scaled units), or with
+        momentum correction its new velocity (unscaled), plus any residual it
+        still owes. State goes to the ``*_next`` buffers (see :meth:`finish`)."""
+        ops = self.ops
+        n = layer.numel
+        if self.config.momentum:
+            # Momentum correction keeps every layer's velocity locally (the
+            # wrapped optimizer has none); a dense layer sends its velocity,
+            # whose average is what momentum SGD applies to the averaged
+            # gradient. Reduced in place, it leaves every rank the average.
+            if layer.velocity is None:
+                layer.velocity = ops.zeros(n + 1, "float32", grad)
+            if layer.velocity_next is None:
+                layer.velocity_next = ops.zeros(n + 1, "float32", grad)
+            grad = ops.momentum_into_(
+                ops.narrow(layer.velocity_next, 0, 0, n),
+                ops.narrow(layer.velocity, 0, 0, n),
+                self.config.momentum,
+                grad,
+                self._inv_scale,
+            )
+        if layer.residual is not None:
+            # The layer went dense (e.g. end of warm-up, or a new plan): send
+            # what it still owes with this gradient; the residual is dropped
+            # when the step finishes finite.
+            owed = ops.narrow(layer.residual, 0, 0, n)
+            out = ops.zeros(n, "float32", grad)
+            if self.config.momentum:  # velocity and residual are both unscaled
+                grad = ops.add_into_(out, grad, owed, None)
+            else:
+                grad = ops.add_into_(out, grad, owed, self._scale)
+            layer.flush = True
+        return grad
+
+    def external_scale(self, i: int) -> Any:
+        """The factor (0-d tensor) by which a ``dense_external`` layer's reduced
+        tensor must be multiplied to be in the step's scaled units, or None."""
+        if self.config.momentum and self._scale is not None:
+            return self._scale
+        return None
+
     def _sparsify(self, layer: _Layer, group: _Group, grad: Any) -> None:
         ops = self.ops
         plan = layer.plan
@@ -454,13 +588,23 @@ class SparseExchange:
         n, k, cap = plan.numel, plan.k, plan.capacity
         layout = group.layout
         assert layout is not None  # sparse groups always have one
-        acc = ops.narrow(layer.residual, 0, 0, n)
+        # This step's accumulation goes into the spare buffers (finish() swaps
+        # them in): a = r + g / scale, or with momentum a = r + (m u + g / scale).
+        nxt = layer.residual_next
+        acc = ops.narrow(nxt, 0, 0, n)
         if layer.velocity is not None:
-            vel = ops.scale_add_(ops.narrow(layer.velocity, 0, 0, n), self.config.momentum, grad)
-            ops.add_(acc, vel)
+            vel = ops.momentum_into_(
+                ops.narrow(layer.velocity_next, 0, 0, n),
+                ops.narrow(layer.velocity, 0, 0, n),
+                self.config.momentum,
+                grad,
+                self._inv_scale,
+            )
+            ops.add_into_(acc, ops.narrow(layer.residual, 0, 0, n), vel, None)
         else:
-            ops.add_(acc, grad)
-        idx, count, theta = select(
+            ops.add_into_(acc, ops.narrow(layer.residual, 0, 0, n), grad, self._inv_scale)
+        layer.ctrl_prev = dict(layer.ctrl)  # restored if the step is not finite
+        idx, count, theta, absx = _select(
             ops,
             self.controller,
             layer.ctrl,
@@ -471,19 +615,22 @@ class SparseExchange:
             ops.narrow(self._scratch_abs, 0, 0, n),
             ops.narrow(self._scratch_mask, 0, 0, n),
         )
+        # One reduction tells whether |a| has a NaN or an infinity; the verdict
+        # travels as the member's count word (-1), so every rank learns it.
+        ok = ops.isfinite(ops.amax(absx))
         off = layout.value_offset(layer.member)
         out_vals = ops.narrow(layout.values_view(ops, group.chunk), 0, off, cap)
-        ops.gather_(layer.residual, idx, out_vals)
+        ops.gather_(nxt, idx, out_vals)
         if layout.value_dtype is ValueDType.FLOAT32:
-            ops.fill_at_(layer.residual, idx, 0.0)
+            ops.fill_at_(nxt, idx, 0.0)
         else:
             # Keep the rounding error of the narrower wire dtype in the residual.
-            ops.sub_at_(layer.residual, idx, ops.cast(out_vals, "float32"))
+            ops.sub_at_(nxt, idx, ops.cast(out_vals, "float32"))
         if layer.velocity is not None:
-            ops.fill_at_(layer.velocity, idx, 0.0)  # DGC factor masking
+            ops.fill_at_(layer.velocity_next, idx, 0.0)  # DGC factor masking
         out_idx = ops.narrow(layout.indices_view(ops, group.chunk), 0, off, cap)
         ops.add_offset_(out_idx, idx, layout.dense_offset(layer.member))
-        layout.write_count(ops, group.chunk, layer.member, count)
+        layout.write_count(ops, group.chunk, layer.member, ops.count_or_flag(count, ok))
         layer.count = count
         layer.theta = theta
 
@@ -491,44 +638,106 @@ class SparseExchange:
         """Layers not yet submitted this step."""
         return [i for i in range(len(self.layers)) if i not in self._submitted]
 
-    def wait(self) -> Dict[int, Any]:
-        """Finish the step: every layer must have been submitted. Returns each
-        layer's reduced dense gradient: flat float32 views into reused buffers
-        (valid until the next step's :meth:`wait`), or for a layer allreduced
-        alone, whatever the collective returned."""
+    def _tracks_state(self) -> bool:
+        """Whether this step changed state that a non-finite step must undo."""
+        return bool(self.config.momentum) or any(
+            g.sparse or any(self.layers[i].flush for i in g.members) for g in self.groups
+        )
+
+    def wait(self, finish: bool = True) -> Dict[int, Any]:
+        """Complete the step's collectives: every layer must have been submitted.
+        Returns each layer's reduced dense gradient: flat float32 views into
+        reused buffers (valid until the next step's :meth:`wait`), or for a
+        layer allreduced alone, whatever the collective returned.
+
+        With ``finish=False`` (for ``dense_external``: the caller's dense
+        results are not in yet) the caller must call :meth:`finish` after it.
+        """
         missing = self.pending()
         if missing:
             names = [self.layers[i].name for i in missing[:5]]
             raise RuntimeError(f"wait() before every layer was submitted; missing {names}")
         ops = self.ops
         out: Dict[int, Any] = {}
-        scale = 1.0 / self.comm.size if self.average else 1.0
+        track = self._tracks_state()
         for group in self.groups:
             if not group.sparse:
                 if self.dense_external:
                     out[group.members[0]] = group.handle
                     continue
                 reduced = self.comm.synchronize(group.handle)
+                if self.config.momentum and self._scale is not None:
+                    reduced = ops.mul(reduced, self._scale)  # velocities are unscaled
                 if len(group.members) == 1:
                     out[group.members[0]] = reduced
                 else:
                     for i in group.members:
                         off, n = self._dense_offsets[i], self.layers[i].numel
                         out[i] = ops.narrow(ops.reshape(reduced, (-1,)), 0, off, n)
+                if track:
+                    self._dense_out[group.members[0]] = reduced
             else:
                 layout = group.layout
                 assert layout is not None
                 gathered = self.comm.synchronize(group.handle)
                 ops.mul_(group.dense, 0.0)
                 layout.unpack(
-                    ops, gathered, self.comm.size, group.dense, scale, verify=not group.verified
+                    ops,
+                    gathered,
+                    self.comm.size,
+                    group.dense,
+                    self._out_scale,
+                    verify=not group.verified,
                 )
                 group.verified = True
+                # Members non-finite on some rank read NaN on every rank.
+                group.bad = ops.any_negative_rows(layout.counts(ops, gathered, self.comm.size))
+                ops.nan_at_(group.dense, group.first, group.bad)
+                self._flags.append(group.bad)
                 for m, i in enumerate(group.members):
                     start = layout.dense_offset(m)
                     out[i] = ops.narrow(group.dense, 0, start, self.layers[i].numel)
             group.ready = 0
             group.handle = None
+        if self._dense_out:
+            self._flags.append(ops.any_nonfinite(list(self._dense_out.values())))
+        if finish:
+            self.finish()
+        return out
+
+    def finish(self, external: Sequence[Tuple[int, Any]] = ()) -> bool:
+        """End the step: keep its new residuals, velocities and controller
+        states if it was finite on every rank, else leave the old ones (one
+        host read). ``external``: ``(layer index, reduced tensor)`` of dense
+        layers the caller reduced itself, checked too. Returns whether the step
+        was finite."""
+        ops = self.ops
+        flags = list(self._flags)
+        if external and self._tracks_state():
+            flags.append(ops.any_nonfinite([t for _, t in external]))
+        finite = not flags or not ops.to_host(ops.any_true(flags))
+        submitted = sorted(self._submitted)
+        for i in submitted:
+            layer = self.layers[i]
+            sparse = self.is_sparse(layer)
+            if finite:
+                if sparse:
+                    layer.residual, layer.residual_next = layer.residual_next, layer.residual
+                elif layer.flush:
+                    layer.residual = layer.residual_next = None
+                if layer.velocity_next is not None:
+                    layer.velocity, layer.velocity_next = layer.velocity_next, layer.velocity
+            elif sparse and layer.ctrl_prev is not None:
+                layer.ctrl = layer.ctrl_prev
+            layer.ctrl_prev = None
+            layer.flush = False
+        if not finite:
+            self.nonfinite_steps += 1
+            self._log_nonfinite(external)
+        self.last_step_finite = finite
+        self._flags.clear()
+        self._dense_out.clear()
+        self._open = False
         self._submitted.clear()
         if self._step_start is not None:
             self.last_step_seconds = time.perf_counter() - self._step_start
@@ -539,7 +748,41 @@ class SparseExchange:
         self.step += 1
         for hook in list(self.step_hooks):
             hook(self)
-        return out
+        return finite
+
+    def _log_nonfinite(self, external: Sequence[Tuple[int, Any]]) -> None:
+        """Name the layers of a non-finite step (rate-limited; reads flags on
+        the host, which only a non-finite step pays)."""
+        self._nonfinite_unlogged += 1
+        now = time.monotonic()
+        if now - self._nonfinite_logged < _NONFINITE_LOG_INTERVAL:
+            return
+        ops = self.ops
+        names = []
+        for group in self.groups:
+            if group.sparse and group.bad is not None:
+                bad = ops.to_host(group.bad)
+                names += [self.layers[i].name for i, b in zip(group.members, bad) if b]
+        dense = list(self._dense_out.items()) + list(external)
+        for i, t in dense:
+            if ops.to_host(ops.any_nonfinite([t])):
+                group = self.groups[self.layers[i].group]
+                names += [self.layers[j].name for j in group.members]
+        # With a loss scaler, overflow is how it calibrates: not worth a warning.
+        level = logging.INFO if self.loss_scale is not None else logging.WARNING
+        logger.log(
+            level,
+            "step %d: non-finite gradient (NaN or Inf) on at least one rank in %s; "
+            "%d such step(s) since the last report, %d in all. Residuals and "
+            "thresholds are left as before the step; the optimizer receives NaN "
+            "for these layers on every rank (a loss scaler skips the step)",
+            self.step,
+            ", ".join(repr(n) for n in names[:8]) + (" ..." if len(names) > 8 else ""),
+            self._nonfinite_unlogged,
+            self.nonfinite_steps,
+        )
+        self._nonfinite_logged = now
+        self._nonfinite_unlogged = 0
 
     # -- statistics and checkpoints -------------------------------------------
     def stats(self) -> List[Dict[str, Any]]:
@@ -673,6 +916,29 @@ class SparseExchange:
                     )
                     for key, v in entry["controller"].items()
                 }
+
+
+def _split_oversized(
+    groups: List[Tuple[List[int], bool]], plans: List[LayerPlan]
+) -> List[Tuple[List[int], bool]]:
+    """Split sparse groups whose indices would not fit int32 into consecutive
+    parts that do (the same split on every rank: it depends on sizes only)."""
+    out: List[Tuple[List[int], bool]] = []
+    for members, sparse in groups:
+        if not sparse:
+            out.append((members, sparse))
+            continue
+        part: List[int] = []
+        size = 0
+        for i in members:
+            n = plans[i].numel + 1
+            if part and size + n > MAX_MESSAGE_ELEMENTS:
+                out.append((part, True))
+                part, size = [], 0
+            part.append(i)
+            size += n
+        out.append((part, True))
+    return out
 
 
 def log_stats(exchange: SparseExchange, log: logging.Logger, level: int = logging.INFO):

@@ -12,8 +12,9 @@ import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Sequence, Tuple, Union
 
+from ._checks import check_float, check_int
 from .config import SparsityConfig, ValueDType
 from .exchange import plan_layers
 from .planner import CostModel, LayerCost, PlanSpec
@@ -59,15 +60,56 @@ class Profile:
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "Profile":
+        """The profile saved by :meth:`to_dict`, validated field by field.
+
+        Raises:
+            ValueError: a missing, unknown or malformed field; the message
+                names it (e.g. ``layers[3].numel``) and what it accepts.
+        """
+        if not isinstance(d, dict):
+            raise ValueError(f"a profile must be a JSON object, got {type(d).__name__}")
         if d.get("version") != PROFILE_VERSION:
             raise ValueError(f"profile version must be {PROFILE_VERSION}, got {d.get('version')!r}")
+        _known_fields("profile", d, ("version", "world_size", "layers", *_COST_FIELDS))
+        _valid(check_int, "world_size", d["world_size"], 1)
+        raw = d["layers"]
+        if not isinstance(raw, (list, tuple)) or not raw:
+            raise ValueError(
+                "layers must be a non-empty list of {name, numel, backward} objects, "
+                f"got {raw!r:.60}"
+            )
+        layers = []
+        for i, layer in enumerate(raw):
+            where = f"layers[{i}]"
+            _known_fields(where, layer, ("name", "numel", "backward"))
+            name = layer["name"]
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"{where}.name must be a non-empty string, got {name!r}")
+            _valid(check_int, f"{where}.numel", layer["numel"], 0)
+            _valid(check_float, f"{where}.backward", layer["backward"], low=0)
+            layers.append(LayerProfile(name, layer["numel"], float(layer["backward"])))
+        names = [layer.name for layer in layers]
+        dups = sorted({n for n in names if names.count(n) > 1})
+        if dups:
+            raise ValueError(f"layers[].name must be unique, repeated: {dups[:5]}")
+        costs: Dict[str, CostModel] = {}
+        for key in _COST_FIELDS:
+            _known_fields(key, d[key], ("alpha", "beta"))
+            for coef in ("alpha", "beta"):
+                _valid(check_float, f"{key}.{coef}", d[key][coef], low=0)
+            costs[key] = CostModel(float(d[key]["alpha"]), float(d[key]["beta"]))
+        for key in ("allgather", "allreduce"):
+            # A free collective makes every plan's predicted time 0 (and the
+            # speed-ups a division by zero); no measurement gives one.
+            if costs[key].alpha == 0 and costs[key].beta == 0:
+                raise ValueError(f"{key}.alpha and {key}.beta are both 0: a collective takes time")
         return cls(
-            world_size=int(d["world_size"]),
-            layers=tuple(LayerProfile(**layer) for layer in d["layers"]),
-            sparsify=CostModel(**d["sparsify"]),
-            pack=CostModel(**d["pack"]),
-            allgather=CostModel(**d["allgather"]),
-            allreduce=CostModel(**d["allreduce"]),
+            world_size=d["world_size"],
+            layers=tuple(layers),
+            sparsify=costs["sparsify"],
+            pack=costs["pack"],
+            allgather=costs["allgather"],
+            allreduce=costs["allreduce"],
         )
 
     def save(self, path: Union[str, Path]) -> None:
@@ -75,7 +117,42 @@ class Profile:
 
     @classmethod
     def load(cls, path: Union[str, Path]) -> "Profile":
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        """Read a profile saved by :meth:`save`.
+
+        Raises:
+            OSError: the file cannot be read.
+            ValueError: it is not JSON, or a field is missing or malformed.
+        """
+        text = Path(path).read_text()
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"not a JSON file ({err})") from None
+        return cls.from_dict(data)
+
+
+_COST_FIELDS = ("sparsify", "pack", "allgather", "allreduce")
+
+
+def _known_fields(where: str, obj: Any, fields: Sequence[str]) -> None:
+    """``obj`` is a dict with exactly ``fields`` (``version`` may be absent)."""
+    if not isinstance(obj, dict):
+        raise ValueError(f"{where} must be an object with {', '.join(fields)}, got {obj!r:.60}")
+    prefix = "" if where == "profile" else f"{where}."
+    missing = [f for f in fields if f not in obj and f != "version"]
+    if missing:
+        raise ValueError(f"{prefix}{missing[0]} is missing")
+    unknown = sorted(set(obj) - set(fields))
+    if unknown:
+        raise ValueError(f"unknown field {prefix}{unknown[0]} (expected {', '.join(fields)})")
+
+
+def _valid(check: Callable[..., None], *args: Any, **kwargs: Any) -> None:
+    """A file's field of the wrong type is bad data like any other: ValueError."""
+    try:
+        check(*args, **kwargs)
+    except TypeError as err:
+        raise ValueError(str(err)) from None
 
 
 def build_spec(

@@ -21,10 +21,14 @@ exchange's layer indices.
 
 from __future__ import annotations
 
+import hashlib
+import inspect
+import json
 import logging
 import statistics
 from typing import Any, Dict, List, Optional, Sequence
 
+from ._checks import check_float, check_int
 from .planner import CostModel, Plan, fit_cost_model, plan_strategy
 from .profile import LayerProfile, Profile, build_spec
 
@@ -98,18 +102,14 @@ class OnlinePlanner:
             ("bucket_elements", bucket_elements, 1),
             ("probe_reps", probe_reps, 1),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+            check_int(name, value, low)
         self.strategy = strategy
         self.profile_steps = profile_steps
         self.skip_steps = skip_steps
         self.bucket_elements = bucket_elements
-        if max_group is not None and (
-            isinstance(max_group, bool) or not isinstance(max_group, int) or max_group < 1
-        ):
-            # Checked here, not only when planning: a bad value must fail at
-            # construction, not several steps into training.
-            raise ValueError(f"max_group must be None or an int >= 1, got {max_group!r}")
+        # Checked here, not only when planning: a bad value must fail at
+        # construction, not several steps into training.
+        check_int("max_group", max_group, 1, none_ok=True)
         self.max_group = max_group
         self.probe_reps = probe_reps
         if not isinstance(refine, bool):
@@ -128,17 +128,20 @@ class OnlinePlanner:
         self._refining = False  # timing steps under a fresh plan
         self._refine_armed = False
         self._plan_step = 0  # ex.step when the current plan was made
-        if not (isinstance(drift_tolerance, (int, float)) and drift_tolerance > 0):
-            raise ValueError(f"drift_tolerance must be a float > 0, got {drift_tolerance!r}")
-        if isinstance(drift_window, bool) or not isinstance(drift_window, int) or drift_window < 0:
-            raise ValueError(f"drift_window must be an int >= 0, got {drift_window!r}")
+        check_float("drift_tolerance", drift_tolerance, low=0, low_open=True)
+        check_int("drift_window", drift_window, 0)
         self.drift_tolerance = float(drift_tolerance)
         self.drift_window = drift_window
         self._ratios: List[float] = []
         self._baseline: Optional[float] = None
         #: How many plans have been made (1 + re-plans after drift or restart).
         self.plans_made = 0
+        if profile is not None and not isinstance(profile, Profile):
+            raise TypeError(
+                f"profile must be None or a dlgs.core.profile.Profile, got {type(profile).__name__}"
+            )
         self.profile = profile
+        self._given_profile = profile  # options() reports this one, not a measured one
         self.record = record
         #: With ``record``: per step after planning, the plan's predicted end of
         #: communication and the measured one (first gradient to the end of
@@ -258,6 +261,32 @@ class OnlinePlanner:
             )
             self.restart()
 
+    def options(self) -> Dict[str, Any]:
+        """Every constructor option, as plain data every rank must agree on.
+
+        Read generically from the constructor's signature, so an option added
+        later is part of the cross-rank check (``dlgs.RankMismatchError``)
+        without being listed anywhere: each must be stored under its own
+        name. ``profile`` is reported as whether one was given and the hash of
+        its content.
+        """
+        out: Dict[str, Any] = {}
+        for name in inspect.signature(type(self).__init__).parameters:
+            if name == "self":
+                continue
+            if name == "profile":
+                given = self._given_profile
+                digest = None
+                if given is not None:
+                    text = json.dumps(given.to_dict(), sort_keys=True, default=str)
+                    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+                out[name] = {"given": given is not None, "sha256": digest}
+            elif hasattr(self, name):
+                out[name] = getattr(self, name)
+            else:  # a new option must be stored as self.<name> to be checked
+                raise AttributeError(f"OnlinePlanner.options: option {name!r} is not stored")
+        return out
+
     @property
     def ready(self) -> bool:
         """Whether a plan has been made (it applies from the following step)."""
@@ -270,8 +299,20 @@ class OnlinePlanner:
         return self.plan is not None and not self._refining
 
     def restart(self) -> None:
-        """Profile again from the next step and re-plan (call on every rank at
-        the same step, between steps). The current plan stays in force meanwhile."""
+        """Profile again from the next step and re-plan. The current plan stays
+        in force meanwhile.
+
+        **Collective**: call it on every rank of the process set, between the
+        same two steps (e.g. ``if step == 1000: opt.dlgs_reprofile()``, never
+        under ``if hvd.rank() == 0``). The profile ends in probe collectives
+        and a broadcast that every rank must join; a rank that did not restart
+        never issues them, and Horovod waits for it forever (it prints stall
+        warnings). Nothing tells the other ranks of a one-rank call in time:
+        the planner issues no collective every step, and adding one to every
+        step to carry this request would tax every step of every job.
+        Re-profiling after drift needs no call: the planner agrees on it by a
+        broadcast (``drift_window``).
+        """
         self.profile = None
         self.plan = None
         self._traces = []
@@ -370,7 +411,7 @@ class OnlinePlanner:
         if model.beta == 0.0:
             logger.warning(
                 "dlgs: %s times did not grow with size (%s): the plan will treat bytes as "
-                "free; profile again on a quieter machine (opt.dlgs_reprofile())",
+                "free; profile again on a quieter machine (opt.dlgs_reprofile() on every rank)",
                 kind,
                 ", ".join(f"{s / 1024:.0f} KiB {t * 1e3:.2f} ms" for s, t in zip(sizes, times)),
             )

@@ -9,7 +9,9 @@ with ``C = sum(cap_i)``. Member ``i`` owns values and indices
 includes the member's offset in the group's *dense* buffer, which has one extra
 "padding slot" per member (``dense_offset_i + n_i``): unused capacity points
 there with value 0, so unpacking is one scatter-add per group and never needs
-the number of selected values on the host.
+the number of selected values on the host. A count of -1 says the member's
+gradient was non-finite on that rank (every receiver then marks the layer
+non-finite).
 
 The chunk size is fixed by the layout, so every step sends the same shape
 (Horovod's response cache hits and nothing renegotiates) and every rank's chunk
@@ -118,7 +120,14 @@ class GroupLayout:
         return chunk
 
     def write_count(self, ops: ArrayOps, chunk: Any, i: int, count: Any) -> None:
+        """Member ``i``'s count word: its selected count, or -1 when its
+        accumulated gradient was non-finite on this rank."""
         ops.copy_(ops.narrow(chunk, 0, 1 + i, 1), count)
+
+    def counts(self, ops: ArrayOps, gathered: Any, world: int) -> Any:
+        """The ``(world, members)`` count words of every rank's chunk."""
+        rows = ops.reshape(gathered, (world, self.chunk_words))
+        return ops.narrow(rows, 1, 1, self.members)
 
     def unpack(
         self, ops: ArrayOps, gathered: Any, world: int, dense: Any, scale: float, verify: bool

@@ -32,7 +32,7 @@ import numpy as np
 import tensorflow as tf
 
 from ..core.config import SparsityConfig
-from ..core.consistency import RankMismatchError, describe_mismatch, signature
+from ..core.consistency import agreed_options, check_ranks_agree, horovod_options, signature
 from ..core.exchange import SparseExchange
 from ..core.exchange import log_stats as core_log_stats
 from ..core.profiler import OnlinePlanner
@@ -72,6 +72,10 @@ class HorovodCollectives:
     Horovod's TF ops have no asynchronous Python API; each collective is run
     eagerly on one worker thread (Horovod releases the GIL while it waits), so
     ``*_async`` return a future and messages go out in submission order.
+
+    Every collective runs on ``process_set``. On a rank outside the set,
+    ``included`` is False, ``rank`` is -1 and nothing may be issued: the
+    engine hands gradients back unchanged there, as Horovod's tape does.
     """
 
     def __init__(
@@ -92,9 +96,16 @@ class HorovodCollectives:
         self.device_dense = device_dense
         self.device_sparse = device_sparse
         glob = process_set is hvd.global_process_set
+        self.included = glob or bool(process_set.included())
         self.size = hvd.size() if glob else process_set.size()
-        self.rank = hvd.rank() if glob else process_set.rank()
+        # ProcessSet.rank() raises on a rank outside the set.
+        self.rank = hvd.rank() if glob else (process_set.rank() if self.included else -1)
         self._pool: Optional[ThreadPoolExecutor] = None
+
+    def options(self) -> Dict[str, Any]:
+        """What every rank must agree on: op, scaling, compression, process set
+        (the devices only place the collectives, they need not agree)."""
+        return horovod_options(self, hvd)
 
     def _submit(self, fn, *args):
         if self._pool is None:
@@ -137,15 +148,6 @@ class HorovodCollectives:
 
     def allgather_object(self, obj, name):
         return hvd.allgather_object(obj, name=name, process_set=self.process_set)
-
-
-def check_ranks_agree(comm: HorovodCollectives, sig: Dict[str, Any]) -> None:
-    """Gather every rank's signature; every rank raises the same error if they differ."""
-    if comm.size <= 1:
-        return
-    problem = describe_mismatch(comm.allgather_object(sig, "dlgs.signature"))
-    if problem:
-        raise RankMismatchError(problem)
 
 
 class Engine:
@@ -211,6 +213,16 @@ class Engine:
                         f"variable {variable_name(v)!r} has dtype {_dtype(v).name}: only "
                         "floating-point variables have gradients to exchange"
                     )
+            wide = [n for n, v in zip(names, variables) if _dtype(v) == tf.float64]
+            if wide:
+                more = f" and {len(wide) - 10} more" if len(wide) > 10 else ""
+                logger.warning(
+                    "dlgs: float64 variables %s%s are exchanged in float32: sparse layers' "
+                    "residuals and values on the wire are float32 (the reduced gradient is "
+                    "cast back to float64)",
+                    wide[:10],
+                    more,
+                )
             with tf.init_scope():  # eager even while a tf.function is traced
                 self._build(names, shapes, [_dtype(v).name for v in variables])
         elif names != self.names:
@@ -224,12 +236,21 @@ class Engine:
     def _build(self, names: List[str], shapes: List[Tuple[int, ...]], dtypes: List[str]) -> None:
         # Backward order: gradients of the last layers are ready first.
         order = list(reversed(range(len(names))))
-        options = dict(self.config.to_dict(), average=self.average, **self.extra_options)
-        options.update(merge=self.planner.strategy, profile_steps=self.planner.profile_steps)
-        check_ranks_agree(
+        options = agreed_options(
+            self.config,
+            self.planner,
             self.comm,
-            signature([(names[i], shapes[i], dtypes[i]) for i in order], options),
+            average=self.average,
+            prefix=self.prefix,
+            **self.extra_options,
         )
+        if self.comm.included:  # a rank outside the process set takes no part
+            check_ranks_agree(
+                signature([(names[i], shapes[i], dtypes[i]) for i in order], options),
+                # A fixed name: one derived from an option (prefix) could itself differ.
+                lambda sig: self.comm.allgather_object(sig, "dlgs.signature"),
+                size=self.comm.size,
+            )
         exchange = SparseExchange(
             OPS,
             self.comm,
@@ -255,6 +276,9 @@ class Engine:
         """
         if len(grads) != len(variables):
             raise ValueError(f"got {len(grads)} gradients for {len(variables)} variables")
+        if not self.comm.included:
+            # Outside the process set: this rank's own gradients, as Horovod's tape.
+            return list(grads)
         self.specs(variables)
         missing = [g is None for g in grads]
         dense = []
@@ -384,7 +408,10 @@ class DlgsAccessors:
         return self._dlgs_engine.stats()
 
     def dlgs_reprofile(self) -> None:
-        """Profile again from the next step and re-plan (every rank, between steps)."""
+        """Profile again from the next step and re-plan. Collective: call it on
+        every rank of the process set between the same two steps; a call on one
+        rank only leaves the others waiting in its probes (see
+        :meth:`dlgs.core.profiler.OnlinePlanner.restart`)."""
         self._dlgs_engine.planner.restart()
 
 

@@ -276,7 +276,7 @@ class TFOps:
 
     def index_add_rows_(self, dst, idx, vals, scale):
         idx, vals = _read(idx), tf.cast(_read(vals), tf.float32)
-        if scale != 1.0:
+        if not _is_np(scale) or scale != 1.0:
             vals = vals * scale
         # Every rank must compute the same bits. A slot selected on several
         # ranks receives one value per row; scatter kernels that run in
@@ -298,6 +298,54 @@ class TFOps:
             view.var.assign(tf.zeros_like(view.var))
             return x
         return self._update(x, _flat(x) * factor)
+
+    # -- loss scaling and non-finite gradients ---------------------------------
+    def add_into_(self, out, a, b, scale):
+        b = _vec(b, _dtype(out))
+        return self._update(out, _flat(a) + (b if scale is None else b * scale))
+
+    def momentum_into_(self, out, v, momentum, g, scale):
+        g = _vec(g, _dtype(out))
+        return self._update(out, _flat(v) * momentum + (g if scale is None else g * scale))
+
+    def mul(self, x, factor):
+        return _read(x) * factor
+
+    def reciprocal(self, x):
+        if _is_np(x):
+            return np.float32(1.0) / np.float32(x)
+        return tf.math.reciprocal(tf.cast(x, tf.float32))
+
+    def amax(self, x):
+        x = _read(x)
+        return _maybe_host(tf.reduce_max(x), x)  # propagates NaN
+
+    def isfinite(self, x):
+        return np.isfinite(x) if _is_np(x) else tf.math.is_finite(x)
+
+    def count_or_flag(self, count, ok):
+        if _is_np(ok) and _is_np(count):
+            return np.where(ok, count, -1)
+        count = tf.convert_to_tensor(count)
+        return tf.where(ok, count, tf.constant(-1, count.dtype))
+
+    def any_negative_rows(self, x):
+        return tf.reduce_any(_read(x) < 0, axis=0)
+
+    def any_nonfinite(self, xs):
+        finite = [tf.reduce_all(tf.math.is_finite(_read(x))) for x in xs]
+        return tf.logical_not(tf.reduce_all(tf.stack(finite)))
+
+    def any_true(self, flags):
+        return tf.reduce_any(tf.concat([tf.reshape(tf.cast(f, tf.bool), [-1]) for f in flags], 0))
+
+    def index_vector(self, values, like):
+        with tf.device(_device(like)):
+            return tf.constant(list(values), tf.int32)
+
+    def nan_at_(self, dst, idx, flags):
+        marks = tf.where(flags, tf.constant(np.nan, tf.float32), tf.constant(0.0, tf.float32))
+        return self._scatter(dst, idx, marks, "add")
 
     # -- threshold arithmetic on 0-d tensors ---------------------------------
     # On the CPU the controllers' 0-d arithmetic (about 25 operations per

@@ -69,7 +69,7 @@ class Compression:
     def __init__(
         self,
         variables: Sequence[Any],
-        density: float = 0.01,
+        density: Optional[float] = None,
         *,
         config: Optional[SparsityConfig] = None,
         merge: str = "dp",

@@ -63,7 +63,7 @@ def DistributedOptimizer(
     process_set=hvd.global_process_set,
     scale_local_gradients: bool = True,
     *,
-    density: float = 0.01,
+    density: Optional[float] = None,
     config: Optional[SparsityConfig] = None,
     merge: str = "dp",
     profile_steps: int = 5,

@@ -96,7 +96,7 @@ def DistributedGradientTape(
     process_set=hvd.global_process_set,
     scale_local_gradients: bool = True,
     *,
-    density: float = 0.01,
+    density: Optional[float] = None,
     config: Optional[SparsityConfig] = None,
     merge: str = "dp",
     profile_steps: int = 5,
@@ -121,7 +121,8 @@ def DistributedGradientTape(
     through one ``tf.py_function`` per step (docs/tensorflow.md).
 
     Args:
-        density: fraction of each sparsified layer sent per step, in (0, 1].
+        density: fraction of each sparsified layer sent per step, in (0, 1]
+            (default 0.01; give either ``density`` or ``config``).
         config: a ready :class:`dlgs.SparsityConfig` instead of keyword options.
         merge, profile_steps, bucket_elements, max_group, drift_tolerance,
             drift_window: the merge plan, as in :func:`dlgs.torch.DistributedOptimizer`

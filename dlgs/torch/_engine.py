@@ -7,6 +7,7 @@ Shared by both drop-in forms (:class:`dlgs.torch.Compression` and
 from __future__ import annotations
 
 import logging
+import pickle
 import time
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -15,7 +16,7 @@ import torch
 
 from .._options import build_config, build_planner
 from ..core.config import SparsityConfig
-from ..core.consistency import RankMismatchError, describe_mismatch, signature
+from ..core.consistency import agreed_options, check_ranks_agree, horovod_options, signature
 from ..core.exchange import SparseExchange
 from ..core.exchange import log_stats as core_log_stats
 from ..core.profiler import OnlinePlanner
@@ -38,6 +39,12 @@ _WIRE_UNSUPPORTED = (torch.bfloat16,)
 class HorovodCollectives:
     """:class:`dlgs.core.exchange.Collectives` on ``horovod.torch``.
 
+    Every collective runs on ``process_set``, including the object ones
+    (Horovod 0.28.1's torch ``allgather_object`` has no ``process_set``, so
+    :meth:`allgather_object` is built here from two allgathers). On a rank
+    outside the set, ``included`` is False, ``rank`` is -1 and nothing may be
+    issued: the adapters skip the exchange there, as Horovod's optimizer does.
+
     Args:
         op: ``hvd.Average`` or ``hvd.Sum`` (for the dense allreduces).
         prescale_factor / postscale_factor: as Horovod's allreduce.
@@ -58,8 +65,30 @@ class HorovodCollectives:
         self.postscale_factor = postscale_factor
         self.process_set = process_set
         self.compression = compression
-        self.size = process_set.size() if process_set is not hvd.global_process_set else hvd.size()
-        self.rank = process_set.rank() if process_set is not hvd.global_process_set else hvd.rank()
+        glob = process_set is hvd.global_process_set
+        self.included = glob or bool(process_set.included())
+        self.size = hvd.size() if glob else process_set.size()
+        # ProcessSet.rank() raises on a rank outside the set.
+        self.rank = hvd.rank() if glob else (process_set.rank() if self.included else -1)
+
+    def options(self) -> Dict[str, Any]:
+        """What every rank must agree on: op, scaling, compression, process set."""
+        return horovod_options(self, hvd)
+
+    def allgather_object(self, obj: Any, name: str) -> List[Any]:
+        """Every rank's ``obj`` (picklable), in the set's rank order."""
+        data = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=4)), dtype=torch.uint8)
+        sizes = hvd.allgather(
+            torch.tensor([data.numel()], dtype=torch.int32),
+            name=f"{name}.sz",
+            process_set=self.process_set,
+        )
+        gathered = hvd.allgather(data, name=f"{name}.t", process_set=self.process_set).numpy()
+        out, start = [], 0
+        for n in sizes.tolist():
+            out.append(pickle.loads(gathered[start : start + n].tobytes()))
+            start += n
+        return out
 
     def allgather_async(self, chunk, name):
         return hvd.allgather_async(chunk, name=name, process_set=self.process_set)
@@ -109,34 +138,25 @@ def named_trainable(
     for name, p in pairs:
         if not isinstance(p, torch.Tensor):
             raise TypeError(f"named_parameters[{name!r}] is a {type(p).__name__}, not a tensor")
-    return [(n, p) for n, p in pairs if p.requires_grad]
-
-
-def check_ranks_agree(comm: HorovodCollectives, sig: Dict[str, Any]) -> None:
-    """Gather every rank's signature and raise the same error on all of them if
-    they differ (never a hang: every rank takes part in the one allgather)."""
-    if comm.size <= 1:
-        return
-    if comm.process_set is hvd.global_process_set:
-        problem = describe_mismatch(hvd.allgather_object(sig, name="dlgs.signature"))
-    else:
-        # allgather_object has no process_set in Horovod 0.28.1: compare with the
-        # set's first rank, then agree on the verdict so every member raises.
-        root = comm.process_set.ranks[0]
-        ref = hvd.broadcast_object(
-            sig, root_rank=root, name="dlgs.signature", process_set=comm.process_set
+    trainable = [(n, p) for n, p in pairs if p.requires_grad]
+    for name, p in trainable:
+        # Refused here, by name: a complex gradient would fail deep inside the
+        # selection kernels with no hint of which parameter it was (issue 10).
+        if not p.is_floating_point():
+            raise TypeError(
+                f"parameter {name!r} has dtype {p.dtype}: dlgs exchanges real floating-point "
+                "gradients only (float32, float16, bfloat16 or float64)"
+            )
+    wide = [n for n, p in trainable if p.dtype == torch.float64]
+    if wide:
+        more = f" and {len(wide) - 10} more" if len(wide) > 10 else ""
+        logger.warning(
+            "dlgs: float64 parameters %s%s are exchanged in float32: sparse layers' residuals "
+            "and values on the wire are float32 (the reduced gradient is cast back to float64)",
+            wide[:10],
+            more,
         )
-        problem = describe_mismatch([ref, sig])
-        flag = torch.tensor([1 if problem else 0], dtype=torch.int32)
-        if (
-            hvd.allreduce(
-                flag, op=hvd.Sum, name="dlgs.signature.flag", process_set=comm.process_set
-            ).item()
-            and not problem
-        ):
-            problem = "another rank of the process set has a different model or dlgs options"
-    if problem:
-        raise RankMismatchError(problem)
+    return trainable
 
 
 def build_exchange(
@@ -154,10 +174,22 @@ def build_exchange(
     in backward order (reverse of registration), after checking every rank
     agrees; ``merge`` (an :class:`OnlinePlanner`) profiles and plans messages."""
     ordered = list(reversed(params))
-    options = dict(config.to_dict(), average=average, **(extra_options or {}))
-    if merge is not None:
-        options.update(merge=merge.strategy, profile_steps=merge.profile_steps)
-    check_ranks_agree(comm, signature([(n, p.shape, str(p.dtype)) for n, p in ordered], options))
+    options = agreed_options(
+        config,
+        merge,
+        comm,
+        average=average,
+        prefix=prefix,
+        dense_external=dense_external,
+        **(extra_options or {}),
+    )
+    if comm.included:  # a rank outside the process set takes no part (as Horovod)
+        check_ranks_agree(
+            signature([(n, p.shape, str(p.dtype)) for n, p in ordered], options),
+            # A fixed name: one derived from an option (prefix) could itself differ.
+            lambda sig: comm.allgather_object(sig, "dlgs.signature"),
+            size=comm.size,
+        )
     device = ordered[0][1].device if ordered else torch.device("cpu")
     exchange = SparseExchange(
         OPS,

@@ -89,7 +89,7 @@ class TorchOps:
 
     def index_add_rows_(self, dst, idx, vals, scale):
         vals = vals.to(torch.float32)
-        if scale != 1.0:
+        if isinstance(scale, torch.Tensor) or scale != 1.0:
             vals = vals * scale
         if dst.device.type == "cpu":
             # The CPU kernel adds serially in index order: deterministic.
@@ -102,6 +102,50 @@ class TorchOps:
 
     def mul_(self, x, factor):
         return x.mul_(factor) if factor != 0.0 else x.zero_()
+
+    def add_into_(self, out, a, b, scale):
+        a, b = a.reshape(-1), b.reshape(-1)
+        if scale is None:
+            return torch.add(a, b, out=out)
+        return torch.addcmul(a, b, scale, out=out)
+
+    def momentum_into_(self, out, v, momentum, g, scale):
+        g = g.reshape(-1)
+        if scale is None:
+            return torch.add(g, v, alpha=momentum, out=out)
+        return torch.mul(v, momentum, out=out).addcmul_(g, scale)
+
+    def mul(self, x, factor):
+        return x * factor
+
+    def reciprocal(self, x):
+        return torch.reciprocal(x.to(torch.float32))
+
+    def amax(self, x):
+        return torch.amax(x)
+
+    def isfinite(self, x):
+        return torch.isfinite(x)
+
+    def count_or_flag(self, count, ok):
+        return torch.where(ok, count, -1)
+
+    def any_negative_rows(self, x):
+        return (x < 0).any(0)
+
+    def any_nonfinite(self, xs):
+        # The max-norm propagates NaN and cannot overflow (a sum could).
+        norms = torch._foreach_norm([x.reshape(-1) for x in xs], float("inf"))
+        return ~torch.isfinite(torch.stack(norms)).all()
+
+    def any_true(self, flags):
+        return torch.cat([f.reshape(-1) for f in flags]).any()
+
+    def index_vector(self, values, like):
+        return torch.tensor(list(values), dtype=torch.int64, device=like.device)
+
+    def nan_at_(self, dst, idx, flags):
+        return dst.index_add_(0, idx, torch.where(flags, float("nan"), 0.0).to(dst.dtype))
 
     def kth_largest(self, x, k):
         return torch.topk(x, k, sorted=False).values.min()

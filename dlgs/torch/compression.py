@@ -27,6 +27,7 @@ import torch
 
 from .._options import check_log_every
 from ..core.config import SparsityConfig
+from ._amp import check_scaler, scale_reader
 from ._engine import (
     HorovodCollectives,
     build_config,
@@ -47,7 +48,8 @@ class Compression:
     Args:
         named_parameters: the model's ``named_parameters()``; the same
             parameters the optimizer updates.
-        density: fraction of each sparsified layer sent per step, in (0, 1].
+        density: fraction of each sparsified layer sent per step, in (0, 1]
+            (default 0.01; give either ``density`` or ``config``).
         config: a ready :class:`dlgs.SparsityConfig` instead of keyword options.
         merge, profile_steps, bucket_elements, max_group: the merge plan, as
             in :func:`dlgs.torch.DistributedOptimizer`; in this form layers that
@@ -63,7 +65,7 @@ class Compression:
     def __init__(
         self,
         named_parameters,
-        density: float = 0.01,
+        density: Optional[float] = None,
         *,
         config: Optional[SparsityConfig] = None,
         merge: str = "dp",
@@ -74,9 +76,11 @@ class Compression:
         drift_window: int = 50,
         process_set=hvd.global_process_set,
         log_every: int = 0,
+        scaler: Optional[Any] = None,
         **options: Any,
     ):
         check_log_every(log_every)
+        check_scaler(scaler)
         cfg = build_config(config, density, options)
         planner = build_planner(
             merge,
@@ -97,13 +101,20 @@ class Compression:
             prefix="dlgs.c",
             dense_external=True,
             merge=planner,
+            extra_options={"loss_scaler": scaler is not None},
         )
+        self._exchange.loss_scale = scale_reader(scaler)
         by_name = dict(params)
         self._params = [by_name[layer.name] for layer in self._exchange.layers]
         self._dummies = [torch.ones(1, device=p.device) for p in self._params]
         self._results: Optional[Dict[int, Any]] = None
         self._next = 0  # predicted index of the next gradient (backward order)
         self._log_every = log_every
+        # Dense layers' reduced tensors of this step (checked for non-finite
+        # values before the exchange keeps its new state) and how many
+        # decompress() calls are still to come.
+        self._external: List[Any] = []
+        self._left = 0
 
     @property
     def exchange(self):
@@ -123,6 +134,13 @@ class Compression:
             if p.grad is tensor:
                 self._next = i + 1
                 return i
+        if not tensor.is_sparse:
+            # sparse_as_dense=True: Horovod hands in p.grad.to_dense(), a new tensor.
+            for i, p in enumerate(self._params):
+                g = p.grad
+                if g is not None and g.is_sparse and g.shape == tensor.shape:
+                    self._next = i + 1
+                    return i
         raise ValueError(
             "dlgs.torch.Compression was asked to compress a tensor that is not the .grad of any "
             "parameter it was given: pass the same named_parameters to it as to the optimizer "
@@ -132,12 +150,13 @@ class Compression:
     def compress(self, tensor: torch.Tensor):
         if self._results is not None:
             self._results = None  # a new step has begun
+            self._finish()
         i = self._lookup(tensor)
         sent = self._exchange.submit(i, tensor)
         if sent is not None:
             # Dense layer: Horovod allreduces it (with any flushed residual added).
             wire = sent.float() if sent.dtype == torch.bfloat16 else sent
-            return wire, ("dense", tensor)
+            return wire, ("dense", i, tensor)
         dummy = self._dummies[i].fill_(1.0)
         return dummy, ("sparse", i, tensor)
 
@@ -149,16 +168,50 @@ class Compression:
             # synchronize() starts all before waiting on any).
             for j in self._exchange.pending():
                 p = self._params[j]
-                self._exchange.submit(j, p.grad if p.grad is not None else torch.zeros_like(p))
-            self._results = self._exchange.wait()
+                grad = p.grad
+                if grad is None:
+                    grad = torch.zeros_like(p)
+                elif grad.is_sparse:
+                    raise ValueError(
+                        f"parameter {self._exchange.layers[j].name!r} has a sparse gradient, "
+                        "which Horovod reduces itself without calling compression=: pass "
+                        "sparse_as_dense=True to hvd.DistributedOptimizer, or use "
+                        "dlgs.torch.DistributedOptimizer"
+                    )
+                self._exchange.submit(j, grad)
+            self._results = self._exchange.wait(finish=False)
+            self._left = len(self._params)
             if self._log_every and self._exchange.step % self._log_every == 0:
                 log_stats(self._exchange)
-        if ctx[0] == "dense":
-            grad = ctx[1]
-            return tensor.reshape(grad.shape).to(grad.dtype)
         _, i, grad = ctx
-        out = self._results[i] * tensor  # tensor is 1 (Average) or size (Sum)
+        if ctx[0] == "dense":
+            factor = self._exchange.external_scale(i)
+            if factor is not None:
+                out = tensor * factor  # a momentum-corrected velocity, unscaled
+            elif self._exchange.config.momentum:
+                out = tensor.clone()  # the layer's velocity: never alias it from p.grad
+            else:
+                out = tensor
+            self._external.append((i, out))
+        else:
+            out = self._results[i] * tensor  # tensor is 1 (Average) or size (Sum)
+        self._left -= 1
+        if self._left == 0:
+            self._finish()
         return out.reshape(grad.shape).to(grad.dtype)
+
+    def _finish(self) -> None:
+        """End the exchange's step once Horovod has handed back every tensor."""
+        if self._exchange.in_step:
+            self._exchange.finish(self._external)
+        self._external = []
+        self._left = 0
+
+    @property
+    def last_step_finite(self) -> bool:
+        """Whether the last step's gradients were finite on every rank (see
+        :attr:`dlgs.core.SparseExchange.last_step_finite`)."""
+        return self._exchange.last_step_finite
 
     def state_dict(self) -> Dict[str, Any]:
         """This rank's residuals and controller states (see ``docs/design.md``,
@@ -168,6 +221,8 @@ class Compression:
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self._exchange.load_state_dict(state, like=self._params[0])
         self._results = None
+        self._external = []
+        self._left = 0
 
     def stats(self) -> List[Dict[str, Any]]:
         """Per-layer statistics of the last step (synchronises the device)."""

@@ -22,10 +22,19 @@ from typing import Any, Dict, List, Optional
 import horovod.torch as hvd
 import torch
 from horovod.torch.optimizer import _DistributedOptimizer
+from torch.autograd import Variable
 
 from .._options import check_int, check_log_every, check_no_groups, check_op, check_predivide
 from ..core.config import SparsityConfig
-from ._engine import HorovodCollectives, build_config, build_exchange, build_planner, log_stats
+from ._amp import check_scaler, scale_reader
+from ._engine import (
+    HorovodCollectives,
+    build_config,
+    build_exchange,
+    build_planner,
+    log_stats,
+    named_trainable,
+)
 
 __all__ = ["DistributedOptimizer"]
 
@@ -48,11 +57,17 @@ class _SparseOverrides:
         dlgs_config,
         log_every,
         planner,
+        scaler,
     ):
         self._dlgs_config = dlgs_config
         self._dlgs_planner = planner
         self._dlgs_log_every = log_every
+        self._dlgs_scaler = scaler
         self._dlgs = None
+        self._dlgs_open = False  # a step's first gradient has been submitted
+        # The exchange was completed at the end of backward (scaler given):
+        # synchronize() and step() do not exchange again until the next backward.
+        self._dlgs_synced = False
         _DistributedOptimizer.__init__(
             self,
             params,
@@ -69,12 +84,9 @@ class _SparseOverrides:
             self._dlgs_build()
 
     def _dlgs_build(self) -> None:
-        params = [
-            (self._parameter_names[p], p)
-            for group in self.param_groups
-            for p in group["params"]
-            if p.requires_grad
-        ]
+        params = named_trainable(
+            (self._parameter_names[p], p) for group in self.param_groups for p in group["params"]
+        )
         average = self.op == hvd.Average
         if average:
             prescale, postscale = (
@@ -91,8 +103,12 @@ class _SparseOverrides:
             average=average,
             prefix="dlgs",
             merge=self._dlgs_planner,
-            extra_options={"backward_passes_per_step": self.backward_passes_per_step},
+            extra_options={
+                "backward_passes_per_step": self.backward_passes_per_step,
+                "loss_scaler": self._dlgs_scaler is not None,
+            },
         )
+        self._dlgs.loss_scale = scale_reader(self._dlgs_scaler)
         by_name = dict(params)
         self._dlgs_params = [by_name[layer.name] for layer in self._dlgs.layers]
         self._dlgs_index = {p: i for i, p in enumerate(self._dlgs_params)}
@@ -117,6 +133,15 @@ class _SparseOverrides:
                 )
             self._allreduce_delay[p] -= 1
             if self._allreduce_delay[p] == 0:
+                if not self._dlgs_open:
+                    self._dlgs_open = True
+                    self._dlgs_synced = False
+                    if self._dlgs_scaler is not None:
+                        # With a loss scaler the exchange completes when
+                        # back-propagation ends, so that the scaler's own
+                        # inf check (plain ``scaler.step(opt)``) reads the
+                        # averaged gradients and decides the same on every rank.
+                        Variable._execution_engine.queue_callback(self._dlgs_backward_done)
                 self._dlgs.submit(index, _dense_grad(p))
                 self._handles[p] = index
 
@@ -126,6 +151,8 @@ class _SparseOverrides:
         if not self.process_set.included():
             self._synchronized = True
             return
+        if self._dlgs_synced:
+            return  # completed at the end of backward (with a loss scaler)
         exchange = self._dlgs
         for i in exchange.pending():
             p = self._dlgs_params[i]
@@ -145,8 +172,30 @@ class _SparseOverrides:
             self._allreduce_delay[p] = self.backward_passes_per_step
         self._handles.clear()
         self._synchronized = True
+        self._dlgs_open = False
         if self._dlgs_log_every and exchange.step % self._dlgs_log_every == 0:
             log_stats(exchange)
+
+    def _dlgs_backward_done(self) -> None:
+        self.synchronize()
+        self._dlgs_synced = True
+
+    def step(self, closure=None):
+        # Horovod's step() synchronises again after a manual synchronize()
+        # (with a warning); the dlgs exchange is complete once per step, so it
+        # is synchronised at most once, whichever pattern the user follows.
+        if self._should_synchronize and not self._dlgs_synced:
+            self.synchronize()
+        self._synchronized = False
+        self._dlgs_synced = False
+        return super(self.__class__, self).step(closure)
+
+    @property
+    def dlgs_last_step_finite(self) -> bool:
+        """Whether the last exchanged step's gradients were finite on every rank.
+        When False, dlgs left its residuals and thresholds as before the step and
+        every rank's ``p.grad`` holds NaN for the affected layers."""
+        return self._dlgs.last_step_finite
 
     def dlgs_stats(self) -> List[Dict[str, Any]]:
         """Per-layer statistics of the last step: selected count, achieved
@@ -203,7 +252,7 @@ def DistributedOptimizer(
     sparse_as_dense: bool = False,
     process_set=hvd.global_process_set,
     *,
-    density: float = 0.01,
+    density: Optional[float] = None,
     config: Optional[SparsityConfig] = None,
     merge: str = "dp",
     profile_steps: int = 5,
@@ -212,6 +261,7 @@ def DistributedOptimizer(
     drift_tolerance: float = 0.25,
     drift_window: int = 50,
     log_every: int = 0,
+    scaler: Optional[Any] = None,
     **options: Any,
 ) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so gradients are exchanged sparsely across Horovod ranks.
@@ -220,7 +270,8 @@ def DistributedOptimizer(
     ``compression`` applies to the layers sent dense (e.g. ``hvd.Compression.fp16``).
 
     Args:
-        density: fraction of each sparsified layer sent per step, in (0, 1].
+        density: fraction of each sparsified layer sent per step, in (0, 1]
+            (default 0.01; give either ``density`` or ``config``).
             See :class:`dlgs.SparsityConfig` for what it trades.
         config: a ready :class:`dlgs.SparsityConfig` instead of keyword options.
         merge: how layers are merged into messages: ``"dp"`` (default: profile
@@ -239,6 +290,13 @@ def DistributedOptimizer(
             (``drift_window=0``: never on its own).
         log_every: log per-layer statistics to the ``dlgs.torch`` logger every
             this many steps (0: never). Each log synchronises the device once.
+        scaler: the ``torch.amp.GradScaler`` of a mixed-precision loop (None:
+            no loss scaling). dlgs reads its scale each step so that residuals
+            stay in unscaled units, and completes the exchange at the end of
+            backward, so both Horovod's AMP pattern (``opt.synchronize();
+            scaler.unscale_(opt); with opt.skip_synchronize(): scaler.step(opt)``)
+            and the plain ``scaler.step(opt)`` skip the same steps on every rank.
+            Without it, a loss-scaled loop mixes scales in the residuals.
         **options: any other :class:`dlgs.SparsityConfig` field (``controller``,
             ``max_ratio``, ``min_sparse_size``, ``anchor_every``, ``momentum``,
             ``warmup``, ``warmup_steps``, ``value_dtype``, ...).
@@ -257,6 +315,7 @@ def DistributedOptimizer(
     check_int("backward_passes_per_step", backward_passes_per_step, 1)
     check_predivide(gradient_predivide_factor, op, hvd.Average)
     check_log_every(log_every)
+    check_scaler(scaler)
     cfg = build_config(config, density, options)
     planner = build_planner(
         merge,
@@ -285,4 +344,5 @@ def DistributedOptimizer(
         cfg,
         log_every,
         planner,
+        scaler,
     )

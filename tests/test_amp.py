@@ -1,0 +1,79 @@
+"""Mixed precision and non-finite gradients with two real ranks (Gloo and MPI).
+
+One horovodrun launch per backend runs every scenario of
+``tests/parallel/amp_worker.py``; each test asserts on one scenario's numbers
+from both ranks.
+"""
+
+from __future__ import annotations
+
+import pytest
+from conftest import run_scenarios, value
+
+pytestmark = pytest.mark.parallel
+
+SCENARIOS = ["fault_injection", "scaled_conservation"]
+# Training runs (about a minute) once, under Gloo; the collectives they use are
+# the ones the fault-injection scenarios exercise under both backends.
+CONVERGENCE_BACKEND = "gloo"
+FAULT_STEPS = {5: "1.weight", 9: "1.weight", 13: "3.bias"}
+
+
+@pytest.fixture(scope="module", params=["gloo", "mpi"])
+def ranks(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp(f"amp-{request.param}")
+    extra = ["amp_convergence"] if request.param == CONVERGENCE_BACKEND else []
+    return run_scenarios(request.param, "amp_worker.py", out, SCENARIOS + extra)
+
+
+def test_amp_training_matches_dense_horovod(ranks):
+    if "amp_convergence" not in ranks[0]:
+        pytest.skip(f"AMP training runs under {CONVERGENCE_BACKEND} only")
+    r0, r1 = value(ranks, "amp_convergence")
+    for key, run in r0.items():
+        d0, d1 = run["digests"], r1[key]["digests"]
+        first = next((i for i in range(len(d0)) if d0[i] != d1[i]), None)
+        assert first is None, f"{key}: parameters differ across ranks from step {first}"
+        assert run["finite"] and r1[key]["finite"], f"{key}: non-finite parameters"
+    dense = r0["fp16/dense/horovod"]
+    # The scaler starts far too high: the first steps overflow by design.
+    assert dense["skipped"] >= 5, dense["skipped"]
+    assert dense["accuracy"] > 75.0, f"dense baseline did not train: {dense['accuracy']}"
+    for key in ("fp16/optimizer/horovod", "fp16/optimizer/plain", "fp16/compression/horovod"):
+        run = r0[key]
+        assert abs(run["skipped"] - dense["skipped"]) <= 2, (key, run["skipped"], dense["skipped"])
+        assert run["accuracy"] >= dense["accuracy"] - 1.0, (key, run["accuracy"], dense["accuracy"])
+    bf16 = r0["bf16/dense/none"]["accuracy"]
+    assert r0["bf16/optimizer/none"]["accuracy"] >= bf16 - 1.0, (r0["bf16/optimizer/none"], bf16)
+
+
+def test_nonfinite_gradient_on_one_rank_is_seen_and_undone_everywhere(ranks):
+    r0, r1 = value(ranks, "fault_injection")
+    for case, rec in r0.items():
+        other = r1[case]
+        bad = [s for s, ok in enumerate(rec["finite"]) if not ok]
+        assert bad == sorted(FAULT_STEPS), f"{case}: non-finite steps {bad}"
+        assert rec["finite"] == other["finite"], f"{case}: ranks disagree on the verdict"
+        for s, layers in enumerate(rec["nan_layers"]):
+            expect = [FAULT_STEPS[s]] if s in FAULT_STEPS else []
+            assert layers == expect, f"{case} step {s}: non-finite p.grad in {layers}"
+            assert other["nan_layers"][s] == layers, f"{case} step {s}: ranks differ"
+        # A skipped step leaves residuals and thresholds exactly as they were.
+        assert rec["unchanged_by_bad_step"] == [0.0] * len(FAULT_STEPS), (case, rec)
+        assert other["unchanged_by_bad_step"] == [0.0] * len(FAULT_STEPS), (case, other)
+        assert rec["state_finite"] and other["state_finite"], f"{case}: non-finite state"
+        late = rec["ratio"][-5:]
+        if case == "fixed":
+            assert min(late) > 0, f"{case}: nothing selected after the faults: {late}"
+        else:
+            mean = sum(late) / len(late)
+            assert 0.5 <= mean <= 2.0, f"{case}: selected/target {late} after the faults"
+    assert r0["merged"]["messages"] < r0["dynamic"]["messages"]
+
+
+def test_residual_holds_unscaled_gradient_across_scale_changes_and_skips(ranks):
+    for r, v in enumerate(value(ranks, "scaled_conservation")):
+        for case, rec in v.items():
+            assert rec["skipped"] == [3], f"rank {r} {case}: skipped {rec['skipped']}"
+            assert rec["sparse_layers"] >= 2
+            assert rec["max_error"] <= 1e-5 * rec["scale"], f"rank {r} {case}: {rec}"
