@@ -853,23 +853,26 @@ class SparseExchange:
         }
 
     def load_state_dict(self, state: Dict[str, Any], like: Any) -> None:
-        """Restore a :meth:`state_dict`. Residuals saved by another rank or at
-        another world size are dropped (set to zero) with a warning: they are at
-        most the few steps' worth of gradient this rank had not sent yet.
-        Controller states are restored only when the layer's target count still
-        matches; otherwise the controller re-anchors on the next step."""
-        version = state.get("version")
-        if version != STATE_VERSION:
-            raise ValueError(f"dlgs state version must be {STATE_VERSION}, got {version!r}")
+        """Restore a :meth:`state_dict`, validating everything before changing
+        anything. Call it on every rank (each with its own state), between steps.
+
+        Errors (nothing is changed): another state version, other parameter
+        names, or a residual / velocity whose size is not its parameter's (a
+        checkpoint of another model), naming the parameter and both sizes.
+
+        Documented resets, each with a warning: residuals and velocities saved
+        by another rank or at another world size are set to zero (they are at
+        most a few steps' worth of gradient this rank had not sent yet); a
+        changed controller, a changed ``threshold`` of the fixed controller, or a
+        changed density or warm-up restart the thresholds (the dynamic
+        controller re-anchors on the exact top-k at the next step). Residuals
+        are float32 whatever the parameters' dtype, so a dtype change needs no
+        reset.
+        """
+        own, restart = self.check_state_dict(state)
         saved = state["layers"]
-        unknown = sorted(set(saved) - set(self._index))
-        missing = sorted(set(self._index) - set(saved))
-        if unknown or missing:
-            raise ValueError(
-                f"dlgs state does not match this model's parameters: unknown {unknown[:5]}, "
-                f"missing {missing[:5]}"
-            )
-        own = state.get("rank") == self.comm.rank and state.get("size") == self.comm.size
+        plan = state.get("plan")
+        # -- everything checked: apply -------------------------------------
         if not own:
             logger.warning(
                 "dlgs state was saved by rank %s of %s, this is rank %d of %d: residuals "
@@ -879,14 +882,78 @@ class SparseExchange:
                 self.comm.rank,
                 self.comm.size,
             )
-        self.step = int(state["step"])
-        plan = state.get("plan")
+        if restart:
+            logger.warning(
+                "dlgs options changed since the checkpoint (%s): thresholds start afresh "
+                "(residuals are kept)",
+                ", ".join(restart),
+            )
+        old = (self.step, self._plan)
+        self.step = state["step"]
         self._plan = [(list(m), s) for m, s in plan] if plan is not None else None
-        for hook in self.step_hooks:
-            if hasattr(hook, "load_state_dict"):
-                hook.load_state_dict(state.get("hooks", {}).get(type(hook).__name__, {}), self)
+        try:
+            for hook in self.step_hooks:
+                if hasattr(hook, "load_state_dict"):
+                    hook.load_state_dict(state.get("hooks", {}).get(type(hook).__name__, {}), self)
+        except Exception:
+            self.step, self._plan = old
+            raise
         self._density = None
         self._relayout(like)
+        self._restore_layers(saved, like, own, restart)
+
+    def check_state_dict(self, state: Any) -> Tuple[bool, List[str]]:
+        """Validate a :meth:`state_dict` for this exchange without changing
+        anything (what :meth:`load_state_dict` checks first). Returns whether
+        it is this rank's own state and the options whose change restarts the
+        thresholds."""
+        if self._submitted:
+            raise RuntimeError("load_state_dict() in the middle of a step")
+        if not isinstance(state, dict):
+            raise TypeError(f"dlgs state must be a dict, got {type(state).__name__}")
+        version = state.get("version")
+        if version != STATE_VERSION:
+            raise ValueError(f"dlgs state version must be {STATE_VERSION}, got {version!r}")
+        saved = state.get("layers")
+        if not isinstance(saved, dict):
+            raise ValueError("dlgs state has no 'layers' dict: not a dlgs state_dict()")
+        unknown = sorted(set(saved) - set(self._index))
+        missing = sorted(set(self._index) - set(saved))
+        if unknown or missing:
+            raise ValueError(
+                f"dlgs state does not match this model's parameters: unknown {unknown[:5]}, "
+                f"missing {missing[:5]}"
+            )
+        ops = self.ops
+        for name, entry in saved.items():
+            n = self.layers[self._index[name]].numel
+            for attr in ("residual", "velocity"):
+                buf = entry.get(attr)
+                if buf is not None and ops.numel(buf) != n + 1:
+                    raise ValueError(
+                        f"dlgs state for parameter {name!r}: its {attr} holds "
+                        f"{ops.numel(buf) - 1} elements but the parameter has {n} "
+                        "(a checkpoint of another model?)"
+                    )
+        step = state.get("step")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"dlgs state step must be an int >= 0, got {step!r}")
+        plan = state.get("plan")
+        if plan is not None:
+            flat = [i for members, _ in plan for i in members]
+            if len(set(flat)) != len(flat) or any(not 0 <= i < len(self.layers) for i in flat):
+                raise ValueError(f"dlgs state holds a plan for another model: {plan!r:.80}")
+        cfg = state.get("config") or {}
+        now = self.config.to_dict()
+        restart = [
+            f"{key} {cfg.get(key)!r} -> {now[key]!r}"
+            for key in ("controller", "threshold", "density", "warmup", "warmup_steps")
+            if key in cfg and cfg[key] != now[key]
+        ]
+        own = state.get("rank") == self.comm.rank and state.get("size") == self.comm.size
+        return own, restart
+
+    def _restore_layers(self, saved: Dict[str, Any], like: Any, own: bool, restart: List[str]):
         ops = self.ops
         for layer in self.layers:
             entry = saved[layer.name]
@@ -907,15 +974,19 @@ class SparseExchange:
                     ops.mul_(buf, 0.0)
                     if own and entry[attr] is not None:
                         ops.copy_(buf, entry[attr])
-            if entry.get("k") == plan.k and entry["controller"]:
+            fresh = self.controller.init_state(ops, like, self.density)
+            ctrl = entry.get("controller") or {}
+            if not restart and entry.get("k") == plan.k and set(ctrl) == set(fresh):
                 layer.ctrl = {
                     key: (
                         ops.copy_(ops.scalar(0.0, like), v)
                         if not isinstance(v, (int, float))
                         else v
                     )
-                    for key, v in entry["controller"].items()
+                    for key, v in ctrl.items()
                 }
+            else:
+                layer.ctrl = fresh
 
 
 def _split_oversized(

@@ -481,6 +481,14 @@ class OnlinePlanner:
     def load_state_dict(self, state: Dict[str, Any], ex) -> None:
         profile = state.get("profile")
         self.profile = Profile.from_dict(profile) if profile is not None else None
+        if self.profile is not None and self.profile.world_size != ex.comm.size:
+            logger.warning(
+                "dlgs: the saved profile was measured with %d workers, this job has %d: "
+                "profiling again before planning",
+                self.profile.world_size,
+                ex.comm.size,
+            )
+            self.profile = None
         self._fallback = bool(state.get("fallback", False))
         self._traces = []
         self._refining = False  # a saved profile was measured (and refined) already

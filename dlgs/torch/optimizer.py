@@ -228,9 +228,12 @@ class _SparseOverrides:
     def load_state_dict(self, state_dict):
         state = dict(state_dict)
         dlgs_state = state.pop("dlgs", None)
+        if dlgs_state is not None:
+            self._dlgs.check_state_dict(dlgs_state)  # fail before anything is loaded
         _DistributedOptimizer.load_state_dict(self, state)
         if dlgs_state is not None:
-            self._dlgs.load_state_dict(dlgs_state, like=self._dlgs_params[0])
+            like = self._dlgs_params[0] if self._dlgs_params else None  # all frozen: no layers
+            self._dlgs.load_state_dict(dlgs_state, like=like)
 
 
 def _dense_grad(p: torch.Tensor) -> torch.Tensor:
