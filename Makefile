@@ -24,5 +24,5 @@ bench-kernels: install
 	$(PY) -m benchmarks.kernels --sizes 1e4,1e5,1e6,1e7,2.5e7 --out benchmarks/results/kernels-cpu
 
 lint:
-	$(VENV)/bin/ruff check dlgs tests benchmarks
+	$(VENV)/bin/ruff check dlgs tests benchmarks examples
 	$(VENV)/bin/mypy dlgs/core

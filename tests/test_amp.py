@@ -8,7 +8,7 @@ from both ranks.
 from __future__ import annotations
 
 import pytest
-from conftest import run_scenarios, value
+from conftest import ROOT, horovodrun, run_scenarios, value
 
 pytestmark = pytest.mark.parallel
 
@@ -77,3 +77,13 @@ def test_residual_holds_unscaled_gradient_across_scale_changes_and_skips(ranks):
             assert rec["skipped"] == [3], f"rank {r} {case}: skipped {rec['skipped']}"
             assert rec["sparse_layers"] >= 2
             assert rec["max_error"] <= 1e-5 * rec["scale"], f"rank {r} {case}: {rec}"
+
+
+def test_runnable_example_trains(tmp_path):
+    proc = horovodrun(
+        "gloo",
+        2,
+        [ROOT / "examples/torch_amp.py", "--steps", "40", "--pattern", "plain"],
+        timeout=300,
+    )
+    assert "done: 40 steps" in proc.stderr + proc.stdout

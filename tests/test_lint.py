@@ -18,7 +18,10 @@ BIN = Path(sys.executable).parent
 def test_ruff_is_clean():
     ruff = str(BIN / "ruff") if (BIN / "ruff").exists() else "ruff"
     out = subprocess.run(
-        [ruff, "check", "dlgs", "tests", "benchmarks"], cwd=ROOT, capture_output=True, text=True
+        [ruff, "check", "dlgs", "tests", "benchmarks", "examples"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
     )
     assert out.returncode == 0, out.stdout + out.stderr
 
