@@ -22,11 +22,13 @@ from __future__ import annotations
 import logging
 import math
 import time
+import zlib
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 from .backend import ArrayOps
 from .config import SparsityConfig, ValueDType
+from .consistency import RankMismatchError
 from .controller import ThresholdController, make_controller
 from .wire import GroupLayout
 
@@ -68,6 +70,9 @@ class Collectives(Protocol):
 
     def broadcast_object(self, obj: Any) -> Any:
         """The first rank's ``obj`` on every rank (picklable Python objects)."""
+
+    def allgather_object(self, obj: Any, name: str) -> List[Any]:
+        """Every rank's ``obj``, in rank order (picklable Python objects)."""
 
 
 @dataclass(frozen=True)
@@ -554,13 +559,7 @@ class SparseExchange:
                 layer.velocity = ops.zeros(n + 1, "float32", grad)
             if layer.velocity_next is None:
                 layer.velocity_next = ops.zeros(n + 1, "float32", grad)
-            grad = ops.momentum_into_(
-                ops.narrow(layer.velocity_next, 0, 0, n),
-                ops.narrow(layer.velocity, 0, 0, n),
-                self.config.momentum,
-                grad,
-                self._inv_scale,
-            )
+            grad = self._advance_velocity(layer, grad)
         if layer.residual is not None:
             # The layer went dense (e.g. end of warm-up, or a new plan): send
             # what it still owes with this gradient; the residual is dropped
@@ -573,6 +572,17 @@ class SparseExchange:
                 grad = ops.add_into_(out, grad, owed, self._scale)
             layer.flush = True
         return grad
+
+    def _advance_velocity(self, layer: _Layer, grad: Any) -> Any:
+        """``u' = m u + g / scale`` into the layer's spare velocity buffer."""
+        n = layer.numel
+        return self.ops.momentum_into_(
+            self.ops.narrow(layer.velocity_next, 0, 0, n),
+            self.ops.narrow(layer.velocity, 0, 0, n),
+            self.config.momentum,
+            grad,
+            self._inv_scale,
+        )
 
     def external_scale(self, i: int) -> Any:
         """The factor (0-d tensor) by which a ``dense_external`` layer's reduced
@@ -593,13 +603,7 @@ class SparseExchange:
         nxt = layer.residual_next
         acc = ops.narrow(nxt, 0, 0, n)
         if layer.velocity is not None:
-            vel = ops.momentum_into_(
-                ops.narrow(layer.velocity_next, 0, 0, n),
-                ops.narrow(layer.velocity, 0, 0, n),
-                self.config.momentum,
-                grad,
-                self._inv_scale,
-            )
+            vel = self._advance_velocity(layer, grad)
             ops.add_into_(acc, ops.narrow(layer.residual, 0, 0, n), vel, None)
         else:
             ops.add_into_(acc, ops.narrow(layer.residual, 0, 0, n), grad, self._inv_scale)
@@ -854,7 +858,9 @@ class SparseExchange:
 
     def load_state_dict(self, state: Dict[str, Any], like: Any) -> None:
         """Restore a :meth:`state_dict`, validating everything before changing
-        anything. Call it on every rank (each with its own state), between steps.
+        anything. A collective: call it on every rank (each with its own state),
+        between steps; ranks whose states disagree on the step, the plan or the
+        profile raise :class:`~dlgs.core.consistency.RankMismatchError`, all of them.
 
         Errors (nothing is changed): another state version, other parameter
         names, or a residual / velocity whose size is not its parameter's (a
@@ -872,6 +878,7 @@ class SparseExchange:
         own, restart = self.check_state_dict(state)
         saved = state["layers"]
         plan = state.get("plan")
+        self._check_resume_agrees(state)
         # -- everything checked: apply -------------------------------------
         if not own:
             logger.warning(
@@ -902,6 +909,31 @@ class SparseExchange:
         self._relayout(like)
         self._restore_layers(saved, like, own, restart)
 
+    def _check_resume_agrees(self, state: Dict[str, Any]) -> None:
+        """Every rank must resume at the same step with the same plan and
+        profile (a rank that loaded a stale or another job's file would send
+        other messages and hang the others): one gather of a small summary,
+        the same error on every rank."""
+        if self.comm.size <= 1:
+            return
+        summary = {
+            "step": state["step"],
+            "plan": repr(state.get("plan")),
+            "hooks": zlib.crc32(repr(state.get("hooks", {})).encode()),
+        }
+        gathered = self.comm.allgather_object(summary, f"{self.prefix}.resume")
+        problems = [
+            f"{key} {other[key]!r} on rank {r} but {gathered[0][key]!r} on rank 0"
+            for r, other in enumerate(gathered)
+            for key in ("step", "plan", "hooks")
+            if other[key] != gathered[0][key]
+        ]
+        if problems:
+            raise RankMismatchError(
+                "ranks loaded dlgs states that disagree (load each rank's own checkpoint of "
+                "the same step): " + "; ".join(problems[:4])
+            )
+
     def check_state_dict(self, state: Any) -> Tuple[bool, List[str]]:
         """Validate a :meth:`state_dict` for this exchange without changing
         anything (what :meth:`load_state_dict` checks first). Returns whether
@@ -924,15 +956,16 @@ class SparseExchange:
                 f"dlgs state does not match this model's parameters: unknown {unknown[:5]}, "
                 f"missing {missing[:5]}"
             )
-        ops = self.ops
         for name, entry in saved.items():
             n = self.layers[self._index[name]].numel
             for attr in ("residual", "velocity"):
                 buf = entry.get(attr)
-                if buf is not None and ops.numel(buf) != n + 1:
+                # Saved buffers may be framework tensors or NumPy arrays (TF state).
+                size = math.prod(int(d) for d in buf.shape) if buf is not None else n + 1
+                if size != n + 1:
                     raise ValueError(
                         f"dlgs state for parameter {name!r}: its {attr} holds "
-                        f"{ops.numel(buf) - 1} elements but the parameter has {n} "
+                        f"{size - 1} elements but the parameter has {n} "
                         "(a checkpoint of another model?)"
                     )
         step = state.get("step")

@@ -6,6 +6,7 @@ Device-agnostic: the same calls run on CPU and CUDA. Nothing here calls
 
 from __future__ import annotations
 
+import math
 from typing import Any, Sequence
 
 import torch
@@ -125,27 +126,33 @@ class TorchOps:
         return torch.amax(x)
 
     def isfinite(self, x):
-        return torch.isfinite(x)
+        return x.abs() < math.inf  # one op for a 0-d x; NaN compares false
 
     def count_or_flag(self, count, ok):
-        return torch.where(ok, count, -1)
+        return torch.where(ok, count, _const(-1, count.dtype, count.device))
 
     def any_negative_rows(self, x):
         return (x < 0).any(0)
 
     def any_nonfinite(self, xs):
-        # The max-norm propagates NaN and cannot overflow (a sum could).
-        norms = torch._foreach_norm([x.reshape(-1) for x in xs], float("inf"))
-        return ~torch.isfinite(torch.stack(norms)).all()
+        # The max-norm propagates NaN and cannot overflow (a sum could); NaN < inf
+        # is false, so one comparison covers both.
+        norms = torch._foreach_norm([x if x.dim() == 1 else x.reshape(-1) for x in xs], math.inf)
+        return ~(torch.stack(norms) < math.inf).all()
 
     def any_true(self, flags):
-        return torch.cat([f.reshape(-1) for f in flags]).any()
+        if len(flags) == 1:
+            return flags[0].any()
+        return torch.cat([f if f.dim() == 1 else f.reshape(1) for f in flags]).any()
 
     def index_vector(self, values, like):
         return torch.tensor(list(values), dtype=torch.int64, device=like.device)
 
     def nan_at_(self, dst, idx, flags):
-        return dst.index_add_(0, idx, torch.where(flags, float("nan"), 0.0).to(dst.dtype))
+        marks = torch.where(
+            flags, _const(math.nan, dst.dtype, dst.device), _const(0.0, dst.dtype, dst.device)
+        )
+        return dst.index_add_(0, idx, marks)
 
     def kth_largest(self, x, k):
         return torch.topk(x, k, sorted=False).values.min()
@@ -173,6 +180,19 @@ class TorchOps:
 
     def stack(self, xs):
         return torch.stack(list(xs))
+
+
+_CONSTS: dict = {}
+
+
+def _const(value: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A cached 0-d constant: a Python scalar in ``torch.where`` would build a
+    tensor (one more operation, on a GPU one more launch) every call."""
+    key = (value if value == value else "nan", dtype, device)
+    t = _CONSTS.get(key)
+    if t is None:
+        t = _CONSTS[key] = torch.tensor(value, dtype=dtype, device=device)
+    return t
 
 
 OPS = TorchOps()

@@ -46,6 +46,7 @@ OPTIMIZER_CASES = {
     "compression": dict(compression=(hvd.Compression.none, hvd.Compression.fp16)),
     "backward_passes_per_step": dict(backward_passes_per_step=(1, 2)),
     "density": dict(density=(0.01, 0.02)),
+    "scaler": dict(scaler=(None, "scaler")),
 }
 # OnlinePlanner options the entry points do not expose (yet): built directly.
 PLANNER_CASES = {
@@ -59,7 +60,10 @@ PLANNER_CASES = {
 
 
 def _mine(pairs: dict) -> dict:
-    return {k: v[hvd.rank()] if isinstance(v, tuple) else v for k, v in pairs.items()}
+    mine = {k: v[hvd.rank()] if isinstance(v, tuple) else v for k, v in pairs.items()}
+    if mine.get("scaler") == "scaler":
+        mine["scaler"] = torch.amp.GradScaler("cpu")
+    return mine
 
 
 def _error(build, *args, **kwargs) -> object:
@@ -101,6 +105,34 @@ def _a_profile(model) -> Profile:
     layers = tuple(LayerProfile(n, p.numel(), 1e-4) for n, p in model.named_parameters())
     cost = CostModel(1e-4, 1e-9)
     return Profile(2, layers, cost, cost, cost, cost)
+
+
+@scenario
+def resume_mismatch():
+    """Ranks that load states of different steps (a stale file on one rank) raise
+    the same RankMismatchError; states of the same step load."""
+    out = {}
+    model = mlp(4)
+    opt = _optimizer_for(model)
+    states = {}
+    for s in range(4):
+        opt.zero_grad()
+        model(torch.randn(8, 32)).square().mean().backward()
+        opt.step()
+        states[s] = opt.state_dict()
+    out["same_step"] = _error(opt.load_state_dict, states[3])
+    out["other_step"] = _error(opt.load_state_dict, states[(3, 1)[hvd.rank()]])
+    return out
+
+
+def _optimizer_for(model):
+    return dlgs.torch.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        named_parameters=model.named_parameters(),
+        density=0.05,
+        min_sparse_size=64,
+        merge="none",
+    )
 
 
 @scenario
@@ -167,7 +199,7 @@ def process_sets():
         out[f"split/{form}"] = {
             "digests": digests,
             "finite": bool(torch.isfinite(flat_params(model)).all()),
-            "planned": planner.ready if planner is not None else None,
+            "plans_made": planner.plans_made if planner is not None else None,
         }
     # Set [0]: rank 1 is outside and trains on its own gradients (Horovod's rule).
     for form in ("optimizer", "compression"):
