@@ -21,6 +21,7 @@ SCENARIOS = [
     "guard",
     "exact_reconstruction",
     "conservation",
+    "sparse_embedding",
     "dtypes_and_frozen",
     "resume",
     "mismatch",
@@ -131,3 +132,14 @@ def test_drift_in_step_time_makes_every_rank_replan(ranks):
     assert r0["made_before"] == 2, r0
     assert r0["plans_made"] >= 3, f"no re-plan after the step slowed down: {r0}"
     assert r0 == r1, "ranks disagree on when they re-planned"
+
+
+def test_sparse_embedding_in_both_forms(ranks):
+    r0, r1 = value(ranks, "sparse_embedding")
+    for form in ("optimizer", "compression_sparse_as_dense"):
+        assert "digests" in r0[form], f"{form}: {r0[form]}"
+        assert r0[form]["digests"] == r1[form]["digests"], f"{form}: ranks differ"
+    # Horovod reduces sparse gradients without compression=: a clear error, not a crash.
+    for rec in (r0, r1):
+        msg = rec["compression"].get("error", "")
+        assert "'0.weight'" in msg and "sparse_as_dense=True" in msg, rec["compression"]

@@ -217,7 +217,9 @@ class _SparseOverrides:
 
     def dlgs_reprofile(self) -> None:
         """Profile again from the next step and re-plan. Call on every rank,
-        between steps (e.g. after the network or the batch size changed)."""
+        between steps (e.g. after the network or the batch size changed).
+        Collective: a call on one rank only leaves the others waiting in the
+        next profiling collective (see :meth:`OnlinePlanner.restart`)."""
         self._dlgs_planner.restart()
 
     def state_dict(self):

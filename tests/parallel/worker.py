@@ -388,6 +388,43 @@ def exact_reconstruction():
 
 
 @scenario
+def sparse_embedding():
+    """nn.Embedding(sparse=True): the optimizer form trains; the compression= form
+    trains with sparse_as_dense=True and otherwise names the parameter."""
+    out = {}
+    for form in ("optimizer", "compression", "compression_sparse_as_dense"):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Embedding(3000, 8, sparse=True), torch.nn.Flatten(), torch.nn.Linear(16, 4)
+        )
+        base = torch.optim.SGD(model.parameters(), lr=0.1)
+        if form == "optimizer":
+            opt = dlgs.torch.DistributedOptimizer(
+                base, named_parameters=model.named_parameters(), density=0.05, merge="none"
+            )
+        else:
+            comp = dlgs.torch.Compression(model.named_parameters(), density=0.05, merge="none")
+            opt = hvd.DistributedOptimizer(
+                base,
+                named_parameters=model.named_parameters(),
+                compression=comp,
+                sparse_as_dense=form.endswith("dense"),
+            )
+        g = torch.Generator().manual_seed(hvd.rank())
+        try:
+            digests = []
+            for _ in range(3):
+                opt.zero_grad()
+                model(torch.randint(0, 3000, (5, 2), generator=g)).sum().backward()
+                opt.step()
+                digests.append(digest(model))
+            out[form] = {"digests": digests}
+        except ValueError as err:
+            out[form] = {"error": str(err)}
+    return out
+
+
+@scenario
 def conservation():
     """Per rank: sum of sent + residual == sum of accumulated input."""
     out = {}
