@@ -89,7 +89,8 @@ class ArrayOps(Protocol):
         one slot across rows)."""
 
     def mul_(self, x: T, factor: float) -> T:
-        """``x *= factor``."""
+        """``x *= factor``; with ``factor == 0`` every element becomes 0, NaN and
+        infinities included (a buffer marked non-finite must be clearable)."""
 
     # -- loss scaling and non-finite gradients --------------------------------
     def add_into_(self, out: T, a: T, b: T, scale: T | None) -> T:

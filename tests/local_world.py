@@ -1,0 +1,299 @@
+"""The core's exchange with no framework: NumPy arrays and P ranks as threads.
+
+:class:`NumpyOps` implements :class:`dlgs.core.backend.ArrayOps` on NumPy, and
+:class:`LocalWorld` gives each rank a :class:`~dlgs.core.exchange.Collectives`
+whose collectives meet in one process (each rank runs in its own thread, as
+each runs in its own process under horovodrun). A collective that not every
+rank reaches fails after a timeout instead of hanging, naming who is missing,
+so tests of the core can check agreement as well as arithmetic.
+
+Used by ``tests/test_exchange_local.py``; not part of the product.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Dict, List, Sequence
+
+import numpy as np
+
+_DT = {"float32": np.float32, "float16": np.float16, "int32": np.int32, "int64": np.int64}
+_DT["bool"] = np.bool_
+
+
+class NumpyOps:
+    """ArrayOps on NumPy arrays (in place where the protocol allows)."""
+
+    def zeros(self, n, dtype, like):
+        return np.zeros(n, _DT[dtype])
+
+    def scalar(self, value, like):
+        return np.array(value, np.float32)  # 0-d and writable, like a device scalar
+
+    def view_as(self, x, dtype):
+        return x.view(_DT[dtype])
+
+    def narrow(self, x, dim, start, length):
+        index = [slice(None)] * x.ndim
+        index[dim] = slice(start, start + length)
+        return x[tuple(index)]
+
+    def reshape(self, x, shape):
+        return np.reshape(x, tuple(shape))
+
+    def numel(self, x):
+        return int(np.size(x))
+
+    def cast(self, x, dtype):
+        return np.asarray(x).astype(_DT[dtype])
+
+    def add_(self, dst, src):
+        dst += np.reshape(src, -1)
+        return dst
+
+    def scale_add_(self, dst, scale, src):
+        dst *= scale
+        dst += np.reshape(src, -1)
+        return dst
+
+    def abs_(self, x, out):
+        return np.abs(x, out=out)
+
+    def ge_(self, x, thr, out):
+        return np.greater_equal(x, thr, out=out)
+
+    def count_nonzero(self, mask):
+        return np.int64(np.count_nonzero(mask))
+
+    def nonzero_static(self, mask, size, fill):
+        idx = np.flatnonzero(mask)[:size]
+        return np.concatenate([idx, np.full(size - idx.size, fill, np.int64)])
+
+    def gather_(self, src, idx, out):
+        out[...] = src[idx]
+        return out
+
+    def fill_at_(self, dst, idx, value):
+        dst[idx] = value
+        return dst
+
+    def sub_at_(self, dst, idx, vals):
+        np.subtract.at(dst, idx, np.asarray(vals, dst.dtype))
+        return dst
+
+    def copy_(self, dst, src):
+        dst[...] = np.reshape(np.asarray(src), dst.shape)
+        return dst
+
+    def add_offset_(self, dst, idx, offset):
+        dst[...] = idx + offset
+        return dst
+
+    def index_add_rows_(self, dst, idx, vals, scale):
+        vals = np.asarray(vals, np.float32) * np.float32(scale)
+        np.add.at(dst, np.reshape(idx, -1), np.reshape(vals, -1))
+        return dst
+
+    def mul_(self, x, factor):
+        if factor == 0.0:
+            x[...] = 0  # clears NaN too (NaN * 0 is NaN)
+        else:
+            x *= factor
+        return x
+
+    def add_into_(self, out, a, b, scale):
+        b = np.reshape(b, -1)
+        out[...] = np.reshape(a, -1) + (b if scale is None else b * scale)
+        return out
+
+    def momentum_into_(self, out, v, momentum, g, scale):
+        g = np.reshape(g, -1)
+        out[...] = v * np.float32(momentum) + (g if scale is None else g * scale)
+        return out
+
+    def mul(self, x, factor):
+        return x * factor
+
+    def reciprocal(self, x):
+        return np.float32(1.0) / np.float32(x)
+
+    def amax(self, x):
+        return np.max(x)
+
+    def isfinite(self, x):
+        return np.isfinite(x)
+
+    def count_or_flag(self, count, ok):
+        return np.where(ok, count, -1)
+
+    def any_negative_rows(self, x):
+        return (x < 0).any(axis=0)
+
+    def any_nonfinite(self, xs):
+        return not all(np.isfinite(x).all() for x in xs)
+
+    def any_true(self, flags):
+        return any(bool(np.any(f)) for f in flags)
+
+    def index_vector(self, values, like):
+        return np.asarray(list(values), np.int64)
+
+    def nan_at_(self, dst, idx, flags):
+        dst[idx] += np.where(flags, np.float32(np.nan), np.float32(0))
+        return dst
+
+    def kth_largest(self, x, k):
+        return np.partition(x, x.size - k)[x.size - k]
+
+    def mean(self, x):
+        return np.float32(np.mean(x))
+
+    def strided(self, x, stride):
+        return x[::stride]
+
+    def log(self, x):
+        return np.log(x)
+
+    def exp(self, x):
+        return np.exp(x)
+
+    def clamp(self, x, low, high):
+        return np.clip(x, np.float32(low), np.float32(high))
+
+    def where(self, cond, a, b):
+        return np.where(cond, a, b)
+
+    def to_float(self, x):
+        return np.float32(x)
+
+    def to_host(self, x):
+        return np.asarray(x).tolist()
+
+    def stack(self, xs):
+        return np.stack(xs)
+
+
+OPS = NumpyOps()
+
+
+class _Meeting:
+    """One collective: every rank posts its part, everyone gets the result."""
+
+    def __init__(self):
+        self.parts: Dict[int, Any] = {}
+        self.result: Any = None
+        self.done = threading.Event()
+
+
+class LocalWorld:
+    """``size`` ranks in one process; :meth:`run` runs a function on each, in threads.
+
+    Args:
+        size: number of ranks.
+        timeout: seconds a collective waits for the other ranks before failing.
+    """
+
+    def __init__(self, size: int, timeout: float = 10.0):
+        self.size = size
+        self.timeout = timeout
+        self._lock = threading.Lock()
+        self._meetings: Dict[str, _Meeting] = {}
+        self._counts: Dict[tuple, int] = {}
+
+    def comm(self, rank: int) -> "LocalComm":
+        return LocalComm(self, rank)
+
+    def meet(self, rank: int, name: str, part: Any, combine: Callable[[List[Any]], Any]) -> Any:
+        """Post ``part`` under ``name`` and return ``combine(parts in rank order)``."""
+        with self._lock:
+            # The n-th use of a name by a rank meets the n-th use by the others.
+            n = self._counts.get((rank, name), 0)
+            self._counts[(rank, name)] = n + 1
+            key = f"{name}#{n}"
+            meeting = self._meetings.setdefault(key, _Meeting())
+            meeting.parts[rank] = part
+            if len(meeting.parts) == self.size:
+                meeting.result = combine([meeting.parts[r] for r in range(self.size)])
+                meeting.done.set()
+        if not meeting.done.wait(self.timeout):
+            missing = sorted(set(range(self.size)) - set(meeting.parts))
+            raise TimeoutError(f"collective {name!r}: ranks {missing} never joined (a hang)")
+        return meeting.result
+
+    def run(self, fn: Callable[[int, "LocalComm"], Any]) -> List[Any]:
+        """``fn(rank, comm)`` on every rank concurrently; each rank's result (an
+        exception raised on a rank is re-raised here, naming the rank)."""
+        results: List[Any] = [None] * self.size
+        errors: List[Any] = [None] * self.size
+
+        def body(r):
+            try:
+                results[r] = fn(r, self.comm(r))
+            except BaseException as err:  # reported below, naming the rank
+                errors[r] = err
+
+        threads = [threading.Thread(target=body, args=(r,)) for r in range(self.size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for r, err in enumerate(errors):
+            if err is not None:
+                raise RuntimeError(f"rank {r} raised {type(err).__name__}: {err}") from err
+        return results
+
+
+class LocalComm:
+    """One rank's :class:`~dlgs.core.exchange.Collectives` in a :class:`LocalWorld`
+    (``hvd.Average`` semantics for allreduce)."""
+
+    def __init__(self, world: LocalWorld, rank: int):
+        self.world = world
+        self.rank = rank
+        self.size = world.size
+
+    def allgather_async(self, chunk, name):
+        return ("gather", name, np.array(chunk, copy=True))
+
+    def allreduce_async(self, tensor, name):
+        return ("reduce", name, tensor)
+
+    def synchronize(self, handle):
+        kind, name, tensor = handle
+        if kind == "gather":
+            return self.world.meet(self.rank, name, tensor, np.concatenate)
+        total = self.world.meet(
+            self.rank, name, np.array(tensor, np.float64), lambda ps: sum(ps) / len(ps)
+        )
+        tensor[...] = total.astype(tensor.dtype).reshape(tensor.shape)
+        return tensor
+
+    def broadcast_object(self, obj):
+        return self.world.meet(self.rank, "broadcast_object", obj, lambda ps: ps[0])
+
+    def allgather_object(self, obj, name):
+        return self.world.meet(self.rank, name, obj, list)
+
+
+def run_steps(
+    world: LocalWorld,
+    make: Callable[[int, LocalComm], Any],
+    grads: Callable[[int, int], Sequence[np.ndarray]],
+    steps: int,
+    record: Callable[[int, Any, Dict[int, Any]], Any] = lambda r, ex, out: None,
+) -> List[List[Any]]:
+    """Build an exchange per rank with ``make(rank, comm)`` and run ``steps``
+    steps, submitting ``grads(rank, step)`` (one flat array per layer, in
+    layer order) and recording ``record(rank, exchange, outputs)`` after each
+    wait. Returns each rank's records."""
+
+    def body(rank, comm):
+        ex = make(rank, comm)
+        out = []
+        for s in range(steps):
+            for i, g in enumerate(grads(rank, s)):
+                ex.submit(i, g)
+            out.append(record(rank, ex, ex.wait()))
+        return out
+
+    return world.run(body)

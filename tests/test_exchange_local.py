@@ -1,0 +1,208 @@
+"""The core exchange with no framework: NumPy arrays, ranks as threads
+(``tests/local_world.py``). Fast checks of the arithmetic and of what every rank
+must agree on; the same properties are checked on real ranks under horovodrun
+in ``tests/test_parallel.py`` and ``tests/test_amp.py``."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from local_world import OPS, LocalWorld, run_steps
+
+from dlgs.core import RankMismatchError, SparseExchange, SparsityConfig
+
+SIZES = [("w1", 4096), ("b1", 64), ("w2", 2048), ("b2", 10)]  # backward order
+SPARSE = {0, 2}
+
+
+def exchange(comm, **options):
+    opts = dict(density=0.05, min_sparse_size=1024)
+    opts.update(options)
+    loss_scale = opts.pop("loss_scale", None)
+    return SparseExchange(OPS, comm, SparsityConfig(**opts), SIZES, loss_scale=loss_scale)
+
+
+def gaussian(rank, step, scale=1.0):
+    g = np.random.default_rng(1000 * step + rank)
+    return [(g.standard_normal(n) * scale).astype(np.float32) for _, n in SIZES]
+
+
+def test_density_one_is_the_exact_average():
+    world = LocalWorld(2)
+    recs = run_steps(
+        world,
+        lambda r, c: exchange(c, density=1.0),
+        gaussian,
+        3,
+        lambda r, ex, out: [np.array(out[i]) for i in range(len(SIZES))],
+    )
+    for s in range(3):
+        expect = [(a + b) / 2 for a, b in zip(gaussian(0, s), gaussian(1, s))]
+        for rank in range(2):
+            for got, want in zip(recs[rank][s], expect):
+                np.testing.assert_allclose(got, want, rtol=0, atol=1e-7)
+
+
+def test_at_most_k_nonzeros_per_rank_are_reconstructed_exactly():
+    def grads(rank, step):
+        g = np.random.default_rng(7 * step + rank)
+        out = []
+        for i, (_, n) in enumerate(SIZES):
+            x = np.zeros(n, np.float32)
+            k = math.ceil(0.05 * n) if i in SPARSE else n
+            x[g.choice(n, k, replace=False)] = g.standard_normal(k)
+            out.append(x)
+        return out
+
+    recs = run_steps(
+        LocalWorld(2),
+        lambda r, c: exchange(c, controller="topk"),
+        grads,
+        3,
+        lambda r, ex, out: [np.array(out[i]) for i in range(len(SIZES))],
+    )
+    for s in range(3):
+        expect = [(a + b) / 2 for a, b in zip(grads(0, s), grads(1, s))]
+        for got, want in zip(recs[0][s], expect):
+            assert np.array_equal(got, want)
+
+
+def _sent(ex):
+    """This rank's last sent values per sparse layer, decoded from its send buffer."""
+    sent = {}
+    for group in ex.groups:
+        if group.sparse:
+            lay = group.layout
+            dense = np.zeros(lay.dense_size, np.float64)
+            vals = lay.values_view(OPS, group.chunk).astype(np.float64)
+            np.add.at(dense, lay.indices_view(OPS, group.chunk).astype(np.int64), vals)
+            for m, i in enumerate(group.members):
+                start = lay.dense_offset(m)
+                sent[i] = dense[start : start + lay.sizes[m]]
+    return sent
+
+
+@pytest.mark.parametrize("controller", ["dynamic", "topk", "dgc", "fixed"])
+@pytest.mark.parametrize("merged", [False, True])
+def test_nonfinite_on_one_rank_is_seen_everywhere_and_undone_exactly(controller, merged):
+    opts = dict(controller=controller)
+    if controller == "fixed":
+        opts["threshold"] = 1.5
+    faults = {3: (1, 0, math.nan), 6: (0, 2, math.inf), 8: (1, 1, math.nan)}  # step: rank, layer
+
+    def grads(rank, step):
+        out = gaussian(rank, step)
+        if step in faults and faults[step][0] == rank:
+            _, layer, bad = faults[step]
+            out[layer][5] = bad
+        return out
+
+    def make(rank, comm):
+        ex = exchange(comm, **opts)
+        if merged:
+            ex.set_groups([sorted(SPARSE)])
+        return ex
+
+    snaps = {}
+
+    def record(rank, ex, out):
+        state = {
+            i: (layer.residual.copy(), dict(layer.ctrl))
+            for i, layer in enumerate(ex.layers)
+            if layer.residual is not None
+        }
+        snaps.setdefault(rank, []).append(state)
+        return {
+            "finite": ex.last_step_finite,
+            "bad": sorted(i for i in range(len(SIZES)) if not np.isfinite(out[i]).all()),
+        }
+
+    recs = run_steps(LocalWorld(2), make, grads, 12, record)
+    assert recs[0] == recs[1], "ranks disagree"
+    for s, rec in enumerate(recs[0]):
+        assert rec["finite"] == (s not in faults), (s, rec)
+        assert rec["bad"] == ([faults[s][1]] if s in faults else []), (s, rec)
+    for rank in range(2):
+        for s in faults:  # the state after a skipped step is the state before it
+            before, after = snaps[rank][s - 1], snaps[rank][s]
+            for i in before:
+                assert np.array_equal(before[i][0], after[i][0]), (rank, s, i)
+                for key, v in before[i][1].items():
+                    assert np.array_equal(v, after[i][1][key]), (rank, s, i, key)
+        last = snaps[rank][-1]
+        assert all(np.isfinite(resid).all() for resid, _ in last.values())
+
+
+def test_residual_is_kept_in_unscaled_units():
+    scales = [2.0**10, 2.0**14, 2.0**6, 2.0**12, 2.0**3]
+
+    def make(rank, comm):
+        steps = iter(scales)
+        return exchange(comm, loss_scale=lambda: np.float32(next(steps)))
+
+    def grads(rank, step):
+        return gaussian(rank, step, scale=scales[step])
+
+    def record(rank, ex, out):
+        return {
+            "sent": {i: v.copy() for i, v in _sent(ex).items()},
+            "resid": {i: ex.layers[i].residual[:-1].astype(np.float64) for i in SPARSE},
+        }
+
+    recs = run_steps(LocalWorld(2), make, grads, len(scales), record)
+    for rank in range(2):
+        for i in SPARSE:
+            total_in = sum(gaussian(rank, s)[i].astype(np.float64) for s in range(len(scales)))
+            total_sent = sum(rec["sent"][i] for rec in recs[rank])
+            err = np.abs(total_sent + recs[rank][-1]["resid"][i] - total_in).max()
+            assert err <= 1e-5 * np.abs(total_in).max(), (rank, i, err)
+
+
+def test_outputs_come_back_in_scaled_units():
+    scale = 2.0**12
+
+    def make(rank, comm):
+        return exchange(comm, density=0.05, controller="topk", loss_scale=lambda: scale)
+
+    def record(rank, ex, out):
+        return {i: np.array(out[i]) for i in range(len(SIZES))}, _sent(ex)
+
+    recs = run_steps(LocalWorld(2), make, lambda r, s: gaussian(r, s, scale=scale), 1, record)
+    for i in SPARSE:
+        expect = (recs[0][0][1][i] + recs[1][0][1][i]) / 2 * scale
+        np.testing.assert_allclose(recs[0][0][0][i], expect, rtol=1e-6)
+
+
+def test_resuming_from_states_of_different_steps_fails_on_every_rank():
+    def body(rank, comm):
+        ex = exchange(comm)
+        states = []
+        for s in range(3):
+            for i, g in enumerate(gaussian(rank, s)):
+                ex.submit(i, g)
+            ex.wait()
+            states.append(ex.state_dict())
+        with pytest.raises(RankMismatchError) as info:
+            ex.load_state_dict(states[(2, 0)[rank]], like=None)
+        ex.load_state_dict(states[2], like=None)  # the same step on both: fine
+        return str(info.value)
+
+    msgs = LocalWorld(2).run(body)
+    assert msgs[0] == msgs[1] and "step 1 on rank 1 but 3 on rank 0" in msgs[0], msgs
+
+
+def test_a_collective_one_rank_never_reaches_fails_instead_of_hanging():
+    world = LocalWorld(2, timeout=0.5)
+
+    def body(rank, comm):
+        ex = exchange(comm)
+        grads = gaussian(rank, 0)
+        for i in range(len(SIZES) - rank):  # rank 1 never submits its last layer
+            ex.submit(i, grads[i])
+        if rank == 0:
+            ex.wait()
+
+    with pytest.raises(RuntimeError, match="never joined"):
+        world.run(body)
