@@ -191,10 +191,12 @@ class LocalWorld:
     Args:
         size: number of ranks.
         timeout: seconds a collective waits for the other ranks before failing.
+        average: allreduce averages (``hvd.Average``), else sums (``hvd.Sum``).
     """
 
-    def __init__(self, size: int, timeout: float = 10.0):
+    def __init__(self, size: int, timeout: float = 10.0, average: bool = True):
         self.size = size
+        self.average = average
         self.timeout = timeout
         self._lock = threading.Lock()
         self._meetings: Dict[str, _Meeting] = {}
@@ -244,8 +246,7 @@ class LocalWorld:
 
 
 class LocalComm:
-    """One rank's :class:`~dlgs.core.exchange.Collectives` in a :class:`LocalWorld`
-    (``hvd.Average`` semantics for allreduce)."""
+    """One rank's :class:`~dlgs.core.exchange.Collectives` in a :class:`LocalWorld`."""
 
     def __init__(self, world: LocalWorld, rank: int):
         self.world = world
@@ -262,8 +263,9 @@ class LocalComm:
         kind, name, tensor = handle
         if kind == "gather":
             return self.world.meet(self.rank, name, tensor, np.concatenate)
+        div = self.size if self.world.average else 1
         total = self.world.meet(
-            self.rank, name, np.array(tensor, np.float64), lambda ps: sum(ps) / len(ps)
+            self.rank, name, np.array(tensor, np.float64), lambda ps: sum(ps) / div
         )
         tensor[...] = total.astype(tensor.dtype).reshape(tensor.shape)
         return tensor

@@ -10,6 +10,7 @@ import math
 import numpy as np
 import pytest
 from local_world import OPS, LocalWorld, run_steps
+from reference import Reference
 
 from dlgs.core import RankMismatchError, SparseExchange, SparsityConfig
 
@@ -206,3 +207,108 @@ def test_a_collective_one_rank_never_reaches_fails_instead_of_hanging():
 
     with pytest.raises(RuntimeError, match="never joined"):
         world.run(body)
+
+
+# -- against an independent reference ---------------------------------------------
+
+_SPARSE_PLAN = [([0, 2], None)]  # the two large layers in one message
+_DENSE_PLAN = [([0, 2], False)]  # ... sent dense: their residuals are flushed
+CASES = {
+    "dynamic": (dict(), {}),
+    "topk": (dict(controller="topk"), {}),
+    "dgc": (dict(controller="dgc", sample_ratio=0.1), {}),
+    "fixed": (dict(controller="fixed", threshold=1.0), {}),
+    "momentum": (dict(momentum=0.9), {}),
+    "max_ratio": (dict(max_ratio=2.0), {}),
+    "float16_values": (dict(value_dtype="float16"), {}),
+    # Stage 1 is too dense to pay (sent dense), then sparse; then a dense plan
+    # flushes the residuals, then layer-wise again.
+    "warmup_and_flush": (
+        dict(warmup=(0.5, 0.2), warmup_steps=3),
+        {7: _SPARSE_PLAN, 9: _DENSE_PLAN, 11: None},
+    ),
+    "merged_then_layerwise": (dict(), {0: _SPARSE_PLAN, 5: None}),
+    "sum": (dict(average=False), {}),
+}
+STEPS = 13
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_exchange_matches_the_reference_step_by_step(case, ranks):
+    options, plans = CASES[case]
+    options = dict(options)
+    average = options.pop("average", True)
+    cfg = SparsityConfig(**{"density": 0.05, "min_sparse_size": 1024, **options})
+
+    def body(rank, comm):
+        ex = SparseExchange(OPS, comm, cfg, SIZES, average=average)
+        steps = []
+        for s in range(STEPS):
+            if s in plans:
+                ex.set_plan(plans[s])
+            grads = gaussian(rank, s)
+            for i, g in enumerate(grads):
+                ex.submit(i, g)
+            out = ex.wait()
+            steps.append(
+                {
+                    "out": [np.array(out[i], np.float64) for i in range(len(SIZES))],
+                    "theta": {
+                        i: float(layer.theta)
+                        for i, layer in enumerate(ex.layers)
+                        if ex.is_sparse(layer)
+                    },
+                    "residual": {
+                        i: layer.residual[:-1].copy()
+                        for i, layer in enumerate(ex.layers)
+                        if ex.is_sparse(layer)
+                    },
+                }
+            )
+        return steps
+
+    runs = LocalWorld(ranks, average=average).run(body)
+    ref = Reference([n for _, n in SIZES], ranks, average=average, **cfg_kwargs(cfg))
+    for s in range(STEPS):
+        in_force = [k for k in plans if k <= s]
+        mode = _modes(ref, plans[max(in_force)], s) if in_force else {}
+        want = ref.step(
+            [gaussian(r, s) for r in range(ranks)],
+            [runs[r][s]["theta"] for r in range(ranks)],
+            mode,
+        )
+        for r in range(ranks):
+            got = runs[r][s]
+            assert set(got["theta"]) == {i for i in range(len(SIZES)) if _sparse(ref, i, s, mode)}
+            for i, w in enumerate(want):
+                tol = 1e-6 * max(1.0, np.abs(w).max())
+                assert np.abs(got["out"][i] - w).max() <= tol, (case, s, r, i)
+            for i, resid in got["residual"].items():
+                assert np.array_equal(resid, ref.residual[r][i]), (case, s, r, i)
+
+
+def cfg_kwargs(cfg):
+    return dict(
+        density=cfg.density,
+        min_sparse_size=cfg.min_sparse_size,
+        max_ratio=cfg.max_ratio,
+        momentum=cfg.momentum,
+        warmup=cfg.warmup,
+        warmup_steps=cfg.warmup_steps,
+        value_dtype=cfg.value_dtype.value,
+    )
+
+
+def _sparse(ref, i, step, modes):
+    return modes[i] if i in modes else ref.target(SIZES[i][1], step)[2]
+
+
+def _modes(ref, plan, step):
+    """Layer -> sparse for a plan in force at ``step`` (None: layer-wise)."""
+    modes = {}
+    for members, sparse in plan or []:
+        if sparse is None:
+            sparse = all(ref.target(SIZES[i][1], step)[2] for i in members)
+        modes.update({i: sparse for i in members})
+    return modes

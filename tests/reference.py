@@ -1,0 +1,117 @@
+"""A plain reference of error-feedback sparsification, written from the method's
+definition and sharing no code with ``dlgs.core`` (loops and NumPy). State is
+float32, as the method keeps it, so that which element reaches a threshold is
+decided on the same numbers; the reduction is summed in float64.
+
+Given each step's gradients on every rank and the threshold each sparse layer
+used (which the controllers choose; their own tests check how well), it
+computes what every rank must send, keep and receive:
+
+* ``a = r + g`` (or with momentum correction ``u = m·u + g``, ``a = r + u``);
+* a sparse layer sends the first ``capacity`` elements (in index order) with
+  ``|a| >= theta``, rounded to the wire dtype, and keeps the rest, plus the
+  rounding error, in ``r``; momentum correction clears ``u`` where it sent;
+* a dense layer sends its gradient (or velocity), plus whatever residual it
+  still holds from when it was sparse;
+* every rank receives the average (or sum) of what all ranks sent.
+
+Layer targets follow the method's rule: ``k = ceil(d·n)`` for the density ``d``
+of the step (warm-up stages first), ``capacity = min(n, ceil(max_ratio·k))``,
+sparse when ``n >= min_sparse_size`` and the sparse message (value bytes plus a
+4-byte index per element) is smaller than the float32 gradient, unless a merge
+plan forces the mode of a group.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+
+class Reference:
+    """Every rank's state, advanced one step at a time with :meth:`step`."""
+
+    def __init__(
+        self,
+        sizes: Sequence[int],
+        ranks: int,
+        *,
+        density: float,
+        min_sparse_size: int = 1024,
+        max_ratio: float = 1.0,
+        momentum: float = 0.0,
+        warmup: Sequence[float] = (),
+        warmup_steps: int = 0,
+        value_dtype: str = "float32",
+        average: bool = True,
+    ):
+        self.sizes = list(sizes)
+        self.ranks = ranks
+        self.density, self.warmup, self.warmup_steps = density, list(warmup), warmup_steps
+        self.min_sparse_size, self.max_ratio = min_sparse_size, max_ratio
+        self.momentum, self.value_dtype, self.average = momentum, value_dtype, average
+        self.residual: List[Dict[int, np.ndarray]] = [{} for _ in range(ranks)]
+        self.velocity = [[np.zeros(n, np.float32) for n in sizes] for _ in range(ranks)]
+        self.t = 0
+
+    def density_at(self, t: int) -> float:
+        stage = t // self.warmup_steps if self.warmup_steps else len(self.warmup)
+        return self.warmup[stage] if stage < len(self.warmup) else self.density
+
+    def target(self, n: int, t: int) -> Tuple[int, int, bool]:
+        """``(k, capacity, sparse by the rule)`` of an ``n``-element layer at step ``t``."""
+        k = max(1, math.ceil(self.density_at(t) * n))
+        cap = min(n, math.ceil(self.max_ratio * k))
+        value_bytes = 2 if self.value_dtype == "float16" else 4
+        return k, cap, n >= self.min_sparse_size and cap * (value_bytes + 4) < 4 * n
+
+    def step(
+        self,
+        grads: Sequence[Sequence[np.ndarray]],
+        thetas: Sequence[Dict[int, float]],
+        modes: Optional[Dict[int, bool]] = None,
+    ) -> List[np.ndarray]:
+        """Advance every rank by one step.
+
+        Args:
+            grads: ``grads[rank][layer]``, flat.
+            thetas: ``thetas[rank][layer]``: the threshold each sparse layer used.
+            modes: ``layer -> sparse`` forced by a merge plan (others by the rule).
+
+        Returns:
+            Each layer's reduced gradient (the same on every rank).
+        """
+        out = [np.zeros(n) for n in self.sizes]
+        for r in range(self.ranks):
+            for i, n in enumerate(self.sizes):
+                _, cap, sparse = self.target(n, self.t)
+                if modes and i in modes:
+                    sparse = modes[i]
+                g = np.asarray(grads[r][i], np.float32)
+                if self.momentum:
+                    self.velocity[r][i] = self.velocity[r][i] * np.float32(self.momentum) + g
+                    x = self.velocity[r][i]
+                else:
+                    x = g
+                if sparse:
+                    a = self.residual[r].get(i, np.zeros(n, np.float32)) + x
+                    chosen = [j for j in range(n) if abs(a[j]) >= thetas[r][i]][:cap]
+                    vals = a[chosen]
+                    if self.value_dtype == "float16":
+                        vals = vals.astype(np.float16).astype(np.float32)
+                    keep = a.copy()
+                    keep[chosen] -= vals
+                    self.residual[r][i] = keep
+                    if self.momentum:
+                        self.velocity[r][i][chosen] = 0.0
+                    sent = np.zeros(n, np.float32)
+                    sent[chosen] = vals
+                else:
+                    sent = x + self.residual[r].pop(i, np.float32(0))
+                out[i] += sent.astype(np.float64)
+        self.t += 1
+        if self.average:
+            out = [o / self.ranks for o in out]
+        return out
