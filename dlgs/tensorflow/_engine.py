@@ -25,7 +25,7 @@ import pickle
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import horovod.tensorflow as hvd
 import numpy as np
@@ -165,6 +165,8 @@ class Engine:
         prefix: prefix of the Horovod tensor names (distinct per engine).
         extra_options: more options every rank must agree on.
         log_every: log per-layer statistics every this many steps (0: never).
+        loss_scale: the loss scaler's reader (:mod:`dlgs.tensorflow._amp`), or
+            None; whether there is one is an option every rank must agree on.
     """
 
     def __init__(
@@ -177,6 +179,7 @@ class Engine:
         prefix: str,
         extra_options: Optional[Dict[str, Any]] = None,
         log_every: int = 0,
+        loss_scale: Optional[Callable[[], Any]] = None,
     ):
         self.config = config
         self.planner = planner
@@ -184,6 +187,8 @@ class Engine:
         self.average = average
         self.prefix = prefix
         self.extra_options = dict(extra_options or {})
+        self.extra_options["loss_scaler"] = loss_scale is not None
+        self.loss_scale = loss_scale
         self.log_every = log_every
         self.names: Optional[List[str]] = None
         self.shapes: List[Tuple[int, ...]] = []
@@ -194,6 +199,13 @@ class Engine:
         self.trackable = ExchangeState(self)
 
     # -- construction -----------------------------------------------------------
+    def set_loss_scale(self, loss_scale: Optional[Callable[[], Any]]) -> None:
+        """Read the loss scale with ``loss_scale`` from the next step on (a tape
+        re-created every step hands in its scaler every time)."""
+        self.loss_scale = loss_scale
+        if self.exchange is not None:
+            self.exchange.loss_scale = loss_scale
+
     def specs(self, variables: Sequence[Any]) -> List[str]:
         """Validated names of ``variables``; builds the exchange on first use."""
         names = [variable_name(v) for v in variables]
@@ -259,6 +271,7 @@ class Engine:
             average=self.average,
             prefix=self.prefix,
             clock=_clock(),
+            loss_scale=self.loss_scale,
         )
         exchange.step_hooks.append(self.planner)
         self.names, self.shapes, self._order = names, shapes, order
@@ -402,6 +415,13 @@ class DlgsAccessors:
     def dlgs_planner(self):
         """The :class:`~dlgs.core.profiler.OnlinePlanner` (its ``plan`` is in force)."""
         return self._dlgs_engine.planner
+
+    @property
+    def dlgs_last_step_finite(self) -> bool:
+        """Whether the last step's gradients were finite on every rank (the same
+        on every rank; see :attr:`dlgs.core.SparseExchange.last_step_finite`)."""
+        exchange = self._dlgs_engine.exchange
+        return exchange is None or exchange.last_step_finite
 
     def dlgs_stats(self) -> List[Dict[str, Any]]:
         """Per-layer statistics of the last step (reads device values)."""

@@ -45,6 +45,7 @@ import tensorflow as tf
 
 from .. import _options
 from ..core.config import SparsityConfig
+from ._amp import check_scaler, scale_reader
 from ._engine import Engine, HorovodCollectives, _shape
 
 __all__ = ["Compression"]
@@ -64,6 +65,12 @@ class Compression:
             :func:`dlgs.tensorflow.DistributedGradientTape`.
         process_set: the Horovod process set the tape uses.
         name: prefix of this compressor's Horovod tensor names.
+        scaler: with a loss-scaled loss, the ``keras.optimizers.LossScaleOptimizer``
+            that scaled it (as :func:`dlgs.tensorflow.DistributedGradientTape`'s
+            ``scaler``). Every layer, dense ones included, goes through the
+            exchange's own collectives here, so a step whose gradient is
+            non-finite on any rank, in any layer, comes back non-finite on every
+            rank and leaves residuals and thresholds untouched.
     """
 
     def __init__(
@@ -81,9 +88,11 @@ class Compression:
         process_set=hvd.global_process_set,
         log_every: int = 0,
         name: str = "dlgs.c",
+        scaler: Optional[Any] = None,
         **options: Any,
     ):
         _options.check_log_every(log_every)
+        check_scaler(scaler)
         cfg = _options.build_config(config, density, options)
         planner = _options.build_planner(
             merge,
@@ -105,6 +114,7 @@ class Compression:
             average=True,
             prefix=name,
             log_every=log_every,
+            loss_scale=scale_reader(scaler),
         )
         with tf.init_scope():
             self._engine.specs(self._variables)
@@ -210,6 +220,11 @@ class Compression:
     @property
     def planner(self):
         return self._engine.planner
+
+    @property
+    def last_step_finite(self) -> bool:
+        """Whether the last step's gradients were finite on every rank."""
+        return self._engine.exchange.last_step_finite
 
     def stats(self) -> List[Dict[str, Any]]:
         """Per-layer statistics of the last step (reads device values)."""

@@ -19,6 +19,7 @@ picks XLA by itself on GPUs).
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Optional
 
 import horovod.tensorflow as hvd
@@ -26,14 +27,45 @@ import keras
 
 from .. import _options
 from ..core.config import SparsityConfig
+from ._amp import scale_reader
 from ._engine import DlgsAccessors, Engine, HorovodCollectives
 from .tape import _check_compression
 
 __all__ = ["DistributedOptimizer"]
 
+_LSO = keras.optimizers.LossScaleOptimizer
+
+_WRAP_THE_SCALER = (
+    "dlgs.tensorflow.keras.DistributedOptimizer must wrap the LossScaleOptimizer, not be "
+    "wrapped by it: a LossScaleOptimizer checks each rank's own gradients for overflow and "
+    "skips its inner optimizer's apply(), so a rank that overflowed would skip the exchange "
+    "while the others wait for it. Write\n"
+    "    opt = dlgs.tensorflow.keras.DistributedOptimizer(\n"
+    "        keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(...)), density=...)\n"
+    "(model.compile() under the 'mixed_float16' policy wraps a plain optimizer in a "
+    "LossScaleOptimizer by itself: pass it one that is already wrapped as above)"
+)
+
 
 class _SparseApply(DlgsAccessors):
     """Mixed in before the user's optimizer class."""
+
+    def build(self, variables):
+        # A LossScaleOptimizer builds its inner optimizer before any step, on
+        # every rank (model.fit's symbolic build, or its first apply()), which
+        # makes this the place to refuse being wrapped by one, before a step
+        # can hang. Keras passes no reference to the outer optimizer, so look
+        # for it among the callers (LossScaleOptimizer.build calls this directly).
+        frame = sys._getframe(1)
+        for _ in range(4):
+            if frame is None:
+                break
+            caller = frame.f_locals.get("self")
+            if isinstance(caller, _LSO) and caller is not self:
+                if getattr(caller, "inner_optimizer", None) is self:
+                    raise ValueError(_WRAP_THE_SCALER)
+            frame = frame.f_back
+        return super().build(variables)
 
     def apply(self, grads, trainable_variables=None):
         grads = list(grads)
@@ -84,6 +116,17 @@ def DistributedOptimizer(
     its own messages). ``scale_local_gradients`` has no effect (there are no
     local variables in this form).
 
+    Mixed precision: wrap the ``keras.optimizers.LossScaleOptimizer``,
+    ``DistributedOptimizer(keras.optimizers.LossScaleOptimizer(SGD(...)))``.
+    The result is a ``LossScaleOptimizer`` (so ``model.compile`` under the
+    ``"mixed_float16"`` policy does not wrap it again) whose ``apply`` exchanges
+    the scaled gradients on every rank before the loss scaler's overflow check,
+    with residuals kept in unscaled units; a step that overflowed on any rank is
+    non-finite on every rank, so every rank skips it and dlgs' state is left as
+    before it. The reverse nesting (which ``compile`` builds from a plain
+    optimizer under ``"mixed_float16"``) raises ``ValueError`` at the first
+    ``fit`` / ``apply``, saying what to write instead.
+
     Args:
         density, config, merge, profile_steps, bucket_elements, max_group,
             drift_tolerance, drift_window, log_every, **options: as
@@ -98,6 +141,8 @@ def DistributedOptimizer(
         raise TypeError(
             f"optimizer must be a keras.optimizers.Optimizer, got {type(optimizer).__name__}"
         )
+    if isinstance(optimizer, _LSO) and isinstance(optimizer.inner_optimizer, _SparseApply):
+        raise ValueError(_WRAP_THE_SCALER)
     _options.check_op(op, hvd.Average, hvd.Sum)
     _options.check_no_groups(num_groups, groups)
     _options.check_predivide(gradient_predivide_factor, op, hvd.Average)
@@ -126,11 +171,18 @@ def DistributedOptimizer(
         (1.0 / gradient_predivide_factor, gradient_predivide_factor) if average else (1.0, 1.0)
     )
     comm = HorovodCollectives(op, pre, post, process_set, compression, device_dense, device_sparse)
-    engine = Engine(cfg, planner, comm, average=average, prefix=prefix, log_every=log_every)
     base = optimizer.__class__
     # Same name and module as the user's class: get_config()/saving see the
     # plain optimizer, so a saved model loads without dlgs.
     cls = type(base.__name__, (_SparseApply, base), {"__module__": base.__module__})
     wrapped = cls.from_config(optimizer.get_config())
-    wrapped._dlgs_engine = engine
+    wrapped._dlgs_engine = Engine(
+        cfg,
+        planner,
+        comm,
+        average=average,
+        prefix=prefix,
+        log_every=log_every,
+        loss_scale=scale_reader(wrapped) if isinstance(wrapped, _LSO) else None,
+    )
     return wrapped

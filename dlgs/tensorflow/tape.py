@@ -28,6 +28,7 @@ import tensorflow as tf
 
 from .. import _options
 from ..core.config import SparsityConfig
+from ._amp import check_scaler, scale_reader
 from ._engine import DlgsAccessors, Engine, HorovodCollectives, variable_name
 
 __all__ = ["DistributedGradientTape"]
@@ -106,6 +107,7 @@ def DistributedGradientTape(
     drift_window: int = 50,
     log_every: int = 0,
     name: str = "dlgs.tape",
+    scaler: Optional[Any] = None,
     **options: Any,
 ) -> tf.GradientTape:
     """Wrap ``gradtape`` so ``gradient()`` exchanges gradients sparsely across ranks.
@@ -132,6 +134,14 @@ def DistributedGradientTape(
         name: the exchange this tape continues (residuals and plan persist
             across the per-step tapes under one name) and the prefix of its
             Horovod tensor names.
+        scaler: with a loss-scaled loss (mixed precision), the
+            ``keras.optimizers.LossScaleOptimizer`` whose ``scale_loss()``
+            scaled it. dlgs reads its scale every step so that residuals stay
+            in unscaled units; the reduced gradients come back scaled (the
+            optimizer unscales them) and, when any rank's gradient overflowed,
+            non-finite on every rank, so the optimizer skips the same steps
+            everywhere and the skipped step leaves dlgs' state untouched.
+            Without it, a scaled loss mixes scales in the residuals.
         **options: any other :class:`dlgs.SparsityConfig` field.
 
     Raises:
@@ -148,6 +158,7 @@ def DistributedGradientTape(
     _options.check_predivide(gradient_predivide_factor, op, hvd.Average)
     _options.check_log_every(log_every)
     _check_compression(compression)
+    check_scaler(scaler)
     if not isinstance(name, str) or not name:
         raise ValueError(f"name must be a non-empty str, got {name!r}")
     cfg = _options.build_config(config, density, options)
@@ -170,6 +181,7 @@ def DistributedGradientTape(
         device_dense,
         device_sparse,
         log_every,
+        scaler is not None,
     )
     with _ENGINES_LOCK:
         found = _ENGINES.get(name)
@@ -196,9 +208,12 @@ def DistributedGradientTape(
                 prefix=name,
                 extra_options={"scale_local_gradients": bool(scale_local_gradients)},
                 log_every=log_every,
+                loss_scale=scale_reader(scaler),
             )
             found = _ENGINES[name] = (key, engine)
     engine = found[1]
+    if scaler is not None:
+        engine.set_loss_scale(scale_reader(scaler))  # the scaler of this step
     methods = {
         k: v
         for part in (DlgsAccessors, _SparseTape)

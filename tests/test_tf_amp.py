@@ -1,0 +1,276 @@
+"""Mixed precision and non-finite gradients in TensorFlow / Keras 3.
+
+Single process: the ArrayOps behind loss scaling and the non-finite verdict, and
+how dlgs composes with ``keras.optimizers.LossScaleOptimizer`` (the nesting
+that would hang is refused with an error saying what to write). Two real ranks
+(Gloo and MPI): one horovodrun launch per backend, with a time limit, runs every
+scenario of ``tests/parallel/tf_amp_worker.py``; each test asserts on one
+scenario's numbers from both ranks.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import HOROVODRUN, ROOT, load_ranks, value
+
+tf = pytest.importorskip("tensorflow")
+hvd = pytest.importorskip("horovod.tensorflow")
+keras = pytest.importorskip("keras")
+
+import dlgs.tensorflow  # noqa: E402
+import dlgs.tensorflow.keras  # noqa: E402
+from dlgs.tensorflow._amp import scale_reader  # noqa: E402
+from dlgs.tensorflow._ops import OPS  # noqa: E402
+
+SCENARIOS = ["amp_fit", "fault_injection", "scaled_conservation"]
+FAULT_STEPS = {5: "mlp/d1/kernel", 9: "mlp/d1/kernel", 13: "mlp/d2/bias"}
+# About 60 s per backend on two idle cores; a hang fails here instead of hanging.
+LAUNCH_TIMEOUT = 300
+
+
+@pytest.fixture(scope="module", autouse=True)
+def horovod():
+    hvd.init()
+    yield
+
+
+def _model(name="m"):
+    keras.utils.set_random_seed(0)
+    return keras.Sequential(
+        [keras.Input((8,)), keras.layers.Dense(64, name="a"), keras.layers.Dense(4, name="b")],
+        name=name,
+    )
+
+
+def _lso(**kw):
+    return keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1), **kw)
+
+
+# -- one process ----------------------------------------------------------------
+
+
+def test_loss_scaling_array_ops():
+    like = tf.zeros([3])
+    nan, inf = np.float32(np.nan), np.float32(np.inf)
+    out, a = OPS.zeros(5, "float32", like), OPS.zeros(5, "float32", like)
+    OPS.copy_(a, tf.constant([1.0, 2, 3, 4, 5]))
+    # add_into_: out = a + b * scale into a view, b of another shape and dtype.
+    OPS.add_into_(OPS.narrow(out, 0, 1, 3), OPS.narrow(a, 0, 0, 3), tf.constant([[1.0, 1, 1]]), 0.5)
+    assert out.numpy().tolist() == [0, 1.5, 2.5, 3.5, 0]
+    OPS.add_into_(OPS.narrow(out, 0, 0, 2), OPS.narrow(a, 0, 3, 2), tf.constant([2.0, 2]), None)
+    assert out.numpy()[:2].tolist() == [6, 7]
+    got = OPS.add_into_(
+        tf.zeros([2]), tf.ones([2]), tf.constant([1, 2], tf.float16), tf.constant(2.0)
+    )
+    assert got.numpy().tolist() == [3, 5]
+    # momentum_into_: out = m v + g * scale.
+    v, vn = OPS.zeros(4, "float32", like), OPS.zeros(4, "float32", like)
+    OPS.copy_(v, tf.constant([1.0, 2, 3, 4]))
+    OPS.momentum_into_(vn, v, 0.5, tf.ones([4]), tf.constant(0.25))
+    assert vn.numpy().tolist() == [0.75, 1.25, 1.75, 2.25]
+    OPS.momentum_into_(OPS.narrow(vn, 0, 0, 2), OPS.narrow(v, 0, 2, 2), 0.5, tf.ones([2]), None)
+    assert vn.numpy().tolist() == [2.5, 3, 1.75, 2.25]
+    assert OPS.mul(a, tf.constant(2.0)).numpy().tolist() == [2, 4, 6, 8, 10]
+    assert float(OPS.reciprocal(tf.constant(4.0, tf.float16))) == 0.25
+    assert OPS.reciprocal(np.float32(8)) == 0.125
+    # amax propagates NaN (TensorFlow's Max does since 2.4): the finite check relies on it.
+    for x, finite in [
+        ([1, -3, 2], True),
+        ([1, nan, 2], False),
+        ([inf, 1], False),
+        ([2, nan], False),
+    ]:
+        assert bool(OPS.isfinite(OPS.amax(tf.abs(tf.constant(x, tf.float32))))) == finite, x
+    big = np.ones(100_001, np.float32)
+    big[77_777] = nan
+    assert not bool(OPS.isfinite(OPS.amax(tf.constant(big))))
+    for ok in (np.bool_(False), tf.constant(False)):
+        flagged = OPS.count_or_flag(tf.constant(7, tf.int32), ok)
+        assert OPS.to_host(flagged) == -1 and flagged.dtype == tf.int32
+    assert OPS.to_host(OPS.count_or_flag(tf.constant(7), np.bool_(True))) == 7
+    counts = tf.constant([[1, -1, 3], [2, 0, -1]], tf.int32)
+    assert OPS.to_host(OPS.any_negative_rows(counts)) == [False, True, True]
+    assert OPS.to_host(OPS.any_nonfinite([tf.ones([2]), OPS.narrow(a, 0, 1, 2)])) is False
+    assert OPS.to_host(OPS.any_nonfinite([tf.ones([2]), tf.constant([[1.0, inf]])])) is True
+    assert OPS.to_host(OPS.any_nonfinite([tf.constant(nan)])) is True
+    assert OPS.to_host(OPS.any_true([tf.constant([False, False]), tf.constant(False)])) is False
+    assert OPS.to_host(OPS.any_true([tf.constant([False, True]), np.bool_(False)])) is True
+    # nan_at_: NaN at the flagged members' first slots, other slots untouched.
+    dense = OPS.zeros(5, "float32", like)
+    OPS.copy_(dense, tf.constant([1.0, 2, 3, 4, 5]))
+    first = OPS.index_vector([0, 3], like)
+    OPS.nan_at_(dense, first, tf.constant([False, False]))
+    assert dense.numpy().tolist() == [1, 2, 3, 4, 5]
+    OPS.nan_at_(dense, first, tf.constant([False, True]))
+    got = dense.numpy()
+    assert np.isnan(got[3]) and got[[0, 1, 2, 4]].tolist() == [1, 2, 3, 5]
+
+
+def test_keras_optimizer_wrapping_a_loss_scale_optimizer_is_one():
+    inner = _lso(initial_scale=2.0**12)
+    opt = dlgs.tensorflow.keras.DistributedOptimizer(inner, density=0.1, name="amp.wrap")
+    assert isinstance(opt, keras.optimizers.LossScaleOptimizer)
+    assert opt.get_config() == inner.get_config()
+    assert opt._dlgs_engine.extra_options["loss_scaler"] is True
+    plain = dlgs.tensorflow.keras.DistributedOptimizer(keras.optimizers.SGD(0.1), name="amp.p")
+    assert plain._dlgs_engine.extra_options["loss_scaler"] is False
+    # Reads initial_scale until built (what scale_loss() uses), then the live variable.
+    read = opt._dlgs_engine.loss_scale
+    assert float(read()) == 2.0**12
+    model = _model()
+    opt.build(model.trainable_variables)
+    opt.dynamic_scale.assign(64.0)
+    assert float(read()) == 64.0
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        model = _model("m16")
+        model.compile(optimizer=opt, loss="mse", jit_compile=False)
+        assert model.optimizer is opt  # compile does not wrap it a second time
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+def test_loss_scale_optimizer_around_dlgs_is_refused_saying_what_to_write():
+    x = np.ones((8, 8), np.float32)
+    y = np.ones((8, 4), np.float32)
+    # compile() under mixed_float16 wraps a plain optimizer in a LossScaleOptimizer.
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        model = _model("auto")
+        opt = dlgs.tensorflow.keras.DistributedOptimizer(keras.optimizers.SGD(0.1), name="amp.a")
+        model.compile(optimizer=opt, loss="mse", jit_compile=False)
+        with pytest.raises(ValueError, match=r"must wrap the LossScaleOptimizer") as err:
+            model.fit(x, y, verbose=0)
+        assert "DistributedOptimizer(\n        keras.optimizers.LossScaleOptimizer(" in str(
+            err.value
+        )
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    # The same nesting written by hand, in a custom loop.
+    model = _model("hand")
+    outer = keras.optimizers.LossScaleOptimizer(
+        dlgs.tensorflow.keras.DistributedOptimizer(keras.optimizers.SGD(0.1), name="amp.h")
+    )
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(model(x))
+    grads = tape.gradient(outer.scale_loss(loss), model.trainable_variables)
+    with pytest.raises(ValueError, match="must wrap the LossScaleOptimizer"):
+        outer.apply(grads, model.trainable_variables)
+    with pytest.raises(ValueError, match="must wrap the LossScaleOptimizer"):
+        dlgs.tensorflow.keras.DistributedOptimizer(outer)
+
+
+def test_scaler_must_be_a_loss_scale_optimizer():
+    model = _model()
+    with tf.GradientTape() as tape:
+        pass
+    for bad in (keras.optimizers.SGD(0.1), 1024.0):
+        with pytest.raises(TypeError, match="LossScaleOptimizer"):
+            dlgs.tensorflow.DistributedGradientTape(tape, name="amp.bad", scaler=bad)
+        with pytest.raises(TypeError, match="LossScaleOptimizer"):
+            dlgs.tensorflow.Compression(model.trainable_variables, name="amp.badc", scaler=bad)
+    assert scale_reader(None) is None
+
+
+# -- two real ranks -----------------------------------------------------------------
+
+
+def _launch(backend: str, out_dir) -> list:
+    """``tf_amp_worker.py`` on two ranks; kills the whole launch (its own process
+    group) and fails if it runs past ``LAUNCH_TIMEOUT``."""
+    env = dict(os.environ)
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    worker = ROOT / "tests/parallel/tf_amp_worker.py"
+    cmd = [HOROVODRUN, "-np", "2", f"--{backend}", sys.executable, str(worker), str(out_dir)]
+    proc = subprocess.Popen(
+        cmd + SCENARIOS,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=LAUNCH_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"{backend}: no result after {LAUNCH_TIMEOUT} s (hang?)\n{stderr[-4000:]}")
+    if proc.returncode != 0:
+        pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n{stdout[-3000:]}\n{stderr[-4000:]}")
+    return load_ranks(out_dir, 2)
+
+
+@pytest.fixture(scope="module", params=["gloo", "mpi"])
+def ranks(request, tmp_path_factory):
+    return _launch(request.param, tmp_path_factory.mktemp(f"tf-amp-{request.param}"))
+
+
+@pytest.mark.parallel
+def test_keras_fit_mixed_float16_matches_dense_horovod(ranks):
+    r0, r1 = value(ranks, "amp_fit")
+    for form, run in r0.items():
+        d0, d1 = run["digests"], r1[form]["digests"]
+        first = next((i for i in range(len(d0)) if d0[i] != d1[i]), None)
+        assert first is None, f"{form}: weights differ across ranks from batch {first}"
+        assert run["finite"] and r1[form]["finite"], f"{form}: non-finite weights"
+    dense, sparse = r0["horovod"], r0["dlgs"]
+    # The loss scale starts at 2**30: the first steps overflow by design.
+    assert dense["skipped"] >= 5, dense["skipped"]
+    assert dense["accuracy"] > 75.0, f"Horovod baseline did not train: {dense['accuracy']}"
+    # Density 1.0 is Horovod's allreduce, bit for bit, skipped steps included.
+    assert r0["dlgs_dense"]["digests"] == dense["digests"]
+    assert abs(sparse["skipped"] - dense["skipped"]) <= 2, (sparse["skipped"], dense["skipped"])
+    assert sparse["nonfinite_steps"] == sparse["skipped"]  # dlgs' verdict is the scaler's
+    assert sparse["accuracy"] >= dense["accuracy"] - 1.0, (sparse["accuracy"], dense["accuracy"])
+    assert sparse["sparse_layers"] == ["amp_mlp/fc1/kernel", "amp_mlp/fc2/kernel"]
+
+
+@pytest.mark.parallel
+def test_tf_nonfinite_gradient_on_one_rank_is_seen_and_undone_everywhere(ranks):
+    r0, r1 = value(ranks, "fault_injection")
+    for case, rec in r0.items():
+        other = r1[case]
+        bad = [s for s, ok in enumerate(rec["finite"]) if not ok]
+        assert bad == sorted(FAULT_STEPS), f"{case}: non-finite steps {bad}"
+        assert rec["finite"] == other["finite"], f"{case}: ranks disagree on the verdict"
+        for s, layers in enumerate(rec["nan_layers"]):
+            expect = [FAULT_STEPS[s]] if s in FAULT_STEPS else []
+            assert layers == expect, f"{case} step {s}: non-finite gradients in {layers}"
+            assert other["nan_layers"][s] == layers, f"{case} step {s}: ranks differ"
+        # A skipped step leaves residuals, velocities and thresholds exactly as they were.
+        assert rec["unchanged_by_bad_step"] == [0.0] * len(FAULT_STEPS), (case, rec)
+        assert other["unchanged_by_bad_step"] == [0.0] * len(FAULT_STEPS), (case, other)
+        assert rec["state_finite"] and other["state_finite"], f"{case}: non-finite state"
+        assert len(rec["sparse_layers"]) == 3, (case, rec["sparse_layers"])
+        late = rec["ratio"][-5:]
+        if case == "fixed":
+            assert min(late) > 0, f"{case}: nothing selected after the faults: {late}"
+        else:
+            mean = sum(late) / len(late)
+            assert 0.5 <= mean <= 2.0, f"{case}: selected/target {late} after the faults"
+    # The loss scaler, fed the tape's output, skips exactly those steps on every rank.
+    for rec in (r0["scaler"], r1["scaler"]):
+        assert [s for s, x in enumerate(rec["scaler_skipped"]) if x] == sorted(FAULT_STEPS)
+    assert r0["merged"]["messages"] < r0["dynamic"]["messages"]
+
+
+@pytest.mark.parallel
+def test_tf_residual_holds_unscaled_gradient_across_scale_changes_and_skips(ranks):
+    for r, v in enumerate(value(ranks, "scaled_conservation")):
+        for case, rec in v.items():
+            assert rec["skipped"] == [3], f"rank {r} {case}: skipped {rec['skipped']}"
+            assert rec["sparse_layers"] >= 2
+            assert rec["max_error"] <= 1e-5 * rec["scale"], f"rank {r} {case}: {rec}"
+            assert math.isfinite(rec["max_error"])
