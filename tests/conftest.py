@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -17,31 +19,56 @@ HOROVODRUN = str(Path(sys.executable).parent / "horovodrun")
 def horovodrun(
     backend: str, np: int, args, *, timeout: float, cwd=ROOT, extra_path=None
 ) -> subprocess.CompletedProcess:
-    """Run ``python ARGS`` on ``np`` real ranks with ``--gloo`` or ``--mpi``."""
+    """Run ``python ARGS`` on ``np`` real ranks with ``--gloo`` or ``--mpi``.
+
+    The launch runs in its own process group and is killed whole (horovodrun and
+    every rank) after ``timeout`` seconds, failing the test: a hang is a failure,
+    never a stuck CI job. Ranks get ``DLGS_TEST_HANG_S`` a little earlier, at
+    which the scenario workers dump their stacks (showing where they waited).
+    """
     env = dict(os.environ)
-    # Open MPI refuses to run as root without these (DESIGN.md §2).
+    # Open MPI refuses to run as root without these (docs/design.md).
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
     env.setdefault("OMP_NUM_THREADS", "1")
+    env["DLGS_TEST_HANG_S"] = str(max(1, int(timeout) - 30))
     paths = [str(ROOT)] + ([str(extra_path)] if extra_path else [])
     env["PYTHONPATH"] = os.pathsep.join(paths + [env.get("PYTHONPATH", "")])
     cmd = [HOROVODRUN, "-np", str(np), f"--{backend}", sys.executable, *map(str, args)]
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    start = time.monotonic()
+    proc = subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(
+            f"{' '.join(cmd)} hung: killed after {timeout:.0f} s\n--- stdout ---\n"
+            f"{stdout[-4000:]}\n--- stderr ---\n{stderr[-4000:]}"
+        )
     if proc.returncode != 0:
         pytest.fail(
-            f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout ---\n{proc.stdout[-4000:]}"
-            f"\n--- stderr ---\n{proc.stderr[-4000:]}"
+            f"{' '.join(cmd)} exited {proc.returncode} after {time.monotonic() - start:.0f} s"
+            f"\n--- stdout ---\n{stdout[-4000:]}\n--- stderr ---\n{stderr[-4000:]}"
         )
-    return proc
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
 def load_ranks(out_dir: Path, np: int):
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(np)]
 
 
-def run_scenarios(backend: str, worker: str, out_dir: Path, names) -> list:
+def run_scenarios(backend: str, worker: str, out_dir: Path, names, timeout: float = 540) -> list:
     """Run ``tests/parallel/WORKER``'s scenarios ``names`` on 2 ranks; each rank's results."""
-    horovodrun(backend, 2, [ROOT / "tests/parallel" / worker, out_dir, *names], timeout=600)
+    horovodrun(backend, 2, [ROOT / "tests/parallel" / worker, out_dir, *names], timeout=timeout)
     return load_ranks(out_dir, 2)
 
 

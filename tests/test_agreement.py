@@ -4,21 +4,16 @@ Every option that shapes the exchange, given differently to the two ranks, is a
 ``RankMismatchError`` on both ranks naming it; split process sets train and
 then meet again on the global set. One horovodrun launch per backend (and one
 for TensorFlow) runs every scenario; a launch that hangs is killed after
-``LAUNCH_TIMEOUT`` seconds and fails its tests (the workers also dump their
-stacks and exit a little earlier, so the failure shows where they waited).
+``LAUNCH_TIMEOUT`` seconds and fails its tests (``conftest.horovodrun``; the
+workers dump their stacks a little earlier, so the failure shows where they waited).
 """
 
 from __future__ import annotations
 
 import inspect
-import os
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
-from conftest import HOROVODRUN, ROOT, load_ranks, value
+from conftest import run_scenarios, value
 
 from dlgs.core.config import SparsityConfig
 from dlgs.core.consistency import (
@@ -35,59 +30,22 @@ from dlgs.core.profiler import OnlinePlanner
 parallel = pytest.mark.parallel
 
 LAUNCH_TIMEOUT = 240  # seconds; well under pytest's 600
-HANG_DUMP = 200  # the workers' own faulthandler deadline
 
 TORCH = ["option_mismatch", "process_sets", "resume_mismatch"]
 TF = ["tf_option_mismatch", "tf_process_sets"]
 
 
-def launch(backend: str, worker: str, out_dir, names) -> list:
-    """``horovodrun -np 2`` of ``tests/parallel/WORKER`` in its own process group,
-    killed whole (horovodrun and both ranks) on timeout: a hang is a failure."""
-    env = dict(os.environ)
-    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
-    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env["DLGS_TEST_HANG_S"] = str(HANG_DUMP)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    script = ROOT / "tests/parallel" / worker
-    cmd = [HOROVODRUN, "-np", "2", f"--{backend}", sys.executable, str(script), str(out_dir)]
-    cmd += names
-    start = time.monotonic()
-    proc = subprocess.Popen(
-        cmd,
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        output, _ = proc.communicate(timeout=LAUNCH_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"{' '.join(cmd)} hung: killed after {LAUNCH_TIMEOUT} s\n{output[-6000:]}")
-    if proc.returncode != 0:
-        pytest.fail(
-            f"{' '.join(cmd)} exited {proc.returncode} after {time.monotonic() - start:.0f} s"
-            f"\n{output[-6000:]}"
-        )
-    return load_ranks(out_dir, 2)
-
-
 @pytest.fixture(scope="module", params=["gloo", "mpi"])
 def ranks(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"agree-{request.param}")
-    return launch(request.param, "agree_worker.py", out, TORCH)
+    return run_scenarios(request.param, "agree_worker.py", out, TORCH, timeout=LAUNCH_TIMEOUT)
 
 
 @pytest.fixture(scope="module")
 def tf_ranks(tmp_path_factory):
     pytest.importorskip("tensorflow")
     out = tmp_path_factory.mktemp("agree-tf")
-    return launch("gloo", "agree_tf_worker.py", out, TF)
+    return run_scenarios("gloo", "agree_tf_worker.py", out, TF, timeout=LAUNCH_TIMEOUT)
 
 
 def _check_mismatches(records, cases) -> None:

@@ -312,3 +312,20 @@ def _modes(ref, plan, step):
             sparse = all(ref.target(SIZES[i][1], step)[2] for i in members)
         modes.update({i: sparse for i in members})
     return modes
+
+
+def test_dense_only_steps_report_nonfinite_when_asked():
+    def body(rank, comm):
+        ex = exchange(comm, density=1.0)
+        seen = []
+        for s in range(3):
+            grads = gaussian(rank, s)
+            if s == 1 and rank == 1:
+                grads[2][0] = math.inf
+            for i, g in enumerate(grads):
+                ex.submit(i, g)
+            ex.wait()
+            seen.append(ex.last_step_finite)
+        return seen, ex.nonfinite_steps
+
+    assert LocalWorld(2).run(body) == [([True, False, True], 1)] * 2

@@ -11,14 +11,10 @@ scenario's numbers from both ranks.
 from __future__ import annotations
 
 import math
-import os
-import signal
-import subprocess
-import sys
 
 import numpy as np
 import pytest
-from conftest import HOROVODRUN, ROOT, load_ranks, value
+from conftest import run_scenarios, value
 
 tf = pytest.importorskip("tensorflow")
 hvd = pytest.importorskip("horovod.tensorflow")
@@ -182,39 +178,10 @@ def test_scaler_must_be_a_loss_scale_optimizer():
 # -- two real ranks -----------------------------------------------------------------
 
 
-def _launch(backend: str, out_dir) -> list:
-    """``tf_amp_worker.py`` on two ranks; kills the whole launch (its own process
-    group) and fails if it runs past ``LAUNCH_TIMEOUT``."""
-    env = dict(os.environ)
-    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
-    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    worker = ROOT / "tests/parallel/tf_amp_worker.py"
-    cmd = [HOROVODRUN, "-np", "2", f"--{backend}", sys.executable, str(worker), str(out_dir)]
-    proc = subprocess.Popen(
-        cmd + SCENARIOS,
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        stdout, stderr = proc.communicate(timeout=LAUNCH_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"{backend}: no result after {LAUNCH_TIMEOUT} s (hang?)\n{stderr[-4000:]}")
-    if proc.returncode != 0:
-        pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n{stdout[-3000:]}\n{stderr[-4000:]}")
-    return load_ranks(out_dir, 2)
-
-
 @pytest.fixture(scope="module", params=["gloo", "mpi"])
 def ranks(request, tmp_path_factory):
-    return _launch(request.param, tmp_path_factory.mktemp(f"tf-amp-{request.param}"))
+    out = tmp_path_factory.mktemp(f"tf-amp-{request.param}")
+    return run_scenarios(request.param, "tf_amp_worker.py", out, SCENARIOS, timeout=LAUNCH_TIMEOUT)
 
 
 @pytest.mark.parallel

@@ -334,8 +334,8 @@ class SparseExchange:
         self._out_scale: Any = 1.0  # applied to sparse outputs: scale / world
         self._flags: List[Any] = []  # device bools: something non-finite this step
         self._dense_out: Dict[int, Any] = {}  # dense outputs to check this step
-        #: Whether the last finished step was finite on every rank (host bool).
-        self.last_step_finite = True
+        self._finite = True
+        self._lazy_flag: Any = None  # a step's verdict not read yet (no state to undo)
         #: Steps whose gradients were non-finite somewhere (state left untouched).
         self.nonfinite_steps = 0
         self._nonfinite_logged = -math.inf  # time of the last warning
@@ -344,6 +344,18 @@ class SparseExchange:
     # -- introspection -------------------------------------------------------
     def index(self, name: str) -> int:
         return self._index[name]
+
+    @property
+    def last_step_finite(self) -> bool:
+        """Whether the last finished step's gradients were finite on every rank
+        (all layers, dense ones included). Reading it after a step with no
+        sparse layer and no momentum correction synchronises the device once."""
+        if self._lazy_flag is not None:
+            flag, self._lazy_flag = self._lazy_flag, None
+            if self.ops.to_host(flag):
+                self._finite = False
+                self.nonfinite_steps += 1
+        return self._finite
 
     @property
     def in_step(self) -> bool:
@@ -663,7 +675,6 @@ class SparseExchange:
             raise RuntimeError(f"wait() before every layer was submitted; missing {names}")
         ops = self.ops
         out: Dict[int, Any] = {}
-        track = self._tracks_state()
         for group in self.groups:
             if not group.sparse:
                 if self.dense_external:
@@ -678,8 +689,7 @@ class SparseExchange:
                     for i in group.members:
                         off, n = self._dense_offsets[i], self.layers[i].numel
                         out[i] = ops.narrow(ops.reshape(reduced, (-1,)), 0, off, n)
-                if track:
-                    self._dense_out[group.members[0]] = reduced
+                self._dense_out[group.members[0]] = reduced
             else:
                 layout = group.layout
                 assert layout is not None
@@ -717,9 +727,17 @@ class SparseExchange:
         was finite."""
         ops = self.ops
         flags = list(self._flags)
-        if external and self._tracks_state():
+        if external:
             flags.append(ops.any_nonfinite([t for _, t in external]))
-        finite = not flags or not ops.to_host(ops.any_true(flags))
+        self._lazy_flag = None
+        if self._tracks_state():
+            finite = not flags or not ops.to_host(ops.any_true(flags))
+        else:
+            # Nothing to undo (every layer dense, no momentum correction): the
+            # verdict is read only if asked for (last_step_finite), so a dense
+            # step costs no host synchronisation beyond Horovod's own.
+            self._lazy_flag = ops.any_true(flags) if flags else None
+            finite = True
         submitted = sorted(self._submitted)
         for i in submitted:
             layer = self.layers[i]
@@ -738,7 +756,7 @@ class SparseExchange:
         if not finite:
             self.nonfinite_steps += 1
             self._log_nonfinite(external)
-        self.last_step_finite = finite
+        self._finite = finite
         self._flags.clear()
         self._dense_out.clear()
         self._open = False

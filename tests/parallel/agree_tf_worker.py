@@ -8,7 +8,6 @@ Usage: ``horovodrun -np 2 --gloo python tests/parallel/agree_tf_worker.py OUT_DI
 
 from __future__ import annotations
 
-import faulthandler
 import os
 import sys
 
@@ -23,8 +22,6 @@ from tf_worker import batch, digest, dlgs_tape, flat, loss_fn, mlp, run_loop  # 
 
 import dlgs.tensorflow  # noqa: E402
 from dlgs.core import RankMismatchError  # noqa: E402
-
-faulthandler.dump_traceback_later(int(os.environ.get("DLGS_TEST_HANG_S", "200")), exit=True)
 
 CASES = {
     "bucket_elements": dict(merge="buckets", bucket_elements=(1024, 2048)),

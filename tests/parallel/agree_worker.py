@@ -10,7 +10,6 @@ Usage: ``horovodrun -np 2 --gloo python tests/parallel/agree_worker.py OUT_DIR S
 
 from __future__ import annotations
 
-import faulthandler
 import os
 import sys
 
@@ -30,7 +29,6 @@ from dlgs.core.profiler import OnlinePlanner  # noqa: E402
 from dlgs.torch._engine import HorovodCollectives, build_exchange  # noqa: E402
 
 # A hang prints every thread's stack and exits, well before the test's timeout.
-faulthandler.dump_traceback_later(int(os.environ.get("DLGS_TEST_HANG_S", "200")), exit=True)
 
 # Options that differ between the ranks: (rank 0's value, rank 1's value); every
 # other option at its default. Each must be a RankMismatchError on both ranks.

@@ -8,7 +8,9 @@ one's return value or traceback, which ``tests/conftest.py`` reads back.
 
 from __future__ import annotations
 
+import faulthandler
 import json
+import os
 import traceback
 from pathlib import Path
 from typing import Callable, Dict, Sequence
@@ -24,6 +26,9 @@ def scenario(fn):
 def main(argv: Sequence[str], hvd) -> None:
     """Run the scenarios named in ``argv[2:]`` with ``hvd`` (a Horovod framework module)."""
     out_dir = Path(argv[1])
+    hang = int(os.environ.get("DLGS_TEST_HANG_S", "0"))
+    if hang:  # the launcher kills us soon after: show where every thread waits
+        faulthandler.dump_traceback_later(hang, exit=True)
     hvd.init()
     results = {}
     for name in argv[2:]:
