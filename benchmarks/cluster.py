@@ -112,7 +112,8 @@ class Cluster:
             _sh("ip", "netns", "exec", ns, "ip", "link", "set", IFACE, "up")
             _sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
             # Horovod's process-set Gloo contexts resolve gethostname(), which in a
-            # namespace would be loopback (DESIGN.md §3): map it to the worker's address.
+            # namespace would be loopback (Gloo init then fails with "connection refused"):
+            # map it to the worker's address.
             etc = Path("/etc/netns") / ns
             etc.mkdir(parents=True, exist_ok=True)
             (etc / "hosts").write_text(f"127.0.0.1 localhost\n{addr} {host}\n")

@@ -1,4 +1,4 @@
-"""Real data that works offline on this machine (DESIGN.md §4).
+"""Real data that works offline on this machine (no download at run time).
 
 Fashion-MNIST comes from Debian's ``dataset-fashion-mnist`` (MIT licence),
 installed by ``make install``.

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
+import ctypes
+import ctypes.util
 import json
 import os
 import signal
@@ -13,6 +16,28 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _share_mpi() -> None:
+    """Initialise MPI once for this pytest process, before any Horovod does.
+
+    The single-process tests of both frameworks run in this one process, so two
+    Horovod libraries (``horovod.torch``'s and ``horovod.tensorflow``'s) both
+    initialise. Each calls ``MPI_Finalize`` at exit if it initialised MPI
+    itself, and the second one's shutdown then crashes the process (a segfault
+    in ``horovod_shutdown`` after every test passed). With MPI already
+    initialised neither library finalises it; this process does, last.
+    """
+    name = ctypes.util.find_library("mpi")
+    if not name:
+        return
+    lib = ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
+    provided = ctypes.c_int()
+    if lib.MPI_Init_thread(None, None, 3, ctypes.byref(provided)) == 0:  # MPI_THREAD_MULTIPLE
+        atexit.register(lib.MPI_Finalize)  # registered first, so it runs after Horovod's
+
+
+_share_mpi()
 HOROVODRUN = str(Path(sys.executable).parent / "horovodrun")
 
 
@@ -82,3 +107,34 @@ def value(ranks, name):
             pytest.fail(f"scenario {name} failed on rank {r}:\n{res['error']}")
         vals.append(res["value"])
     return vals
+
+
+def bind_horovod(framework) -> None:
+    """Point Horovod's process-set handle at ``framework`` (``horovod.torch`` or
+    ``horovod.tensorflow``).
+
+    ``horovod.common.process_sets`` keeps one module-global library handle, set
+    by whichever framework's Horovod was imported last. The single-process tests
+    of both frameworks share one pytest process, so before a framework's
+    ``hvd.init()`` (which registers the global process set through that handle)
+    and before each of its tests the handle must be that framework's; otherwise
+    ``init`` registers with the other library and the process dies at exit
+    (``MPI_BAND ... on a NULL communicator``).
+    """
+    from horovod.common import process_sets
+
+    process_sets._setup(framework.mpi_ops._basics)
+
+
+@pytest.fixture(autouse=True)
+def _horovod_handle_of_this_test(request):
+    """Bind Horovod's process-set handle to the framework this test uses: the
+    TensorFlow one for tests using a ``tf``-named fixture or modules whose
+    ``hvd`` is horovod.tensorflow, else the torch one (when imported)."""
+    hvd = getattr(request.module, "hvd", None)
+    name = getattr(hvd, "__name__", "")
+    if any(f.startswith("tf") for f in request.fixturenames):
+        name = "horovod.tensorflow"
+    if name in ("horovod.torch", "horovod.tensorflow") and name in sys.modules:
+        bind_horovod(sys.modules[name])
+    yield

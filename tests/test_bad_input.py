@@ -14,6 +14,7 @@ import logging
 import horovod.torch as hvd
 import pytest
 import torch
+from conftest import bind_horovod
 
 import dlgs
 import dlgs.torch
@@ -93,6 +94,7 @@ def _assert_names(info, words):
 
 @pytest.fixture(scope="module", autouse=True)
 def horovod():
+    bind_horovod(hvd)
     hvd.init()
     yield
 
@@ -214,6 +216,7 @@ def tfmods():
     # and setting the same values again later is allowed.
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(1)
+    bind_horovod(hvd_tf)
     hvd_tf.init()
     pytest.importorskip("dlgs.tensorflow.keras")  # imports dlgs.tensorflow too
     return tf, keras

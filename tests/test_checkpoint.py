@@ -15,6 +15,7 @@ import horovod.torch as hvd
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import bind_horovod
 
 import dlgs.torch
 from dlgs.core.exchange import MAX_MESSAGE_ELEMENTS, LayerPlan, SparseExchange, _split_oversized
@@ -22,6 +23,7 @@ from dlgs.core.exchange import MAX_MESSAGE_ELEMENTS, LayerPlan, SparseExchange, 
 
 @pytest.fixture(scope="module", autouse=True)
 def horovod():
+    bind_horovod(hvd)
     hvd.init()
 
 

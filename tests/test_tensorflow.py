@@ -14,7 +14,7 @@ import textwrap
 
 import numpy as np
 import pytest
-from conftest import ROOT, horovodrun, load_ranks, run_scenarios, value
+from conftest import ROOT, bind_horovod, horovodrun, load_ranks, run_scenarios, value
 
 tf = pytest.importorskip("tensorflow")
 hvd = pytest.importorskip("horovod.tensorflow")
@@ -39,6 +39,7 @@ SCENARIOS = [
 def horovod():
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(1)
+    bind_horovod(hvd)
     hvd.init()
     yield
 

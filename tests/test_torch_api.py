@@ -8,6 +8,7 @@ import logging
 import horovod.torch as hvd
 import pytest
 import torch
+from conftest import bind_horovod
 
 import dlgs
 import dlgs.torch
@@ -17,6 +18,7 @@ from dlgs.torch._ops import OPS
 
 @pytest.fixture(scope="module", autouse=True)
 def horovod():
+    bind_horovod(hvd)
     hvd.init()
     yield
 

@@ -3,7 +3,7 @@ exchanges gradients sparsely before applying them, under ``model.fit`` too.
 
 Horovod 0.28.1's ``horovod.tensorflow.keras.DistributedOptimizer`` overrides
 Keras 2 hooks that Keras 3 no longer calls: ``fit`` runs without error and the
-ranks silently diverge (DESIGN.md §2). Keras 3's ``fit`` (TensorFlow backend,
+ranks silently diverge (docs/design.md, Horovod facts). Keras 3's ``fit`` (TensorFlow backend,
 ``keras/src/backend/tensorflow/trainer.py``) computes the gradients with a
 ``tf.GradientTape`` and calls ``optimizer.apply_gradients(zip(grads, vars))``,
 which calls ``optimizer.apply(grads, vars)``; custom loops call either. This

@@ -32,7 +32,7 @@ __all__ = [
 
 logger = logging.getLogger("dlgs.torch")
 
-# Horovod's allreduce rejects these dtypes (DESIGN.md §2); they travel as float32.
+# Horovod's allreduce rejects these dtypes (docs/design.md, Horovod facts); they travel as float32.
 _WIRE_UNSUPPORTED = (torch.bfloat16,)
 
 

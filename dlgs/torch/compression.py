@@ -4,7 +4,7 @@
 Horovod's compressor interface is ``compress(t) -> (t_c, ctx)`` and
 ``decompress(t_c, ctx) -> t`` around an in-place allreduce of ``t_c``. A
 compressor cannot change the collective, so this one runs the real sparse
-exchange beside it (DESIGN.md §2): ``compress`` hands the gradient to the core
+exchange beside it (docs/design.md, Horovod facts): ``compress`` hands the gradient to the core
 exchange, which starts the allgather of values and indices from inside
 Horovod's gradient hook, and returns a one-element tensor holding ``1.0`` for
 Horovod to allreduce. ``synchronize()`` calls every ``compress`` before any

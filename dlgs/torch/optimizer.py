@@ -148,7 +148,11 @@ class _SparseOverrides:
         return hook
 
     def synchronize(self):
-        if not self.process_set.included():
+        # The collectives' own flag: ProcessSet.included() asks whichever
+        # Horovod framework library was imported last (horovod.common.process_sets
+        # keeps one module-global handle), wrong when horovod.tensorflow is
+        # imported beside horovod.torch; the global set always includes us.
+        if not self._dlgs.comm.included:
             self._synchronized = True
             return
         if self._dlgs_synced:

@@ -45,7 +45,7 @@ INIT_SCALE = 2.0**30
 class HorovodSequential(keras.Sequential):
     """``model.fit`` on Horovod's own dense allreduce: its tape in ``train_step``
     (``horovod.tensorflow.keras.DistributedOptimizer`` never synchronises under
-    Keras 3, DESIGN.md §2)."""
+    Keras 3, docs/design.md, Horovod facts)."""
 
     def train_step(self, data):
         x, y = data

@@ -97,7 +97,7 @@ def run_loop(model, opt, wrap, steps, *, function=False, start=0):
 
 
 def hvd_tape(tape, model):
-    # Horovod's tape needs tf.Variable sources under Keras 3 (DESIGN.md §2).
+    # Horovod's tape needs tf.Variable sources under Keras 3 (docs/design.md, Horovod facts).
     return hvd.DistributedGradientTape(tape), [v.value for v in model.trainable_variables]
 
 
