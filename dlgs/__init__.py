@@ -4,8 +4,15 @@ The framework adapters are imported explicitly (``import dlgs.torch``) so that
 the core stays importable without torch, TensorFlow or Horovod.
 """
 
-from .core import Controller, RankMismatchError, SparsityConfig, ValueDType
+from .core import Controller, MergeConfig, RankMismatchError, SparsityConfig, ValueDType
 
 __version__ = "0.1.0.dev0"
 
-__all__ = ["Controller", "RankMismatchError", "SparsityConfig", "ValueDType", "__version__"]
+__all__ = [
+    "Controller",
+    "MergeConfig",
+    "RankMismatchError",
+    "SparsityConfig",
+    "ValueDType",
+    "__version__",
+]

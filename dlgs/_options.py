@@ -8,14 +8,16 @@ TensorFlow nor Horovod.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from dataclasses import fields
+from typing import Any, Dict, Optional, Tuple
 
 from .core._checks import check_float, check_int
-from .core.config import SparsityConfig
+from .core.config import MergeConfig, SparsityConfig
 from .core.profiler import OnlinePlanner
 
 __all__ = [
     "build_config",
+    "build_configs",
     "build_planner",
     "check_log_every",
     "check_op",
@@ -53,12 +55,35 @@ def build_config(
         raise
 
 
-def build_planner(merge: str, **options: Any) -> OnlinePlanner:
-    """The online planner for ``merge=`` and its keyword options
-    (``profile_steps``, ``bucket_elements``, ``max_group``, ``drift_*``)."""
+def build_planner(merge: Any, **options: Any) -> OnlinePlanner:
+    """The online planner for ``merge=`` (a strategy name or a
+    :class:`MergeConfig`) and, with a name, the other :class:`MergeConfig`
+    fields as keywords."""
+    if isinstance(merge, MergeConfig):
+        if options:
+            raise ValueError(
+                "pass either merge=MergeConfig(...) or merge options, not both: "
+                f"got {sorted(options)}"
+            )
+        return OnlinePlanner.from_config(merge)
     if not isinstance(merge, str):
-        raise TypeError(f"merge must be a str, got {type(merge).__name__}")
-    return OnlinePlanner(merge, **options)
+        raise TypeError(f"merge must be a str or a dlgs.MergeConfig, got {type(merge).__name__}")
+    return OnlinePlanner.from_config(MergeConfig(merge, **options))
+
+
+_MERGE_FIELDS = tuple(f.name for f in fields(MergeConfig) if f.name != "strategy")
+
+
+def build_configs(
+    config: Optional[SparsityConfig], density: Optional[float], merge: Any, options: Dict[str, Any]
+) -> Tuple[SparsityConfig, OnlinePlanner]:
+    """What every entry point does with its dlgs options: ``options`` may hold
+    any :class:`SparsityConfig` field and any :class:`MergeConfig` field but
+    ``strategy`` (given as ``merge=``); each is validated once, by its config."""
+    options = dict(options)
+    merge_options = {k: options.pop(k) for k in _MERGE_FIELDS if k in options}
+    planner = build_planner(merge, **merge_options)
+    return build_config(config, density, options), planner
 
 
 def check_log_every(log_every: Any) -> None:

@@ -142,3 +142,43 @@ def test_online_planner_rejects_bad_options(kwargs, param):
 
     with pytest.raises(ValueError, match=param):
         OnlinePlanner(**kwargs)
+
+
+# -- MergeConfig and the shared option handling -----------------------------------
+
+
+def test_merge_config_validates_once_naming_the_option():
+    from dlgs import MergeConfig
+
+    cfg = MergeConfig()
+    assert (cfg.strategy, cfg.profile_steps, cfg.drift_window) == ("dp", 5, 50)
+    with pytest.raises(ValueError, match="merge must be one of"):
+        MergeConfig("fastest")
+    with pytest.raises(ValueError, match="profile_steps must be an int >= 1"):
+        MergeConfig(profile_steps=0)
+    with pytest.raises(TypeError, match="bucket_elements"):
+        MergeConfig(bucket_elements=8192.0)
+    with pytest.raises(ValueError, match="drift_tolerance must be a finite float > 0"):
+        MergeConfig(drift_tolerance=float("inf"))
+    with pytest.raises(Exception):
+        cfg.strategy = "none"  # frozen
+
+
+def test_entry_point_options_split_between_the_two_configs():
+    from dlgs import MergeConfig
+    from dlgs._options import build_configs
+
+    cfg, planner = build_configs(
+        None, None, "buckets", {"bucket_elements": 2048, "controller": "topk", "drift_window": 0}
+    )
+    assert cfg.controller.value == "topk" and cfg.density == 0.01
+    assert planner.config == MergeConfig("buckets", bucket_elements=2048, drift_window=0)
+    assert planner.bucket_elements == 2048 and planner.drift_window == 0
+    _, planner = build_configs(None, 0.05, MergeConfig("none"), {})
+    assert planner.strategy == "none"
+    with pytest.raises(ValueError, match="not both"):
+        build_configs(None, None, MergeConfig(), {"profile_steps": 3})
+    with pytest.raises(TypeError, match="unknown dlgs option"):
+        build_configs(None, None, "dp", {"profile_step": 3})
+    with pytest.raises(TypeError, match="merge must be a str or a dlgs.MergeConfig"):
+        build_configs(None, None, 3, {})

@@ -329,3 +329,48 @@ def test_dense_only_steps_report_nonfinite_when_asked():
         return seen, ex.nonfinite_steps
 
     assert LocalWorld(2).run(body) == [([True, False, True], 1)] * 2
+
+
+# -- the online planner, framework-free -------------------------------------------
+
+
+def _profile():
+    from dlgs.core.planner import CostModel
+    from dlgs.core.profile import LayerProfile, Profile
+
+    layers = tuple(LayerProfile(name, n, 1e-4) for name, n in SIZES)
+    slow = CostModel(5e-3, 1e-9)  # latency-bound: merging pays
+    return Profile(2, layers, slow, slow, CostModel(0.0, 1e-10), CostModel(0.0, 1e-10))
+
+
+def test_planner_replans_at_a_warmup_boundary_on_every_rank_and_round_trips():
+    from dlgs.core.profiler import OnlinePlanner
+
+    def body(rank, comm):
+        cfg = SparsityConfig(density=0.05, min_sparse_size=1024, warmup=(0.2,), warmup_steps=3)
+        ex = SparseExchange(OPS, comm, cfg, SIZES)
+        planner = OnlinePlanner("dp", profile=_profile())
+        ex.step_hooks.append(planner)
+        seen = []
+        for s in range(6):
+            for i, g in enumerate(gaussian(rank, s)):
+                ex.submit(i, g)
+            ex.wait()
+            seen.append((planner._density, [(g.members, g.sparse) for g in ex.groups]))
+        state = ex.state_dict()
+        fresh = SparseExchange(OPS, comm, cfg, SIZES)
+        fresh.step_hooks.append(OnlinePlanner("dp"))
+        fresh.load_state_dict(state, like=None)
+        for i, g in enumerate(gaussian(rank, 6)):
+            fresh.submit(i, g)
+        fresh.wait()
+        return seen, [(g.members, g.sparse) for g in fresh.groups], planner.plans_made
+
+    results = LocalWorld(2).run(body)
+    assert results[0] == results[1], "ranks planned differently"
+    seen, resumed, plans_made = results[0]
+    # The first plan is for the warm-up density; at the boundary (step 3) the
+    # planner re-plans for the final density, applied in that step's layout.
+    assert seen[0][0] == 0.2 and seen[-1][0] == 0.05
+    assert plans_made >= 2
+    assert resumed == seen[-1][1], "the resumed exchange does not use the saved plan"

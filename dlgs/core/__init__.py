@@ -2,7 +2,7 @@
 wire format and cross-rank checks. Imports no torch, TensorFlow or Horovod."""
 
 from .backend import ArrayOps
-from .config import Controller, SparsityConfig, ValueDType
+from .config import Controller, MergeConfig, SparsityConfig, ValueDType
 from .consistency import RankMismatchError, describe_mismatch, signature
 from .controller import ThresholdController, make_controller
 from .exchange import STATE_VERSION, Collectives, LayerPlan, SparseExchange, plan_layers, select
@@ -15,6 +15,7 @@ __all__ = [
     "GroupLayout",
     "LayerPlan",
     "LayoutMismatchError",
+    "MergeConfig",
     "RankMismatchError",
     "STATE_VERSION",
     "SparseExchange",

@@ -14,7 +14,7 @@ from typing import Optional, Tuple
 
 from ._checks import check_float, check_int
 
-__all__ = ["Controller", "ValueDType", "SparsityConfig"]
+__all__ = ["Controller", "MERGE_STRATEGIES", "MergeConfig", "ValueDType", "SparsityConfig"]
 
 
 class Controller(str, enum.Enum):
@@ -156,3 +156,71 @@ class SparsityConfig:
         d["value_dtype"] = self.value_dtype.value
         d["warmup"] = list(self.warmup)
         return d
+
+
+MERGE_STRATEGIES = ("dp", "none", "all", "buckets", "greedy")
+
+
+@dataclass(frozen=True)
+class MergeConfig:
+    """How layers are merged into messages: the merge plan's options.
+
+    Pass the fields as keywords to any entry point (``merge="dp",
+    profile_steps=3``) or a ready ``merge=MergeConfig(...)``. Each field is
+    defined, defaulted and validated here once.
+
+    Args:
+        strategy: ``"dp"`` (default): profile ``profile_steps`` steps, then the
+            plan that minimises the predicted iteration end, each message sparse
+            or dense; ``"none"``: one message per layer, no profiling; ``"all"``:
+            one message for every sparsified layer; ``"buckets"``: consecutive
+            layers in buckets of ``bucket_elements`` elements (OMGS-SGD);
+            ``"greedy"``: the MG-WFBP / OMGS merge rule. Given as ``merge=``.
+        profile_steps: steps timed before planning, and again under the first
+            plan before it is refined. More gives steadier medians; the final
+            plan starts later.
+        bucket_elements: elements per bucket for ``"buckets"``.
+        max_group: most layers in one message for ``"dp"`` (None: any). Bounds
+            planning time on models with hundreds of layers but forbids the
+            few-message plans that win when latency dominates.
+        drift_tolerance: re-profile and re-plan when the median step time of a
+            ``drift_window``-step window moves by more than this fraction from
+            the first window after the plan. Smaller reacts sooner, and to noise.
+        drift_window: steps per drift window (0: never re-plan on its own).
+        refine: time ``profile_steps`` steps under a fresh plan and plan once
+            more from them (the first profile cannot see how the plan's own
+            messages slow back-propagation).
+        guard: ``"dp"`` with ``refine``: keep a plan only if its timed steps
+            ended no later than the layer-wise ones; else send layer by layer.
+    """
+
+    strategy: str = "dp"
+    profile_steps: int = 5
+    bucket_elements: int = 8192
+    max_group: Optional[int] = None
+    drift_tolerance: float = 0.25
+    drift_window: int = 50
+    refine: bool = True
+    guard: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.strategy, str):
+            raise TypeError(f"merge must be a str, got {type(self.strategy).__name__}")
+        if self.strategy not in MERGE_STRATEGIES:
+            names = ", ".join(repr(s) for s in MERGE_STRATEGIES)
+            raise ValueError(f"merge must be one of {names}, got {self.strategy!r}")
+        check_int("profile_steps", self.profile_steps, 1)
+        check_int("bucket_elements", self.bucket_elements, 1)
+        # Checked here, not only when planning: a bad value must fail at
+        # construction, not several steps into training.
+        check_int("max_group", self.max_group, 1, none_ok=True)
+        check_float("drift_tolerance", self.drift_tolerance, low=0, low_open=True)
+        check_int("drift_window", self.drift_window, 0)
+        for name in ("refine", "guard"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} must be True or False, got {value!r}")
+
+    def to_dict(self) -> dict:
+        """Plain-Python form, for logging and cross-rank checks."""
+        return asdict(self)

@@ -36,6 +36,7 @@ __all__ = [
     "Collectives",
     "LayerPlan",
     "SparseExchange",
+    "StepHook",
     "log_stats",
     "plan_layers",
     "select",
@@ -325,7 +326,7 @@ class SparseExchange:
         self.last_submit_seconds: Optional[float] = None
         self._submit_seconds = 0.0
         #: Called with the exchange at the end of every step (profiling, planning).
-        self.step_hooks: List[Any] = []
+        self.step_hooks: List[StepHook] = []
         self.trace: Optional[Dict[str, Any]] = None
         self.loss_scale = loss_scale
         self._open = False  # a step has begun (first submit) and not finished
@@ -418,8 +419,12 @@ class SparseExchange:
         self._density = density
         self.like = like
         for hook in self.step_hooks:
-            if hasattr(hook, "on_density"):
-                hook.on_density(self, density)
+            on_density = getattr(hook, "on_density", None)
+            # A planner may answer a density change with a plan for it, which
+            # applies in this very layout (the exchange writes its own plan).
+            groups = on_density(self, density) if on_density is not None else None
+            if groups is not None:
+                self._plan = [(list(members), sparse) for members, sparse in groups]
         plans = self.layer_plans()
         ops = self.ops
         groups = self._group_lists(plans)
@@ -864,9 +869,7 @@ class SparseExchange:
             "step": self.step,
             "plan": self._plan,
             "hooks": {
-                type(h).__name__: h.state_dict()
-                for h in self.step_hooks
-                if hasattr(h, "state_dict")
+                _hook_key(h): h.state_dict() for h in self.step_hooks if hasattr(h, "state_dict")
             },
             "rank": self.comm.rank,
             "size": self.comm.size,
@@ -919,7 +922,7 @@ class SparseExchange:
         try:
             for hook in self.step_hooks:
                 if hasattr(hook, "load_state_dict"):
-                    hook.load_state_dict(state.get("hooks", {}).get(type(hook).__name__, {}), self)
+                    hook.load_state_dict(state.get("hooks", {}).get(_hook_key(hook), {}), self)
         except Exception:
             self.step, self._plan = old
             raise
@@ -1038,6 +1041,22 @@ class SparseExchange:
                 }
             else:
                 layer.ctrl = fresh
+
+
+class StepHook(Protocol):
+    """What :attr:`SparseExchange.step_hooks` hold (e.g. the online planner).
+
+    Called with the exchange after every step. Optional members: ``on_density(ex,
+    density)`` returning a plan for a new density (applied in that layout) or
+    None; ``state_dict()`` / ``load_state_dict(state, ex)``, saved in the
+    exchange's state under ``state_key`` (default: the class name).
+    """
+
+    def __call__(self, exchange: "SparseExchange") -> None: ...
+
+
+def _hook_key(hook: Any) -> str:
+    return getattr(hook, "state_key", type(hook).__name__)
 
 
 def _split_oversized(

@@ -26,9 +26,10 @@ import inspect
 import json
 import logging
 import statistics
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from ._checks import check_float, check_int
+from ._checks import check_int
+from .config import MERGE_STRATEGIES, MergeConfig
 from .planner import CostModel, Plan, fit_cost_model, plan_strategy
 from .profile import LayerProfile, Profile, build_spec
 
@@ -36,7 +37,6 @@ __all__ = ["OnlinePlanner", "MERGE_STRATEGIES"]
 
 logger = logging.getLogger(__name__)
 
-MERGE_STRATEGIES = ("dp", "none", "all", "buckets", "greedy")
 
 # Probe message sizes (bytes of one rank's chunk / of the allreduced buffer):
 # from 4 KiB up to the model's dense size, at most 4 MiB, so that the fitted
@@ -46,6 +46,8 @@ _PROBE_MIN, _PROBE_MAX = 4 << 10, 4 << 20
 
 class OnlinePlanner:
     """Profiles a few steps, then plans and re-plans the exchange's messages.
+
+    A :class:`~dlgs.core.exchange.StepHook` of the exchange.
 
     Args:
         strategy: ``dp``, ``none``, ``all``, ``buckets`` or ``greedy``.
@@ -93,30 +95,26 @@ class OnlinePlanner:
         refine: bool = True,
         guard: bool = True,
     ):
-        if strategy not in MERGE_STRATEGIES:
-            names = ", ".join(repr(s) for s in MERGE_STRATEGIES)
-            raise ValueError(f"merge must be one of {names}, got {strategy!r}")
-        for name, value, low in (
-            ("profile_steps", profile_steps, 1),
-            ("skip_steps", skip_steps, 0),
-            ("bucket_elements", bucket_elements, 1),
-            ("probe_reps", probe_reps, 1),
-        ):
-            check_int(name, value, low)
+        #: The merge options, validated once (:class:`~dlgs.core.config.MergeConfig`).
+        self.config = MergeConfig(
+            strategy,
+            profile_steps,
+            bucket_elements,
+            max_group,
+            drift_tolerance,
+            drift_window,
+            refine,
+            guard,
+        )
+        check_int("skip_steps", skip_steps, 0)
+        check_int("probe_reps", probe_reps, 1)
         self.strategy = strategy
         self.profile_steps = profile_steps
         self.skip_steps = skip_steps
         self.bucket_elements = bucket_elements
-        # Checked here, not only when planning: a bad value must fail at
-        # construction, not several steps into training.
-        check_int("max_group", max_group, 1, none_ok=True)
         self.max_group = max_group
         self.probe_reps = probe_reps
-        if not isinstance(refine, bool):
-            raise ValueError(f"refine must be True or False, got {refine!r}")
         self.refine = refine
-        if not isinstance(guard, bool):
-            raise ValueError(f"guard must be True or False, got {guard!r}")
         self.guard = guard
         #: The last guard's verdict: measured medians (seconds) of the
         #: layer-wise steps and of the steps under the plan, and whether the
@@ -128,8 +126,6 @@ class OnlinePlanner:
         self._refining = False  # timing steps under a fresh plan
         self._refine_armed = False
         self._plan_step = 0  # ex.step when the current plan was made
-        check_float("drift_tolerance", drift_tolerance, low=0, low_open=True)
-        check_int("drift_window", drift_window, 0)
         self.drift_tolerance = float(drift_tolerance)
         self.drift_window = drift_window
         self._ratios: List[float] = []
@@ -287,6 +283,17 @@ class OnlinePlanner:
                 raise AttributeError(f"OnlinePlanner.options: option {name!r} is not stored")
         return out
 
+    #: Key of this hook's state in the exchange's ``state_dict()``.
+    state_key = "OnlinePlanner"
+
+    @classmethod
+    def from_config(cls, config: MergeConfig, **internal: Any) -> "OnlinePlanner":
+        """A planner for ``config``; ``internal``: ``skip_steps``, ``probe_reps``,
+        ``profile``, ``record``."""
+        if not isinstance(config, MergeConfig):
+            raise TypeError(f"config must be a dlgs.MergeConfig, got {type(config).__name__}")
+        return cls(**{**config.to_dict(), **internal})
+
     @property
     def ready(self) -> bool:
         """Whether a plan has been made (it applies from the following step)."""
@@ -320,10 +327,14 @@ class OnlinePlanner:
         self._baseline = None
         self._refining = False
 
-    def on_density(self, ex, density: float) -> None:
-        """The density changed: re-plan from the same profile (all ranks)."""
+    def on_density(self, ex, density: float) -> Optional[List[Tuple[List[int], bool]]]:
+        """The density changed (the exchange is re-laying out for it): the plan
+        for the new density from the same profile, which the exchange applies in
+        this layout, or None to keep the current one. Every rank re-plans at the
+        same step, from the same profile, so every rank returns the same plan."""
         if self.profile is not None and self.plan is not None and density != self._density:
-            self._replan(ex, density, defer=False)
+            return self._replan(ex, density, defer=False)
+        return None
 
     # -- measuring ---------------------------------------------------------------
     def _measure(self, ex, under: Optional[Profile] = None) -> Profile:
@@ -434,7 +445,11 @@ class OnlinePlanner:
         return _fit_or_flat(sizes, times)
 
     # -- planning ----------------------------------------------------------------
-    def _replan(self, ex, density: Optional[float] = None, *, defer: bool = True) -> None:
+    def _replan(
+        self, ex, density: Optional[float] = None, *, defer: bool = True
+    ) -> List[Tuple[List[int], bool]]:
+        """Plan from the profile; with ``defer`` set the plan on the exchange
+        (from the next step), else only return it (``on_density``)."""
         assert self.profile is not None
         d = ex.density if density is None else density
         profile = self.profile
@@ -462,14 +477,13 @@ class OnlinePlanner:
         groups = [([self.order[p] for p in g.members], g.sparse) for g in plan.groups]
         if defer:
             ex.set_plan(groups)
-        else:
-            ex._plan = [(list(m), s) for m, s in groups]
         logger.info(
             "dlgs plan at step %d (density %g):\n%s",
             ex.step,
             d,
             plan.describe([layer.name for layer in profile.layers]),
         )
+        return groups
 
     # -- checkpoints -------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:

@@ -60,8 +60,7 @@ class Compression:
     Args:
         variables: the variables whose gradients Horovod reduces (Keras 3
             variables or ``tf.Variable``), in the order of the tape's sources.
-        density, config, merge, profile_steps, bucket_elements, max_group,
-            drift_tolerance, drift_window, log_every, **options: as
+        density, config, merge, log_every, **options: as
             :func:`dlgs.tensorflow.DistributedGradientTape`.
         process_set: the Horovod process set the tape uses.
         name: prefix of this compressor's Horovod tensor names.
@@ -79,12 +78,7 @@ class Compression:
         density: Optional[float] = None,
         *,
         config: Optional[SparsityConfig] = None,
-        merge: str = "dp",
-        profile_steps: int = 5,
-        bucket_elements: int = 8192,
-        max_group: Optional[int] = None,
-        drift_tolerance: float = 0.25,
-        drift_window: int = 50,
+        merge: Any = "dp",
         process_set=hvd.global_process_set,
         log_every: int = 0,
         name: str = "dlgs.c",
@@ -93,15 +87,7 @@ class Compression:
     ):
         _options.check_log_every(log_every)
         check_scaler(scaler)
-        cfg = _options.build_config(config, density, options)
-        planner = _options.build_planner(
-            merge,
-            profile_steps=profile_steps,
-            bucket_elements=bucket_elements,
-            max_group=max_group,
-            drift_tolerance=drift_tolerance,
-            drift_window=drift_window,
-        )
+        cfg, planner = _options.build_configs(config, density, merge, options)
         if isinstance(variables, (str, bytes)) or not hasattr(variables, "__iter__"):
             raise TypeError("variables must be a list of variables, e.g. model.trainable_variables")
         self._variables = list(variables)

@@ -97,12 +97,7 @@ def DistributedOptimizer(
     *,
     density: Optional[float] = None,
     config: Optional[SparsityConfig] = None,
-    merge: str = "dp",
-    profile_steps: int = 5,
-    bucket_elements: int = 8192,
-    max_group: Optional[int] = None,
-    drift_tolerance: float = 0.25,
-    drift_window: int = 50,
+    merge: Any = "dp",
     log_every: int = 0,
     **options: Any,
 ) -> keras.optimizers.Optimizer:
@@ -128,8 +123,7 @@ def DistributedOptimizer(
     ``fit`` / ``apply``, saying what to write instead.
 
     Args:
-        density, config, merge, profile_steps, bucket_elements, max_group,
-            drift_tolerance, drift_window, log_every, **options: as
+        density, config, merge, log_every, **options: as
             :func:`dlgs.tensorflow.DistributedGradientTape`.
 
     Returns:
@@ -157,15 +151,7 @@ def DistributedOptimizer(
     prefix = "dlgs.keras" if name is None else name
     if not isinstance(prefix, str) or not prefix:
         raise ValueError(f"name must be None or a non-empty str, got {name!r}")
-    cfg = _options.build_config(config, density, options)
-    planner = _options.build_planner(
-        merge,
-        profile_steps=profile_steps,
-        bucket_elements=bucket_elements,
-        max_group=max_group,
-        drift_tolerance=drift_tolerance,
-        drift_window=drift_window,
-    )
+    cfg, planner = _options.build_configs(config, density, merge, options)
     average = op == hvd.Average
     pre, post = (
         (1.0 / gradient_predivide_factor, gradient_predivide_factor) if average else (1.0, 1.0)

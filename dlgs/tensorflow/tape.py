@@ -99,12 +99,7 @@ def DistributedGradientTape(
     *,
     density: Optional[float] = None,
     config: Optional[SparsityConfig] = None,
-    merge: str = "dp",
-    profile_steps: int = 5,
-    bucket_elements: int = 8192,
-    max_group: Optional[int] = None,
-    drift_tolerance: float = 0.25,
-    drift_window: int = 50,
+    merge: Any = "dp",
     log_every: int = 0,
     name: str = "dlgs.tape",
     scaler: Optional[Any] = None,
@@ -126,9 +121,8 @@ def DistributedGradientTape(
         density: fraction of each sparsified layer sent per step, in (0, 1]
             (default 0.01; give either ``density`` or ``config``).
         config: a ready :class:`dlgs.SparsityConfig` instead of keyword options.
-        merge, profile_steps, bucket_elements, max_group, drift_tolerance,
-            drift_window: the merge plan, as in :func:`dlgs.torch.DistributedOptimizer`
-            (docs/options.md).
+        merge: the merge plan, a strategy name or a :class:`dlgs.MergeConfig`,
+            as in :func:`dlgs.torch.DistributedOptimizer` (docs/options.md).
         log_every: log per-layer statistics to the ``dlgs.tensorflow`` logger
             every this many steps (0: never).
         name: the exchange this tape continues (residuals and plan persist
@@ -142,7 +136,8 @@ def DistributedGradientTape(
             non-finite on every rank, so the optimizer skips the same steps
             everywhere and the skipped step leaves dlgs' state untouched.
             Without it, a scaled loss mixes scales in the residuals.
-        **options: any other :class:`dlgs.SparsityConfig` field.
+        **options: any other :class:`dlgs.SparsityConfig` field, and any
+            :class:`dlgs.MergeConfig` field but ``strategy``.
 
     Raises:
         ValueError / TypeError: bad options (naming the option and the accepted
@@ -161,19 +156,10 @@ def DistributedGradientTape(
     check_scaler(scaler)
     if not isinstance(name, str) or not name:
         raise ValueError(f"name must be a non-empty str, got {name!r}")
-    cfg = _options.build_config(config, density, options)
-    planner_options = dict(
-        profile_steps=profile_steps,
-        bucket_elements=bucket_elements,
-        max_group=max_group,
-        drift_tolerance=drift_tolerance,
-        drift_window=drift_window,
-    )
-    planner = _options.build_planner(merge, **planner_options)
+    cfg, planner = _options.build_configs(config, density, merge, options)
     key = (
         cfg,
-        merge,
-        tuple(sorted(planner_options.items())),
+        planner.config,
         op,
         float(gradient_predivide_factor),
         id(process_set),

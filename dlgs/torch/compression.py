@@ -25,14 +25,12 @@ from typing import Any, Dict, List, Optional
 import horovod.torch as hvd
 import torch
 
-from .._options import check_log_every
+from .._options import build_configs, check_log_every
 from ..core.config import SparsityConfig
 from ._amp import check_scaler, scale_reader
 from ._engine import (
     HorovodCollectives,
-    build_config,
     build_exchange,
-    build_planner,
     log_stats,
     named_trainable,
 )
@@ -51,13 +49,14 @@ class Compression:
         density: fraction of each sparsified layer sent per step, in (0, 1]
             (default 0.01; give either ``density`` or ``config``).
         config: a ready :class:`dlgs.SparsityConfig` instead of keyword options.
-        merge, profile_steps, bucket_elements, max_group: the merge plan, as
-            in :func:`dlgs.torch.DistributedOptimizer`; in this form layers that
+        merge: the merge plan, as in :func:`dlgs.torch.DistributedOptimizer`
+            (its options are keyword options); in this form layers that
             go dense are allreduced by Horovod one by one (its fusion merges
             them), so only sparse messages follow the plan.
         process_set: the Horovod process set the optimizer uses.
         log_every: log per-layer statistics every this many steps (0: never).
-        **options: other :class:`dlgs.SparsityConfig` fields.
+        **options: other :class:`dlgs.SparsityConfig` and :class:`dlgs.MergeConfig`
+            fields.
 
     Use with ``op=hvd.Average`` or ``hvd.Sum``; Horovod's ``groups=`` also works.
     """
@@ -68,12 +67,7 @@ class Compression:
         density: Optional[float] = None,
         *,
         config: Optional[SparsityConfig] = None,
-        merge: str = "dp",
-        profile_steps: int = 5,
-        bucket_elements: int = 8192,
-        max_group: Optional[int] = None,
-        drift_tolerance: float = 0.25,
-        drift_window: int = 50,
+        merge: Any = "dp",
         process_set=hvd.global_process_set,
         log_every: int = 0,
         scaler: Optional[Any] = None,
@@ -81,15 +75,7 @@ class Compression:
     ):
         check_log_every(log_every)
         check_scaler(scaler)
-        cfg = build_config(config, density, options)
-        planner = build_planner(
-            merge,
-            profile_steps=profile_steps,
-            bucket_elements=bucket_elements,
-            max_group=max_group,
-            drift_tolerance=drift_tolerance,
-            drift_window=drift_window,
-        )
+        cfg, planner = build_configs(config, density, merge, options)
         params = named_trainable(named_parameters)
         if not params:
             raise ValueError("named_parameters contains no parameter that requires grad")

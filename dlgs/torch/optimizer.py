@@ -24,14 +24,19 @@ import torch
 from horovod.torch.optimizer import _DistributedOptimizer
 from torch.autograd import Variable
 
-from .._options import check_int, check_log_every, check_no_groups, check_op, check_predivide
+from .._options import (
+    build_configs,
+    check_int,
+    check_log_every,
+    check_no_groups,
+    check_op,
+    check_predivide,
+)
 from ..core.config import SparsityConfig
 from ._amp import check_scaler, scale_reader
 from ._engine import (
     HorovodCollectives,
-    build_config,
     build_exchange,
-    build_planner,
     log_stats,
     named_trainable,
 )
@@ -263,12 +268,7 @@ def DistributedOptimizer(
     *,
     density: Optional[float] = None,
     config: Optional[SparsityConfig] = None,
-    merge: str = "dp",
-    profile_steps: int = 5,
-    bucket_elements: int = 8192,
-    max_group: Optional[int] = None,
-    drift_tolerance: float = 0.25,
-    drift_window: int = 50,
+    merge: Any = "dp",
     log_every: int = 0,
     scaler: Optional[Any] = None,
     **options: Any,
@@ -283,20 +283,14 @@ def DistributedOptimizer(
             (default 0.01; give either ``density`` or ``config``).
             See :class:`dlgs.SparsityConfig` for what it trades.
         config: a ready :class:`dlgs.SparsityConfig` instead of keyword options.
-        merge: how layers are merged into messages: ``"dp"`` (default: profile
-            ``profile_steps`` steps, then the plan that minimises the predicted
-            iteration end, each message sparse or dense), ``"none"``
-            (layer-wise, no profiling), ``"all"`` (one message), ``"buckets"``
-            (fixed ``bucket_elements``-element buckets, like OMGS-SGD) or
-            ``"greedy"`` (the MG-WFBP / OMGS merge rule). See docs/planning.md.
-        profile_steps: steps timed before planning (after the first step).
-        bucket_elements: elements per bucket for ``merge="buckets"``.
-        max_group: most layers in one message for ``merge="dp"`` (None: any;
-            bounds planning time on models with hundreds of layers).
-        drift_tolerance, drift_window: profile again and re-plan when the
-            median step time of a ``drift_window``-step window moves by more
-            than ``drift_tolerance`` from the first window after the plan
-            (``drift_window=0``: never on its own).
+        merge: how layers are merged into messages: ``"dp"`` (default: time a
+            few steps, then the plan that minimises the predicted iteration end,
+            each message sparse or dense), ``"none"`` (layer-wise, no
+            profiling), ``"all"``, ``"buckets"`` or ``"greedy"``; or a ready
+            :class:`dlgs.MergeConfig`. Its other fields (``profile_steps``,
+            ``bucket_elements``, ``max_group``, ``drift_tolerance``,
+            ``drift_window``, ``refine``, ``guard``) are keyword options,
+            documented once in :class:`dlgs.MergeConfig`. See docs/planning.md.
         log_every: log per-layer statistics to the ``dlgs.torch`` logger every
             this many steps (0: never). Each log synchronises the device once.
         scaler: the ``torch.amp.GradScaler`` of a mixed-precision loop (None:
@@ -306,7 +300,8 @@ def DistributedOptimizer(
             scaler.unscale_(opt); with opt.skip_synchronize(): scaler.step(opt)``)
             and the plain ``scaler.step(opt)`` skip the same steps on every rank.
             Without it, a loss-scaled loop mixes scales in the residuals.
-        **options: any other :class:`dlgs.SparsityConfig` field (``controller``,
+        **options: any :class:`dlgs.MergeConfig` field but ``strategy``, and any
+            other :class:`dlgs.SparsityConfig` field (``controller``,
             ``max_ratio``, ``min_sparse_size``, ``anchor_every``, ``momentum``,
             ``warmup``, ``warmup_steps``, ``value_dtype``, ...).
 
@@ -325,15 +320,7 @@ def DistributedOptimizer(
     check_predivide(gradient_predivide_factor, op, hvd.Average)
     check_log_every(log_every)
     check_scaler(scaler)
-    cfg = build_config(config, density, options)
-    planner = build_planner(
-        merge,
-        profile_steps=profile_steps,
-        bucket_elements=bucket_elements,
-        max_group=max_group,
-        drift_tolerance=drift_tolerance,
-        drift_window=drift_window,
-    )
+    cfg, planner = build_configs(config, density, merge, options)
     methods = {k: v for k, v in _SparseOverrides.__dict__.items() if k not in _NOT_COPIED}
     cls = type(
         optimizer.__class__.__name__,
