@@ -138,3 +138,40 @@ def _horovod_handle_of_this_test(request):
     if name in ("horovod.torch", "horovod.tensorflow") and name in sys.modules:
         bind_horovod(sys.modules[name])
     yield
+
+
+def check_fault_injection(r0: dict, r1: dict, faults: dict) -> None:
+    """The fault-injection scenario of either framework (``amp_worker.py``,
+    ``tf_amp_worker.py``): each case's record from both ranks, ``faults`` the
+    injected step -> layer. Every rank flags exactly those steps and layers, a
+    skipped step leaves the state exactly as it was, the state stays finite and
+    the controllers return to their targets."""
+    for case, rec in r0.items():
+        other = r1[case]
+        bad = [s for s, ok in enumerate(rec["finite"]) if not ok]
+        assert bad == sorted(faults), f"{case}: non-finite steps {bad}"
+        assert rec["finite"] == other["finite"], f"{case}: ranks disagree on the verdict"
+        for s, layers in enumerate(rec["nan_layers"]):
+            expect = [faults[s]] if s in faults else []
+            assert layers == expect, f"{case} step {s}: non-finite gradients in {layers}"
+            assert other["nan_layers"][s] == layers, f"{case} step {s}: ranks differ"
+        # A skipped step leaves residuals, velocities and thresholds exactly as they were.
+        assert rec["unchanged_by_bad_step"] == [0.0] * len(faults), (case, rec)
+        assert other["unchanged_by_bad_step"] == [0.0] * len(faults), (case, other)
+        assert rec["state_finite"] and other["state_finite"], f"{case}: non-finite state"
+        late = rec["ratio"][-5:]
+        if case == "fixed":
+            assert min(late) > 0, f"{case}: nothing selected after the faults: {late}"
+        else:
+            mean = sum(late) / len(late)
+            assert 0.5 <= mean <= 2.0, f"{case}: selected/target {late} after the faults"
+    assert r0["merged"]["messages"] < r0["dynamic"]["messages"]
+
+
+def check_scaled_conservation(ranks_values) -> None:
+    """sent + residual = accumulated unscaled input on every rank, one skipped step."""
+    for r, v in enumerate(ranks_values):
+        for case, rec in v.items():
+            assert rec["skipped"] == [3], f"rank {r} {case}: skipped {rec['skipped']}"
+            assert rec["sparse_layers"] >= 2
+            assert rec["max_error"] <= 1e-5 * rec["scale"], f"rank {r} {case}: {rec}"

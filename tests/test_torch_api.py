@@ -162,3 +162,11 @@ def test_horovod_broadcast_helpers_work(base):
     m(torch.randn(8, 64)).sum().backward()
     opt.step()
     assert opt.dlgs_exchange.step == 1
+
+
+def test_compression_form_exposes_the_planner_like_the_optimizer():
+    model = torch.nn.Linear(64, 32)
+    comp = dlgs.torch.Compression(model.named_parameters(), merge="buckets", bucket_elements=512)
+    assert comp.planner.strategy == "buckets" and comp.planner.bucket_elements == 512
+    assert comp.planner.config == dlgs.MergeConfig("buckets", bucket_elements=512)
+    comp.reprofile()  # between steps: profiles again from the next step

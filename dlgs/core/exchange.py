@@ -30,7 +30,7 @@ from .backend import ArrayOps
 from .config import SparsityConfig, ValueDType
 from .consistency import RankMismatchError
 from .controller import ThresholdController, make_controller
-from .wire import GroupLayout
+from .wire import GroupLayout, member_bytes
 
 __all__ = [
     "Collectives",
@@ -89,23 +89,24 @@ class LayerPlan:
     k: int
     capacity: int
     sparse: bool
+    value_dtype: ValueDType = ValueDType.FLOAT32
 
     @property
     def wire_bytes(self) -> int:
         """Bytes this rank contributes per step when sent by the per-layer rule:
-        a count word, float32 values and int32 indices, or the dense gradient."""
-        return 4 + self.capacity * 8 if self.sparse else self.numel * 4
+        a count word, values and int32 indices, or the float32 dense gradient."""
+        return member_bytes(self.capacity, self.value_dtype) if self.sparse else self.numel * 4
 
 
 def plan_layers(sizes: Sequence[int], density: float, config: SparsityConfig) -> List[LayerPlan]:
     """Target count, capacity and sparse/dense decision of each layer."""
-    vbytes = 2 if config.value_dtype is ValueDType.FLOAT16 else 4
     plans = []
     for n in sizes:
         k = max(1, math.ceil(density * n))
         cap = min(n, math.ceil(config.max_ratio * k))
-        sparse = n >= config.min_sparse_size and cap * (vbytes + 4) < 4 * n
-        plans.append(LayerPlan(n, k, cap, sparse))
+        # Sparse only where its message (less the count word) beats the dense one.
+        sparse = n >= config.min_sparse_size and member_bytes(cap, config.value_dtype) - 4 < 4 * n
+        plans.append(LayerPlan(n, k, cap, sparse, config.value_dtype))
     return plans
 
 
@@ -639,9 +640,9 @@ class SparseExchange:
         # One reduction tells whether |a| has a NaN or an infinity; the verdict
         # travels as the member's count word (-1), so every rank learns it.
         ok = ops.isfinite(ops.amax(absx))
-        off = layout.value_offset(layer.member)
-        out_vals = ops.narrow(layout.values_view(ops, group.chunk), 0, off, cap)
-        ops.gather_(nxt, idx, out_vals)
+        out_vals = layout.pack(
+            ops, group.chunk, layer.member, nxt, idx, ops.count_or_flag(count, ok)
+        )
         if layout.value_dtype is ValueDType.FLOAT32:
             ops.fill_at_(nxt, idx, 0.0)
         else:
@@ -649,9 +650,6 @@ class SparseExchange:
             ops.sub_at_(nxt, idx, ops.cast(out_vals, "float32"))
         if layer.velocity is not None:
             ops.fill_at_(layer.velocity_next, idx, 0.0)  # DGC factor masking
-        out_idx = ops.narrow(layout.indices_view(ops, group.chunk), 0, off, cap)
-        ops.add_offset_(out_idx, idx, layout.dense_offset(layer.member))
-        layout.write_count(ops, group.chunk, layer.member, ops.count_or_flag(count, ok))
         layer.count = count
         layer.theta = theta
 
@@ -820,7 +818,6 @@ class SparseExchange:
         (selected / numel), threshold, wire_bytes (this rank, per step).
         """
         ops = self.ops
-        vbytes = 2 if self.config.value_dtype is ValueDType.FLOAT16 else 4
         rows = []
         for layer in self.layers:
             plan = layer.plan
@@ -835,7 +832,7 @@ class SparseExchange:
                 "capacity": plan.capacity,
                 # This rank's contribution: count word, values and indices, or the
                 # float32 gradient (before any Horovod compression of dense layers).
-                "wire_bytes": 4 + plan.capacity * (vbytes + 4) if sparse else 4 * layer.numel,
+                "wire_bytes": plan.wire_bytes if sparse else 4 * layer.numel,
                 "message": layer.group,
             }
             if sparse and layer.count is not None:

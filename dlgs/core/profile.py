@@ -9,15 +9,15 @@ rank, and turned into a :class:`~dlgs.core.planner.PlanSpec` for any density.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Sequence, Tuple, Union
 
 from ._checks import check_float, check_int
-from .config import SparsityConfig, ValueDType
+from .config import SparsityConfig
 from .exchange import plan_layers
 from .planner import CostModel, LayerCost, PlanSpec
+from .wire import member_bytes
 
 __all__ = ["LayerProfile", "Profile", "build_spec", "PROFILE_VERSION"]
 
@@ -160,16 +160,14 @@ def build_spec(
 ) -> Tuple[PlanSpec, List[bool]]:
     """The planner's input at ``density``, and which layers the per-layer rule
     (``min_sparse_size``, sparse smaller than dense) would send sparse."""
-    vbytes = 2 if config.value_dtype is ValueDType.FLOAT16 else 4
     plans = plan_layers([layer.numel for layer in profile.layers], density, config)
     layers = []
     for layer, plan in zip(profile.layers, plans):
-        value_bytes = 4 * math.ceil(plan.capacity * vbytes / 4)
         layers.append(
             LayerCost(
                 name=layer.name,
                 backward=layer.backward,
-                sparse_bytes=4 + value_bytes + 4 * plan.capacity,
+                sparse_bytes=member_bytes(plan.capacity, config.value_dtype),
                 dense_bytes=4 * layer.numel,
                 sparsify=profile.sparsify(layer.numel),
                 pack=profile.pack(layer.numel),

@@ -30,7 +30,7 @@ from typing import Any, Tuple
 from .backend import ArrayOps
 from .config import ValueDType
 
-__all__ = ["GroupLayout", "LayoutMismatchError"]
+__all__ = ["GroupLayout", "LayoutMismatchError", "member_bytes", "value_bytes"]
 
 
 class LayoutMismatchError(RuntimeError):
@@ -38,6 +38,18 @@ class LayoutMismatchError(RuntimeError):
 
 
 _VALUE_BYTES = {ValueDType.FLOAT32: 4, ValueDType.FLOAT16: 2}
+
+
+def value_bytes(value_dtype: ValueDType) -> int:
+    """Bytes of one value on the wire."""
+    return _VALUE_BYTES[ValueDType(value_dtype)]
+
+
+def member_bytes(capacity: int, value_dtype: ValueDType) -> int:
+    """Bytes one layer sent alone adds to its message: the count word, its
+    values padded to whole words and its int32 indices (the message adds one
+    fingerprint word). Every size formula in dlgs calls this or GroupLayout."""
+    return 4 * (1 + math.ceil(capacity * value_bytes(value_dtype) / 4) + capacity)
 
 
 @dataclass(frozen=True)
@@ -118,6 +130,20 @@ class GroupLayout:
         head = ops.narrow(chunk, 0, 0, 1)
         ops.copy_(head, ops.cast(ops.scalar(float(self.fingerprint), like), "int32"))
         return chunk
+
+    def pack(self, ops: ArrayOps, chunk: Any, i: int, source: Any, idx: Any, count: Any) -> Any:
+        """Write member ``i``'s message: the values ``source[idx]`` (in the wire
+        dtype), the indices shifted to the member's place in the dense buffer,
+        and its count word. Returns the values as written (for the residual)."""
+        cap = self.caps[i]
+        off = self.value_offset(i)
+        values = ops.narrow(self.values_view(ops, chunk), 0, off, cap)
+        ops.gather_(source, idx, values)
+        ops.add_offset_(
+            ops.narrow(self.indices_view(ops, chunk), 0, off, cap), idx, self.dense_offset(i)
+        )
+        self.write_count(ops, chunk, i, count)
+        return values
 
     def write_count(self, ops: ArrayOps, chunk: Any, i: int, count: Any) -> None:
         """Member ``i``'s count word: its selected count, or -1 when its

@@ -76,6 +76,7 @@ class Compression:
         check_log_every(log_every)
         check_scaler(scaler)
         cfg, planner = build_configs(config, density, merge, options)
+        self._planner = planner
         params = named_trainable(named_parameters)
         if not params:
             raise ValueError("named_parameters contains no parameter that requires grad")
@@ -101,6 +102,18 @@ class Compression:
         # decompress() calls are still to come.
         self._external: List[Any] = []
         self._left = 0
+
+    @property
+    def planner(self):
+        """The :class:`~dlgs.core.profiler.OnlinePlanner` (``planner.plan`` is the
+        merge plan in force with its predicted times; None before the first)."""
+        return self._planner
+
+    def reprofile(self) -> None:
+        """Profile again from the next step and re-plan. Collective: call it on
+        every rank, between steps (as ``dlgs.torch.DistributedOptimizer``'s
+        ``dlgs_reprofile``)."""
+        self._planner.restart()
 
     @property
     def exchange(self):
