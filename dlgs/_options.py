@@ -8,8 +8,9 @@ TensorFlow nor Horovod.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import fields
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 from .core._checks import check_float, check_int
 from .core.config import MergeConfig, SparsityConfig
@@ -23,6 +24,7 @@ __all__ = [
     "check_op",
     "check_no_groups",
     "check_predivide",
+    "warn_float64",
     "check_int",
 ]
 
@@ -84,6 +86,20 @@ def build_configs(
     merge_options = {k: options.pop(k) for k in _MERGE_FIELDS if k in options}
     planner = build_planner(merge, **merge_options)
     return build_config(config, density, options), planner
+
+
+def warn_float64(kind: str, names: Sequence[str], log: logging.Logger) -> None:
+    """One warning at construction naming the float64 ``kind`` (parameters or
+    variables): dlgs keeps sparse layers' residuals and wire values in float32."""
+    if names:
+        more = f" and {len(names) - 10} more" if len(names) > 10 else ""
+        log.warning(
+            "dlgs: float64 %s %s%s are exchanged in float32: sparse layers' residuals and "
+            "values on the wire are float32 (the reduced gradient is cast back to float64)",
+            kind,
+            list(names[:10]),
+            more,
+        )
 
 
 def check_log_every(log_every: Any) -> None:

@@ -337,7 +337,8 @@ class SparseExchange:
         self._flags: List[Any] = []  # device bools: something non-finite this step
         self._dense_out: Dict[int, Any] = {}  # dense outputs to check this step
         self._finite = True
-        self._lazy_flag: Any = None  # a step's verdict not read yet (no state to undo)
+        # A step's flags and dense outputs, not checked yet (no state to undo).
+        self._lazy_flag: Any = None
         #: Steps whose gradients were non-finite somewhere (state left untouched).
         self.nonfinite_steps = 0
         self._nonfinite_logged = -math.inf  # time of the last warning
@@ -351,10 +352,13 @@ class SparseExchange:
     def last_step_finite(self) -> bool:
         """Whether the last finished step's gradients were finite on every rank
         (all layers, dense ones included). Reading it after a step with no
-        sparse layer and no momentum correction synchronises the device once."""
+        sparse layer and no momentum correction checks that step's dense outputs
+        then (read it before ``zero_grad``) and synchronises the device once."""
         if self._lazy_flag is not None:
-            flag, self._lazy_flag = self._lazy_flag, None
-            if self.ops.to_host(flag):
+            (flags, dense), self._lazy_flag = self._lazy_flag, None
+            if dense:
+                flags = flags + [self.ops.any_nonfinite(dense)]
+            if self.ops.to_host(self.ops.any_true(flags)):
                 self._finite = False
                 self.nonfinite_steps += 1
         return self._finite
@@ -716,8 +720,6 @@ class SparseExchange:
                     out[i] = ops.narrow(group.dense, 0, start, self.layers[i].numel)
             group.ready = 0
             group.handle = None
-        if self._dense_out:
-            self._flags.append(ops.any_nonfinite(list(self._dense_out.values())))
         if finish:
             self.finish()
         return out
@@ -730,16 +732,17 @@ class SparseExchange:
         was finite."""
         ops = self.ops
         flags = list(self._flags)
-        if external:
-            flags.append(ops.any_nonfinite([t for _, t in external]))
+        dense = list(self._dense_out.values()) + [t for _, t in external]
         self._lazy_flag = None
         if self._tracks_state():
+            if dense:
+                flags.append(ops.any_nonfinite(dense))
             finite = not flags or not ops.to_host(ops.any_true(flags))
         else:
             # Nothing to undo (every layer dense, no momentum correction): the
-            # verdict is read only if asked for (last_step_finite), so a dense
-            # step costs no host synchronisation beyond Horovod's own.
-            self._lazy_flag = ops.any_true(flags) if flags else None
+            # dense outputs are checked only if asked (last_step_finite), so a
+            # dense step costs neither a pass over them nor a host sync.
+            self._lazy_flag = (flags, dense) if flags or dense else None
             finite = True
         submitted = sorted(self._submitted)
         for i in submitted:

@@ -31,6 +31,7 @@ import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
 
+from .. import _options
 from ..core.config import SparsityConfig
 from ..core.consistency import agreed_options, check_ranks_agree, horovod_options, signature
 from ..core.exchange import SparseExchange
@@ -225,16 +226,11 @@ class Engine:
                         f"variable {variable_name(v)!r} has dtype {_dtype(v).name}: only "
                         "floating-point variables have gradients to exchange"
                     )
-            wide = [n for n, v in zip(names, variables) if _dtype(v) == tf.float64]
-            if wide:
-                more = f" and {len(wide) - 10} more" if len(wide) > 10 else ""
-                logger.warning(
-                    "dlgs: float64 variables %s%s are exchanged in float32: sparse layers' "
-                    "residuals and values on the wire are float32 (the reduced gradient is "
-                    "cast back to float64)",
-                    wide[:10],
-                    more,
-                )
+            _options.warn_float64(
+                "variables",
+                [n for n, v in zip(names, variables) if _dtype(v) == tf.float64],
+                logger,
+            )
             with tf.init_scope():  # eager even while a tf.function is traced
                 self._build(names, shapes, [_dtype(v).name for v in variables])
         elif names != self.names:

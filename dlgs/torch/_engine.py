@@ -14,7 +14,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 import horovod.torch as hvd
 import torch
 
-from .._options import build_config, build_planner
+from .._options import build_config, build_planner, warn_float64
 from ..core.config import SparsityConfig
 from ..core.consistency import agreed_options, check_ranks_agree, horovod_options, signature
 from ..core.exchange import SparseExchange
@@ -147,15 +147,7 @@ def named_trainable(
                 f"parameter {name!r} has dtype {p.dtype}: dlgs exchanges real floating-point "
                 "gradients only (float32, float16, bfloat16 or float64)"
             )
-    wide = [n for n, p in trainable if p.dtype == torch.float64]
-    if wide:
-        more = f" and {len(wide) - 10} more" if len(wide) > 10 else ""
-        logger.warning(
-            "dlgs: float64 parameters %s%s are exchanged in float32: sparse layers' residuals "
-            "and values on the wire are float32 (the reduced gradient is cast back to float64)",
-            wide[:10],
-            more,
-        )
+    warn_float64("parameters", [n for n, p in trainable if p.dtype == torch.float64], logger)
     return trainable
 
 
