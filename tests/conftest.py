@@ -175,3 +175,14 @@ def check_scaled_conservation(ranks_values) -> None:
             assert rec["skipped"] == [3], f"rank {r} {case}: skipped {rec['skipped']}"
             assert rec["sparse_layers"] >= 2
             assert rec["max_error"] <= 1e-5 * rec["scale"], f"rank {r} {case}: {rec}"
+
+
+def tf_single_thread(tf) -> None:
+    """One TensorFlow thread, as the multi-rank workers use. TensorFlow fixes its
+    thread pools when its context starts; a module that ran earlier in the same
+    pytest process may already have started it, and then this is a no-op."""
+    try:
+        tf.config.threading.set_intra_op_parallelism_threads(1)
+        tf.config.threading.set_inter_op_parallelism_threads(1)
+    except RuntimeError:  # "cannot be modified after initialization"
+        pass

@@ -14,7 +14,7 @@ import logging
 import horovod.torch as hvd
 import pytest
 import torch
-from conftest import bind_horovod
+from conftest import bind_horovod, tf_single_thread
 
 import dlgs
 import dlgs.torch
@@ -214,8 +214,7 @@ def tfmods():
     keras = pytest.importorskip("keras")
     # As tests/test_tensorflow.py: these can only be set before TF initialises,
     # and setting the same values again later is allowed.
-    tf.config.threading.set_intra_op_parallelism_threads(1)
-    tf.config.threading.set_inter_op_parallelism_threads(1)
+    tf_single_thread(tf)
     bind_horovod(hvd_tf)
     hvd_tf.init()
     pytest.importorskip("dlgs.tensorflow.keras")  # imports dlgs.tensorflow too

@@ -14,7 +14,15 @@ import textwrap
 
 import numpy as np
 import pytest
-from conftest import ROOT, bind_horovod, horovodrun, load_ranks, run_scenarios, value
+from conftest import (
+    ROOT,
+    bind_horovod,
+    horovodrun,
+    load_ranks,
+    run_scenarios,
+    tf_single_thread,
+    value,
+)
 
 tf = pytest.importorskip("tensorflow")
 hvd = pytest.importorskip("horovod.tensorflow")
@@ -37,8 +45,7 @@ SCENARIOS = [
 
 @pytest.fixture(scope="module", autouse=True)
 def horovod():
-    tf.config.threading.set_intra_op_parallelism_threads(1)
-    tf.config.threading.set_inter_op_parallelism_threads(1)
+    tf_single_thread(tf)
     bind_horovod(hvd)
     hvd.init()
     yield

@@ -17,6 +17,7 @@ from conftest import (
     check_fault_injection,
     check_scaled_conservation,
     run_scenarios,
+    tf_single_thread,
     value,
 )
 
@@ -40,6 +41,7 @@ LAUNCH_TIMEOUT = 300
 
 @pytest.fixture(scope="module", autouse=True)
 def horovod():
+    tf_single_thread(tf)
     bind_horovod(hvd)
     hvd.init()
     yield
