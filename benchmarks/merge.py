@@ -67,7 +67,7 @@ def run_strategy(args, strategy: str) -> List[Dict[str, float]]:
         merge=strategy,
         profile_steps=args.profile_steps,
     )
-    planner = opt.dlgs_planner
+    planner = opt.dlgs.planner
     planner.record = True
     g = torch.Generator().manual_seed(hvd.rank())
     x = torch.randn(shape, generator=g)

@@ -129,7 +129,7 @@ def timing_text(mode: str) -> str:
         + " Sparsify: for the methods built on dlgs, that rank's median host time in its "
         "exchange's submits (selection, packing, starting collectives), which run after "
         "the local gradient, inside step wait. Wire: bytes one rank contributes per step "
-        "(dense/fp16: 4/2 bytes per parameter; dlgs: the sum of `dlgs_stats()` "
+        "(dense/fp16: 4/2 bytes per parameter; dlgs: the sum of `.dlgs.stats()` "
         "`wire_bytes`, values + indices at capacity, dense layers at 4 bytes; with "
         "`--rounds`, the mean over rounds, as each round plans anew). Efficiency: "
         "no-comm median / method median."
@@ -260,8 +260,8 @@ def run_method(
                 out.backward.append(t2 - t1)
                 out.step_wait.append(t3 - t2)
             if method in SPARSE_METHODS:
-                out.sparsify.append(last["tape"].dlgs_exchange.last_submit_seconds)
-        elif i == warmup - 1 and merging and not last["tape"].dlgs_planner.settled:
+                out.sparsify.append(last["tape"].dlgs.exchange.last_submit_seconds)
+        elif i == warmup - 1 and merging and not last["tape"].dlgs.planner.settled:
             raise RuntimeError(
                 f"{method}: no final merge plan after {warmup} warm-up steps "
                 f"(expected one after {settle_steps(profile_steps)})"
@@ -275,11 +275,11 @@ def run_method(
         out.wire_bytes = 2 * params
     elif method in SPARSE_METHODS:
         tape = last["tape"]
-        out.wire_bytes = sum(int(r["wire_bytes"]) for r in tape.dlgs_stats())
-        out.messages = len(tape.dlgs_exchange.groups)
-        out.guard = guard_verdict(tape.dlgs_planner)
+        out.wire_bytes = sum(int(r["wire_bytes"]) for r in tape.dlgs.stats())
+        out.messages = len(tape.dlgs.exchange.groups)
+        out.guard = guard_verdict(tape.dlgs.planner)
         if merging:
-            logger.debug("%s: plan in force\n%s", method, tape.dlgs_planner.plan.describe())
+            logger.debug("%s: plan in force\n%s", method, tape.dlgs.planner.plan.describe())
     return out
 
 

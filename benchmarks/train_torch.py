@@ -50,7 +50,7 @@ TIMING = (
     "medians. Sparsify: for the methods built on dlgs, that rank's median host time in "
     "its gradient hooks (selection, packing, starting collectives), part of backward. "
     "Wire: bytes one rank contributes per step (dense/fp16: 4/2 bytes per parameter; "
-    "dlgs: the sum of `dlgs_stats()` `wire_bytes`, values + indices at capacity, dense "
+    "dlgs: the sum of `.dlgs.stats()` `wire_bytes`, values + indices at capacity, dense "
     "layers at 4 bytes; with `--rounds`, the mean over rounds, as each round plans "
     "anew). Efficiency: no-comm median / method median."
 )
@@ -166,9 +166,9 @@ def run_method(
             out.backward.append(t2 - t1)
             out.step_wait.append(t3 - t2)
             if method in SPARSE_METHODS:
-                out.sparsify.append(opt.dlgs_exchange.last_submit_seconds)
+                out.sparsify.append(opt.dlgs.exchange.last_submit_seconds)
         elif i == warmup - 1 and is_merging(method):
-            if not opt.dlgs_planner.settled:
+            if not opt.dlgs.planner.settled:
                 raise RuntimeError(
                     f"{method}: no final merge plan after {warmup} warm-up steps "
                     f"(expected one after {settle_steps(profile_steps)})"
@@ -181,11 +181,11 @@ def run_method(
     elif method == "fp16":
         out.wire_bytes = 2 * params
     elif method in SPARSE_METHODS:
-        out.wire_bytes = sum(int(r["wire_bytes"]) for r in opt.dlgs_stats())
-        out.messages = len(opt.dlgs_exchange.groups)
-        out.guard = guard_verdict(opt.dlgs_planner)
+        out.wire_bytes = sum(int(r["wire_bytes"]) for r in opt.dlgs.stats())
+        out.messages = len(opt.dlgs.exchange.groups)
+        out.guard = guard_verdict(opt.dlgs.planner)
         if SPARSE_METHODS[method][1] != "none":
-            logger.debug("%s: plan in force\n%s", method, opt.dlgs_planner.plan.describe())
+            logger.debug("%s: plan in force\n%s", method, opt.dlgs.planner.plan.describe())
     return out
 
 

@@ -24,6 +24,7 @@ __all__ = [
     "check_op",
     "check_no_groups",
     "check_predivide",
+    "horovod_scales",
     "warn_float64",
     "check_int",
 ]
@@ -120,6 +121,14 @@ def check_no_groups(num_groups: Any, groups: Any) -> None:
             "groups/num_groups are Horovod's fusion groups; dlgs packs its own messages, "
             "leave them unset"
         )
+
+
+def horovod_scales(average: bool, predivide_factor: float) -> Tuple[float, float]:
+    """Horovod's ``(prescale_factor, postscale_factor)`` for
+    ``gradient_predivide_factor`` (it applies only to ``op=Average``)."""
+    if average:
+        return 1.0 / predivide_factor, predivide_factor
+    return 1.0, 1.0
 
 
 def check_predivide(factor: Any, op: Any, average: Any) -> None:

@@ -78,7 +78,7 @@ def main(argv=None) -> None:
         else:  # the plain pattern works too with dlgs
             scaler.step(opt)
         scaler.update()
-        skipped += not opt.dlgs_last_step_finite
+        skipped += not opt.dlgs.last_step_finite
         if step % 100 == 0 and hvd.rank() == 0:
             logging.info("step %d loss %.3f scale %g", step, loss.item(), scaler.get_scale())
     if hvd.rank() == 0:

@@ -252,6 +252,7 @@ class LocalComm:
         self.world = world
         self.rank = rank
         self.size = world.size
+        self.included = True
 
     def allgather_async(self, chunk, name):
         return ("gather", name, np.array(chunk, copy=True))

@@ -97,7 +97,7 @@ def test_changed_thresholding_restarts_with_a_warning(saved_opts, new_opts, word
     with caplog.at_level(logging.WARNING, logger="dlgs"):
         opt.load_state_dict(saved)
     assert any(word in r.getMessage() and "afresh" in r.getMessage() for r in caplog.records)
-    ex = opt.dlgs_exchange
+    ex = opt.dlgs.exchange
     if new_opts.get("controller") == "fixed":
         for layer in ex.layers:
             if ex.is_sparse(layer):
@@ -116,7 +116,7 @@ def test_state_of_another_world_size_resets_residuals(caplog):
     with caplog.at_level(logging.WARNING, logger="dlgs"):
         opt.load_state_dict(state)
     assert any("residuals reset" in r.getMessage() for r in caplog.records)
-    ex = opt.dlgs_exchange
+    ex = opt.dlgs.exchange
     assert all(float(layer.residual.abs().sum()) == 0 for layer in ex.layers if ex.is_sparse(layer))
 
 
@@ -130,10 +130,10 @@ def test_profile_of_another_world_size_is_measured_again(caplog):
     with caplog.at_level(logging.WARNING, logger="dlgs"):
         opt.load_state_dict(state)
     assert any("measured with 4 workers" in r.getMessage() for r in caplog.records)
-    assert opt.dlgs_planner.profile is None
+    assert opt.dlgs.planner.profile is None
     for _ in range(8):
         step(model, opt)
-    assert opt.dlgs_planner.profile is not None and opt.dlgs_planner.profile.world_size == 1
+    assert opt.dlgs.planner.profile is not None and opt.dlgs.planner.profile.world_size == 1
 
 
 def test_every_parameter_frozen_loads():
@@ -164,7 +164,7 @@ def test_malformed_state_fails_and_changes_nothing(edit, words):
     with pytest.raises(ValueError) as info:
         opt.load_state_dict(state)
     assert all(w in str(info.value) for w in words), str(info.value)
-    assert opt.dlgs_exchange.step == 2
+    assert opt.dlgs.exchange.step == 2
 
 
 # -- int32 indices --------------------------------------------------------------

@@ -144,8 +144,8 @@ def test_same_name_other_options_is_an_error_and_same_options_continue():
         tape = dlgs.tensorflow.DistributedGradientTape(tape, density=0.1, name="cont", merge="none")
         tape.gradient(loss, m.trainable_variables)
         tapes.append(tape)
-    assert tapes[0].dlgs_exchange is tapes[1].dlgs_exchange
-    assert tapes[1].dlgs_exchange.step == 2
+    assert tapes[0].dlgs.exchange is tapes[1].dlgs.exchange
+    assert tapes[1].dlgs.exchange.step == 2
     with tf.GradientTape() as tape:
         pass
     with pytest.raises(ValueError, match="name="):
@@ -186,9 +186,9 @@ def test_keras_variables_keyed_by_path_none_and_indexed_slices():
     grads = tape.gradient(loss, variables)
     assert grads[-1] is None  # no gradient here: none back (it took part as zeros)
     assert isinstance(grads[0], tf.Tensor) and grads[0].shape == (50, 8)  # densified
-    names = [layer.name for layer in tape.dlgs_exchange.layers]
+    names = [layer.name for layer in tape.dlgs.exchange.layers]
     assert "emb/embeddings" in names and "out/kernel" in names
-    stats = tape.dlgs_stats()
+    stats = tape.dlgs.stats()
     assert any(row["sparse"] for row in stats)
 
 
@@ -235,22 +235,22 @@ def test_checkpoint_round_trip_single_process(tmp_path):
         with tf.GradientTape() as tape:
             loss = tf.reduce_sum(m(x) ** 2)
         opt.apply(tape.gradient(loss, m.trainable_variables), m.trainable_variables)
-    ex = opt.dlgs_exchange
+    ex = opt.dlgs.exchange
     before = {
         lay.name: lay.residual.numpy().copy() for lay in ex.layers if lay.residual is not None
     }
     assert before and any(abs(r).sum() > 0 for r in before.values())
-    path = tf.train.Checkpoint(dlgs=opt.dlgs_state).save(str(tmp_path / "ck"))
+    path = tf.train.Checkpoint(dlgs=opt.dlgs.trackable).save(str(tmp_path / "ck"))
     opt2 = dlgs.tensorflow.keras.DistributedOptimizer(
         keras.optimizers.SGD(0.1), density=0.05, merge="none", min_sparse_size=64, name="ck"
     )
-    tf.train.Checkpoint(dlgs=opt2.dlgs_state).restore(path)
+    tf.train.Checkpoint(dlgs=opt2.dlgs.trackable).restore(path)
     with tf.GradientTape() as tape:
         loss = tf.reduce_sum(m(x) * 0.0)
     opt2.apply(tape.gradient(loss, m.trainable_variables), m.trainable_variables)
-    assert opt2.dlgs_exchange.step == 4
+    assert opt2.dlgs.exchange.step == 4
     # Zero gradient this step: residual now = restored residual minus what was sent.
-    ex2 = opt2.dlgs_exchange
+    ex2 = opt2.dlgs.exchange
     for lay in ex2.layers:
         if lay.name in before:
             assert abs(lay.residual.numpy()).sum() <= abs(before[lay.name]).sum() + 1e-6

@@ -95,7 +95,7 @@ def test_generated_class_mirrors_horovod():
         opt.zero_grad()
         m(torch.randn(8, 64)).sum().backward()
         opt.step()
-    rows = opt.dlgs_stats()
+    rows = opt.dlgs.stats()
     sparse = [r for r in rows if r["sparse"]]
     assert {r["name"] for r in sparse} == {"0.weight", "2.weight"}
     for r in sparse:
@@ -157,16 +157,16 @@ def test_horovod_broadcast_helpers_work(base):
     )
     hvd.broadcast_parameters(m.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(opt, root_rank=0)
-    assert opt.dlgs_exchange.step == 0  # the state initialisation sent nothing
+    assert opt.dlgs.exchange.step == 0  # the state initialisation sent nothing
     opt.zero_grad()
     m(torch.randn(8, 64)).sum().backward()
     opt.step()
-    assert opt.dlgs_exchange.step == 1
+    assert opt.dlgs.exchange.step == 1
 
 
 def test_compression_form_exposes_the_planner_like_the_optimizer():
     model = torch.nn.Linear(64, 32)
     comp = dlgs.torch.Compression(model.named_parameters(), merge="buckets", bucket_elements=512)
-    assert comp.planner.strategy == "buckets" and comp.planner.bucket_elements == 512
-    assert comp.planner.config == dlgs.MergeConfig("buckets", bucket_elements=512)
-    comp.reprofile()  # between steps: profiles again from the next step
+    assert comp.dlgs.planner.strategy == "buckets" and comp.dlgs.planner.bucket_elements == 512
+    assert comp.dlgs.planner.config == dlgs.MergeConfig("buckets", bucket_elements=512)
+    comp.dlgs.reprofile()  # between steps: profiles again from the next step

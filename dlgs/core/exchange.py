@@ -55,10 +55,14 @@ _NONFINITE_LOG_INTERVAL = 30.0
 
 
 class Collectives(Protocol):
-    """What the exchange needs from the communication library."""
+    """What the exchange and the engine need from the communication library.
+
+    ``size`` and ``rank`` are the process set's; ``included`` is False on a
+    rank outside the set (which takes no part in anything)."""
 
     size: int
     rank: int
+    included: bool
 
     def allgather_async(self, chunk: Any, name: str) -> Any:
         """Start an allgather of a 1-D int32 chunk; return a handle."""

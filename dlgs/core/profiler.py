@@ -310,7 +310,7 @@ class OnlinePlanner:
         in force meanwhile.
 
         **Collective**: call it on every rank of the process set, between the
-        same two steps (e.g. ``if step == 1000: opt.dlgs_reprofile()``, never
+        same two steps (e.g. ``if step == 1000: opt.dlgs.reprofile()``, never
         under ``if hvd.rank() == 0``). The profile ends in probe collectives
         and a broadcast that every rank must join; a rank that did not restart
         never issues them, and Horovod waits for it forever (it prints stall
@@ -422,7 +422,7 @@ class OnlinePlanner:
         if model.beta == 0.0:
             logger.warning(
                 "dlgs: %s times did not grow with size (%s): the plan will treat bytes as "
-                "free; profile again on a quieter machine (opt.dlgs_reprofile() on every rank)",
+                "free; profile again on a quieter machine (opt.dlgs.reprofile() on every rank)",
                 kind,
                 ", ".join(f"{s / 1024:.0f} KiB {t * 1e3:.2f} ms" for s, t in zip(sizes, times)),
             )

@@ -25,21 +25,19 @@ import pickle
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
 
 from .. import _options
-from ..core.config import SparsityConfig
-from ..core.consistency import agreed_options, check_ranks_agree, horovod_options, signature
-from ..core.exchange import SparseExchange
-from ..core.exchange import log_stats as core_log_stats
-from ..core.profiler import OnlinePlanner
+from ..core.consistency import horovod_options
+from ..core.engine import Engine as CoreEngine
+from ..core.engine import OptimizerAliases, _deprecated, check_unique_names
 from ._ops import OPS, _read
 
-__all__ = ["DlgsAccessors", "Engine", "HorovodCollectives", "variable_name", "log_stats"]
+__all__ = ["DlgsAccessors", "Engine", "HorovodCollectives", "variable_name"]
 
 logger = logging.getLogger("dlgs.tensorflow")
 
@@ -151,61 +149,21 @@ class HorovodCollectives:
         return hvd.allgather_object(obj, name=name, process_set=self.process_set)
 
 
-class Engine:
-    """One sparse exchange over a fixed list of variables.
+class Engine(CoreEngine):
+    """The core engine over a fixed list of TensorFlow variables.
 
     Built lazily, eagerly (``tf.init_scope``), from the first gradient list it
-    is given, after checking that every rank has the same variables and
-    options. Later calls must pass the same variables (by name).
-
-    Args:
-        config: the sparsification options.
-        planner: the merge planner (a step hook of the exchange).
-        comm: the collectives.
-        average: average (``op=hvd.Average``) or sum the gradients.
-        prefix: prefix of the Horovod tensor names (distinct per engine).
-        extra_options: more options every rank must agree on.
-        log_every: log per-layer statistics every this many steps (0: never).
-        loss_scale: the loss scaler's reader (:mod:`dlgs.tensorflow._amp`), or
-            None; whether there is one is an option every rank must agree on.
+    is given (:meth:`specs`), after checking that every rank has the same
+    variables and options. Later calls must pass the same variables (by name).
+    Arguments as :class:`dlgs.core.engine.Engine` (ops and logger are TF's).
     """
 
-    def __init__(
-        self,
-        config: SparsityConfig,
-        planner: OnlinePlanner,
-        comm: HorovodCollectives,
-        *,
-        average: bool,
-        prefix: str,
-        extra_options: Optional[Dict[str, Any]] = None,
-        log_every: int = 0,
-        loss_scale: Optional[Callable[[], Any]] = None,
-    ):
-        self.config = config
-        self.planner = planner
-        self.comm = comm
-        self.average = average
-        self.prefix = prefix
-        self.extra_options = dict(extra_options or {})
-        self.extra_options["loss_scaler"] = loss_scale is not None
-        self.loss_scale = loss_scale
-        self.log_every = log_every
-        self.names: Optional[List[str]] = None
+    def __init__(self, config, planner, comm, **kwargs: Any):
+        super().__init__(OPS, comm, config, planner, logger=logger, **kwargs)
         self.shapes: List[Tuple[int, ...]] = []
-        self.exchange: Optional[SparseExchange] = None
-        self._order: List[int] = []  # exchange layer index -> position in names
-        self._pending_state: Optional[Dict[str, Any]] = None
         self._lock = threading.Lock()
+        #: The exchange's state as one ``tf.train.Checkpoint`` entry.
         self.trackable = ExchangeState(self)
-
-    # -- construction -----------------------------------------------------------
-    def set_loss_scale(self, loss_scale: Optional[Callable[[], Any]]) -> None:
-        """Read the loss scale with ``loss_scale`` from the next step on (a tape
-        re-created every step hands in its scaler every time)."""
-        self.loss_scale = loss_scale
-        if self.exchange is not None:
-            self.exchange.loss_scale = loss_scale
 
     def specs(self, variables: Sequence[Any]) -> List[str]:
         """Validated names of ``variables``; builds the exchange on first use."""
@@ -213,12 +171,7 @@ class Engine:
         if self.names is None:
             if not names:
                 raise ValueError("no variables to exchange gradients for")
-            dups = sorted({n for n in names if names.count(n) > 1})
-            if dups:
-                raise ValueError(
-                    f"variable names must be unique to key dlgs' per-variable state, duplicates: "
-                    f"{dups[:5]} (give the variables distinct names)"
-                )
+            check_unique_names("variable", names)
             shapes = [_shape(v) for v in variables]
             for v in variables:
                 if not _dtype(v).is_floating:
@@ -232,7 +185,12 @@ class Engine:
                 logger,
             )
             with tf.init_scope():  # eager even while a tf.function is traced
-                self._build(names, shapes, [_dtype(v).name for v in variables])
+                self.shapes = shapes
+                self.build(
+                    [(n, s, _dtype(v).name) for n, s, v in zip(names, shapes, variables)],
+                    like=tf.zeros([1], tf.float32),
+                    clock=_clock(),
+                )
         elif names != self.names:
             raise ValueError(
                 "this dlgs exchange was built for other variables "
@@ -240,41 +198,6 @@ class Engine:
                 f"{names[:3]}; use one DistributedGradientTape name= / optimizer per variable list"
             )
         return names
-
-    def _build(self, names: List[str], shapes: List[Tuple[int, ...]], dtypes: List[str]) -> None:
-        # Backward order: gradients of the last layers are ready first.
-        order = list(reversed(range(len(names))))
-        options = agreed_options(
-            self.config,
-            self.planner,
-            self.comm,
-            average=self.average,
-            prefix=self.prefix,
-            **self.extra_options,
-        )
-        if self.comm.included:  # a rank outside the process set takes no part
-            check_ranks_agree(
-                signature([(names[i], shapes[i], dtypes[i]) for i in order], options),
-                # A fixed name: one derived from an option (prefix) could itself differ.
-                lambda sig: self.comm.allgather_object(sig, "dlgs.signature"),
-                size=self.comm.size,
-            )
-        exchange = SparseExchange(
-            OPS,
-            self.comm,
-            self.config,
-            [(names[i], int(np.prod(shapes[i], dtype=np.int64))) for i in order],
-            average=self.average,
-            prefix=self.prefix,
-            clock=_clock(),
-            loss_scale=self.loss_scale,
-        )
-        exchange.step_hooks.append(self.planner)
-        self.names, self.shapes, self._order = names, shapes, order
-        self.exchange = exchange
-        if self._pending_state is not None:
-            state, self._pending_state = self._pending_state, None
-            self.load_state_dict(state)
 
     # -- the step -----------------------------------------------------------------
     def exchange_gradients(self, grads: Sequence[Any], variables: Sequence[Any]) -> List[Any]:
@@ -313,44 +236,25 @@ class Engine:
         exchange = self.exchange
         assert exchange is not None
         with self._lock:
-            for i, pos in enumerate(self._order):
+            for i, pos in enumerate(self.order):
                 exchange.submit(i, tf.reshape(tf.cast(grads[pos], tf.float32), [-1]))
             reduced = exchange.wait()
             out: List[Any] = [None] * len(grads)
-            for i, pos in enumerate(self._order):
+            for i, pos in enumerate(self.order):
                 g = grads[pos]
                 out[pos] = tf.cast(tf.reshape(_read(reduced[i]), tf.shape(g)), g.dtype)
-            if self.log_every and exchange.step % self.log_every == 0:
-                log_stats(exchange)
+            self.step_done()
         return out
-
-    # -- statistics and checkpoints ----------------------------------------------
-    def stats(self) -> List[Dict[str, Any]]:
-        if self.exchange is None:
-            return []
-        return log_stats(self.exchange, logging.DEBUG)
 
     def state_dict(self) -> Dict[str, Any]:
         """This rank's residuals, controller states, step and plan, as NumPy."""
-        if self.exchange is None:
-            return dict(self._pending_state or {})
-        return _to_numpy(self.exchange.state_dict())
-
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict` (deferred until the exchange is built)."""
-        if not state:
-            return
-        if self.exchange is None:
-            self._pending_state = state
-            return
-        like = tf.zeros([1], tf.float32)
-        self.exchange.load_state_dict(state, like=like)
+        return _to_numpy(super().state_dict())
 
 
 class ExchangeState(tf.train.experimental.PythonState):
     """The exchange's rank-local state as one checkpoint entry.
 
-    ``tf.train.Checkpoint(model=model, dlgs=tape_or_opt.dlgs_state)``: the
+    ``tf.train.Checkpoint(model=model, dlgs=tape_or_opt.dlgs.trackable)``: the
     residuals (the part of this rank's gradient not sent yet), controller
     states, step and merge plan are saved as one pickled string. Save one
     checkpoint per rank to resume exactly; a state saved by another rank or at
@@ -390,47 +294,20 @@ def _clock():
     return time.perf_counter  # eager CPU ops complete before they return
 
 
-class DlgsAccessors:
-    """The ``dlgs_*`` members of the tape and the Keras optimizer (both keep
-    their :class:`Engine` as ``self._dlgs_engine``)."""
+class DlgsAccessors(OptimizerAliases):
+    """What the tape and the Keras optimizer add (both keep their
+    :class:`Engine` as ``self._dlgs_engine``)."""
 
-    _dlgs_engine: "Engine"
+    @property
+    def dlgs(self) -> Engine:
+        """dlgs' side of this tape / optimizer: ``stats()``, ``planner``,
+        ``reprofile()``, ``last_step_finite``, ``exchange``, and ``trackable``
+        for ``tf.train.Checkpoint(dlgs=obj.dlgs.trackable)``
+        (:class:`dlgs.core.engine.Engine`)."""
+        return self._dlgs_engine
 
     @property
     def dlgs_state(self):
-        """A ``tf.train.Checkpoint``-able object holding this rank's residuals,
-        thresholds, step and plan: ``tf.train.Checkpoint(dlgs=obj.dlgs_state)``."""
+        """Deprecated: ``.dlgs.trackable``."""
+        _deprecated("dlgs_state", ".dlgs.trackable")
         return self._dlgs_engine.trackable
-
-    @property
-    def dlgs_exchange(self):
-        """The core :class:`~dlgs.core.SparseExchange` (None before the first exchange)."""
-        return self._dlgs_engine.exchange
-
-    @property
-    def dlgs_planner(self):
-        """The :class:`~dlgs.core.profiler.OnlinePlanner` (its ``plan`` is in force)."""
-        return self._dlgs_engine.planner
-
-    @property
-    def dlgs_last_step_finite(self) -> bool:
-        """Whether the last step's gradients were finite on every rank (the same
-        on every rank; see :attr:`dlgs.core.SparseExchange.last_step_finite`)."""
-        exchange = self._dlgs_engine.exchange
-        return exchange is None or exchange.last_step_finite
-
-    def dlgs_stats(self) -> List[Dict[str, Any]]:
-        """Per-layer statistics of the last step (reads device values)."""
-        return self._dlgs_engine.stats()
-
-    def dlgs_reprofile(self) -> None:
-        """Profile again from the next step and re-plan. Collective: call it on
-        every rank of the process set between the same two steps; a call on one
-        rank only leaves the others waiting in its probes (see
-        :meth:`dlgs.core.profiler.OnlinePlanner.restart`)."""
-        self._dlgs_engine.planner.restart()
-
-
-def log_stats(exchange: SparseExchange, level: int = logging.INFO) -> List[Dict[str, Any]]:
-    """Per-layer statistics of the last step, also written to the ``dlgs.tensorflow`` logger."""
-    return core_log_stats(exchange, logger, level)

@@ -45,13 +45,14 @@ import tensorflow as tf
 
 from .. import _options
 from ..core.config import SparsityConfig
+from ..core.engine import CompressionAliases, _deprecated
 from ._amp import check_scaler, scale_reader
 from ._engine import Engine, HorovodCollectives, _shape
 
 __all__ = ["Compression"]
 
 
-class Compression:
+class Compression(CompressionAliases):
     """A Horovod TF compressor that exchanges each layer's gradient sparsely.
 
     Use with ``hvd.DistributedGradientTape(tape, compression=..., num_groups=1)``
@@ -194,31 +195,23 @@ class Compression:
 
     # -- state -----------------------------------------------------------------------
     @property
+    def dlgs(self) -> Engine:
+        """dlgs' side of this compressor: ``stats()``, ``planner``,
+        ``reprofile()``, ``last_step_finite``, ``exchange``, and ``trackable``
+        for ``tf.train.Checkpoint(dlgs=compression.dlgs.trackable)``."""
+        return self._engine
+
+    @property
     def dlgs_state(self):
-        """A ``tf.train.Checkpoint``-able object with this rank's residuals and plan."""
+        """Deprecated: ``.dlgs.trackable``."""
+        _deprecated("Compression.dlgs.trackable", "Compression.dlgs.trackable")
         return self._engine.trackable
 
-    @property
-    def exchange(self):
-        """The core :class:`~dlgs.core.SparseExchange`."""
-        return self._engine.exchange
-
-    @property
-    def planner(self):
-        return self._engine.planner
-
-    @property
-    def last_step_finite(self) -> bool:
-        """Whether the last step's gradients were finite on every rank."""
-        return self._engine.exchange.last_step_finite
-
-    def stats(self) -> List[Dict[str, Any]]:
-        """Per-layer statistics of the last step (reads device values)."""
-        return self._engine.stats()
-
     def state_dict(self) -> Dict[str, Any]:
+        """This rank's residuals, controller states, step and plan, as NumPy."""
         return self._engine.state_dict()
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict` (a collective once the exchange is built)."""
         self._engine.load_state_dict(state)
         self._results = None

@@ -153,9 +153,7 @@ def DistributedOptimizer(
         raise ValueError(f"name must be None or a non-empty str, got {name!r}")
     cfg, planner = _options.build_configs(config, density, merge, options)
     average = op == hvd.Average
-    pre, post = (
-        (1.0 / gradient_predivide_factor, gradient_predivide_factor) if average else (1.0, 1.0)
-    )
+    pre, post = _options.horovod_scales(average, gradient_predivide_factor)
     comm = HorovodCollectives(op, pre, post, process_set, compression, device_dense, device_sparse)
     base = optimizer.__class__
     # Same name and module as the user's class: get_config()/saving see the

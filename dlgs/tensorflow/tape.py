@@ -81,7 +81,14 @@ class _SparseTape:
         self._dlgs_local.add(variable_name(source))
 
 
-_NOT_COPIED = {"__dict__", "__weakref__", "__module__", "__qualname__", "__doc__"}
+_NOT_COPIED = {
+    "__dict__",
+    "__weakref__",
+    "__module__",
+    "__qualname__",
+    "__doc__",
+    "__annotations__",
+}
 
 
 def DistributedGradientTape(
@@ -178,11 +185,7 @@ def DistributedGradientTape(
             )
         if found is None:
             average = op == hvd.Average
-            pre, post = (
-                (1.0 / gradient_predivide_factor, gradient_predivide_factor)
-                if average
-                else (1.0, 1.0)
-            )
+            pre, post = _options.horovod_scales(average, gradient_predivide_factor)
             comm = HorovodCollectives(
                 op, pre, post, process_set, compression, device_dense, device_sparse
             )
@@ -199,7 +202,7 @@ def DistributedGradientTape(
             found = _ENGINES[name] = (key, engine)
     engine = found[1]
     if scaler is not None:
-        engine.set_loss_scale(scale_reader(scaler))  # the scaler of this step
+        engine.loss_scale = scale_reader(scaler)  # the scaler of this step
     methods = {
         k: v
         for part in (DlgsAccessors, _SparseTape)

@@ -14,21 +14,15 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 import horovod.torch as hvd
 import torch
 
-from .._options import build_config, build_planner, warn_float64
+from .._options import warn_float64
 from ..core.config import SparsityConfig
-from ..core.consistency import agreed_options, check_ranks_agree, horovod_options, signature
-from ..core.exchange import SparseExchange
-from ..core.exchange import log_stats as core_log_stats
+from ..core.consistency import horovod_options
+from ..core.engine import Engine, check_unique_names
 from ..core.profiler import OnlinePlanner
+from ._amp import scale_reader
 from ._ops import OPS
 
-__all__ = [
-    "HorovodCollectives",
-    "build_config",
-    "build_exchange",
-    "build_planner",
-    "named_trainable",
-]
+__all__ = ["HorovodCollectives", "build_engine", "named_trainable"]
 
 logger = logging.getLogger("dlgs.torch")
 
@@ -131,10 +125,7 @@ def named_trainable(
             "named_parameters should be a sequence of (name, parameter) tuples, "
             "usually produced by model.named_parameters()"
         )
-    names = [n for n, _ in pairs]
-    dups = sorted({n for n in names if names.count(n) > 1})
-    if dups:
-        raise ValueError(f"parameter names in named_parameters must be unique, duplicates: {dups}")
+    check_unique_names("parameter", [n for n, _ in pairs])
     for name, p in pairs:
         if not isinstance(p, torch.Tensor):
             raise TypeError(f"named_parameters[{name!r}] is a {type(p).__name__}, not a tensor")
@@ -151,51 +142,41 @@ def named_trainable(
     return trainable
 
 
-def build_exchange(
+def build_engine(
     params: Sequence[Tuple[str, torch.Tensor]],
     config: SparsityConfig,
+    planner: Optional[OnlinePlanner],
     comm: HorovodCollectives,
     *,
     average: bool,
     prefix: str,
     dense_external: bool = False,
-    merge: Optional[OnlinePlanner] = None,
     extra_options: Optional[Dict[str, Any]] = None,
-) -> SparseExchange:
-    """A :class:`SparseExchange` over ``params`` (already filtered to trainable),
-    in backward order (reverse of registration), after checking every rank
-    agrees; ``merge`` (an :class:`OnlinePlanner`) profiles and plans messages."""
-    ordered = list(reversed(params))
-    options = agreed_options(
-        config,
-        merge,
-        comm,
-        average=average,
-        prefix=prefix,
-        dense_external=dense_external,
-        **(extra_options or {}),
-    )
-    if comm.included:  # a rank outside the process set takes no part (as Horovod)
-        check_ranks_agree(
-            signature([(n, p.shape, str(p.dtype)) for n, p in ordered], options),
-            # A fixed name: one derived from an option (prefix) could itself differ.
-            lambda sig: comm.allgather_object(sig, "dlgs.signature"),
-            size=comm.size,
-        )
-    device = ordered[0][1].device if ordered else torch.device("cpu")
-    exchange = SparseExchange(
+    log_every: int = 0,
+    scaler: Any = None,
+) -> Engine:
+    """The core :class:`~dlgs.core.engine.Engine` over ``params`` (trainable,
+    in registration order), built: every rank's parameters and options checked."""
+    engine = Engine(
         OPS,
         comm,
         config,
-        [(n, p.numel()) for n, p in ordered],
+        planner,
         average=average,
         prefix=prefix,
         dense_external=dense_external,
+        extra_options=extra_options,
+        log_every=log_every,
+        loss_scale=scale_reader(scaler),
+        logger=logger,
+    )
+    device = params[0][1].device if params else torch.device("cpu")
+    engine.build(
+        [(n, p.shape, str(p.dtype)) for n, p in params],
+        like=params[-1][1] if params else None,
         clock=_clock(device),
     )
-    if merge is not None:
-        exchange.step_hooks.append(merge)
-    return exchange
+    return engine
 
 
 def _clock(device: torch.device):
@@ -208,8 +189,3 @@ def _clock(device: torch.device):
 
         return clock
     return time.perf_counter
-
-
-def log_stats(exchange: SparseExchange, level: int = logging.INFO) -> List[Dict[str, Any]]:
-    """Per-layer statistics of the last step, also written to the ``dlgs.torch`` logger."""
-    return core_log_stats(exchange, logger, level)

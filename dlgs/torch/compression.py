@@ -27,20 +27,16 @@ import torch
 
 from .._options import build_configs, check_log_every
 from ..core.config import SparsityConfig
-from ._amp import check_scaler, scale_reader
-from ._engine import (
-    HorovodCollectives,
-    build_exchange,
-    log_stats,
-    named_trainable,
-)
+from ..core.engine import CompressionAliases, Engine
+from ._amp import check_scaler
+from ._engine import HorovodCollectives, build_engine, named_trainable
 
 __all__ = ["Compression"]
 
 logger = logging.getLogger("dlgs.torch")
 
 
-class Compression:
+class Compression(CompressionAliases):
     """A Horovod compressor that exchanges each layer's gradient sparsely.
 
     Args:
@@ -76,27 +72,26 @@ class Compression:
         check_log_every(log_every)
         check_scaler(scaler)
         cfg, planner = build_configs(config, density, merge, options)
-        self._planner = planner
         params = named_trainable(named_parameters)
         if not params:
             raise ValueError("named_parameters contains no parameter that requires grad")
-        self._exchange = build_exchange(
+        self._engine = build_engine(
             params,
             cfg,
+            planner,
             HorovodCollectives(process_set=process_set),
             average=True,
             prefix="dlgs.c",
             dense_external=True,
-            merge=planner,
-            extra_options={"loss_scaler": scaler is not None},
+            log_every=log_every,
+            scaler=scaler,
         )
-        self._exchange.loss_scale = scale_reader(scaler)
+        self._exchange = self._engine.exchange
         by_name = dict(params)
         self._params = [by_name[layer.name] for layer in self._exchange.layers]
         self._dummies = [torch.ones(1, device=p.device) for p in self._params]
         self._results: Optional[Dict[int, Any]] = None
         self._next = 0  # predicted index of the next gradient (backward order)
-        self._log_every = log_every
         # Dense layers' reduced tensors of this step (checked for non-finite
         # values before the exchange keeps its new state) and how many
         # decompress() calls are still to come.
@@ -104,21 +99,12 @@ class Compression:
         self._left = 0
 
     @property
-    def planner(self):
-        """The :class:`~dlgs.core.profiler.OnlinePlanner` (``planner.plan`` is the
-        merge plan in force with its predicted times; None before the first)."""
-        return self._planner
-
-    def reprofile(self) -> None:
-        """Profile again from the next step and re-plan. Collective: call it on
-        every rank, between steps (as ``dlgs.torch.DistributedOptimizer``'s
-        ``dlgs_reprofile``)."""
-        self._planner.restart()
-
-    @property
-    def exchange(self):
-        """The core :class:`~dlgs.core.SparseExchange` (plans, per-layer state)."""
-        return self._exchange
+    def dlgs(self) -> Engine:
+        """dlgs' side of this compressor: ``stats()``, ``planner``,
+        ``reprofile()``, ``last_step_finite``, ``exchange``
+        (:class:`dlgs.core.engine.Engine`); save :meth:`state_dict` beside the
+        optimizer's."""
+        return self._engine
 
     def _lookup(self, tensor: torch.Tensor) -> int:
         """Which parameter ``tensor`` is the gradient of: Horovod passes ``p.grad``
@@ -180,8 +166,7 @@ class Compression:
                 self._exchange.submit(j, grad)
             self._results = self._exchange.wait(finish=False)
             self._left = len(self._params)
-            if self._log_every and self._exchange.step % self._log_every == 0:
-                log_stats(self._exchange)
+            self._engine.step_done()
         _, i, grad = ctx
         if ctx[0] == "dense":
             factor = self._exchange.external_scale(i)
@@ -206,23 +191,14 @@ class Compression:
         self._external = []
         self._left = 0
 
-    @property
-    def last_step_finite(self) -> bool:
-        """Whether the last step's gradients were finite on every rank (see
-        :attr:`dlgs.core.SparseExchange.last_step_finite`)."""
-        return self._exchange.last_step_finite
-
     def state_dict(self) -> Dict[str, Any]:
         """This rank's residuals and controller states (see ``docs/design.md``,
         "Checkpoints and residuals"); save it beside the optimizer's."""
-        return self._exchange.state_dict()
+        return self._engine.state_dict()
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        self._exchange.load_state_dict(state, like=self._params[0])
+        """Restore a :meth:`state_dict` (a collective: on every rank, between steps)."""
+        self._engine.load_state_dict(state)
         self._results = None
         self._external = []
         self._left = 0
-
-    def stats(self) -> List[Dict[str, Any]]:
-        """Per-layer statistics of the last step (synchronises the device)."""
-        return log_stats(self._exchange, logging.DEBUG)

@@ -17,7 +17,7 @@ allgather while back-propagation continues.
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, Optional
+from typing import Any, Optional
 
 import horovod.torch as hvd
 import torch
@@ -31,15 +31,12 @@ from .._options import (
     check_no_groups,
     check_op,
     check_predivide,
+    horovod_scales,
 )
 from ..core.config import SparsityConfig
-from ._amp import check_scaler, scale_reader
-from ._engine import (
-    HorovodCollectives,
-    build_exchange,
-    log_stats,
-    named_trainable,
-)
+from ..core.engine import Engine, OptimizerAliases
+from ._amp import check_scaler
+from ._engine import HorovodCollectives, build_engine, named_trainable
 
 __all__ = ["DistributedOptimizer"]
 
@@ -93,27 +90,20 @@ class _SparseOverrides:
             (self._parameter_names[p], p) for group in self.param_groups for p in group["params"]
         )
         average = self.op == hvd.Average
-        if average:
-            prescale, postscale = (
-                1.0 / self.gradient_predivide_factor,
-                self.gradient_predivide_factor,
-            )
-        else:
-            prescale = postscale = 1.0
+        prescale, postscale = horovod_scales(average, self.gradient_predivide_factor)
         comm = HorovodCollectives(self.op, prescale, postscale, self.process_set, self._compression)
-        self._dlgs = build_exchange(
+        self._dlgs_engine = build_engine(
             params,
             self._dlgs_config,
+            self._dlgs_planner,
             comm,
             average=average,
             prefix="dlgs",
-            merge=self._dlgs_planner,
-            extra_options={
-                "backward_passes_per_step": self.backward_passes_per_step,
-                "loss_scaler": self._dlgs_scaler is not None,
-            },
+            extra_options={"backward_passes_per_step": self.backward_passes_per_step},
+            log_every=self._dlgs_log_every,
+            scaler=self._dlgs_scaler,
         )
-        self._dlgs.loss_scale = scale_reader(self._dlgs_scaler)
+        self._dlgs = self._dlgs_engine.exchange
         by_name = dict(params)
         self._dlgs_params = [by_name[layer.name] for layer in self._dlgs.layers]
         self._dlgs_index = {p: i for i, p in enumerate(self._dlgs_params)}
@@ -182,8 +172,7 @@ class _SparseOverrides:
         self._handles.clear()
         self._synchronized = True
         self._dlgs_open = False
-        if self._dlgs_log_every and exchange.step % self._dlgs_log_every == 0:
-            log_stats(exchange)
+        self._dlgs_engine.step_done()
 
     def _dlgs_backward_done(self) -> None:
         self.synchronize()
@@ -200,58 +189,40 @@ class _SparseOverrides:
         return super(self.__class__, self).step(closure)
 
     @property
-    def dlgs_last_step_finite(self) -> bool:
-        """Whether the last exchanged step's gradients were finite on every rank.
-        When False, dlgs left its residuals and thresholds as before the step and
-        every rank's ``p.grad`` holds NaN for the affected layers."""
-        return self._dlgs.last_step_finite
-
-    def dlgs_stats(self) -> List[Dict[str, Any]]:
-        """Per-layer statistics of the last step: selected count, achieved
-        density, threshold, bytes sent. Synchronises the device; call it every
-        few steps, not every step."""
-        return log_stats(self._dlgs, logging.DEBUG)
-
-    @property
-    def dlgs_exchange(self):
-        """The core :class:`~dlgs.core.SparseExchange` (plans, per-layer state)."""
-        return self._dlgs
-
-    @property
-    def dlgs_planner(self):
-        """The :class:`~dlgs.core.profiler.OnlinePlanner`: its ``plan`` is the
-        merge plan in force with its predicted times (with ``merge="none"`` it
-        profiles and predicts only when its ``record`` is set)."""
-        return self._dlgs_planner
-
-    def dlgs_reprofile(self) -> None:
-        """Profile again from the next step and re-plan. Call on every rank,
-        between steps (e.g. after the network or the batch size changed).
-        Collective: a call on one rank only leaves the others waiting in the
-        next profiling collective (see :meth:`OnlinePlanner.restart`)."""
-        self._dlgs_planner.restart()
+    def dlgs(self) -> Engine:
+        """dlgs' side of this optimizer: ``stats()``, ``planner``,
+        ``reprofile()``, ``last_step_finite``, ``exchange``
+        (:class:`dlgs.core.engine.Engine`); its state is saved in
+        ``state_dict()["dlgs"]``."""
+        return self._dlgs_engine
 
     def state_dict(self):
         state = super(self.__class__, self).state_dict()
-        state["dlgs"] = self._dlgs.state_dict()
+        state["dlgs"] = self._dlgs_engine.state_dict()
         return state
 
     def load_state_dict(self, state_dict):
         state = dict(state_dict)
         dlgs_state = state.pop("dlgs", None)
         if dlgs_state is not None:
-            self._dlgs.check_state_dict(dlgs_state)  # fail before anything is loaded
+            self._dlgs_engine.check_state_dict(dlgs_state)  # fail before anything is loaded
         _DistributedOptimizer.load_state_dict(self, state)
         if dlgs_state is not None:
-            like = self._dlgs_params[0] if self._dlgs_params else None  # all frozen: no layers
-            self._dlgs.load_state_dict(dlgs_state, like=like)
+            self._dlgs_engine.load_state_dict(dlgs_state)
 
 
 def _dense_grad(p: torch.Tensor) -> torch.Tensor:
     return p.grad.to_dense() if p.grad.is_sparse else p.grad
 
 
-_NOT_COPIED = {"__dict__", "__weakref__", "__module__", "__qualname__", "__doc__"}
+_NOT_COPIED = {
+    "__dict__",
+    "__weakref__",
+    "__module__",
+    "__qualname__",
+    "__doc__",
+    "__annotations__",
+}
 
 
 def DistributedOptimizer(
@@ -321,7 +292,12 @@ def DistributedOptimizer(
     check_log_every(log_every)
     check_scaler(scaler)
     cfg, planner = build_configs(config, density, merge, options)
-    methods = {k: v for k, v in _SparseOverrides.__dict__.items() if k not in _NOT_COPIED}
+    methods = {
+        k: v
+        for part in (OptimizerAliases, _SparseOverrides)
+        for k, v in part.__dict__.items()
+        if k not in _NOT_COPIED
+    }
     cls = type(
         optimizer.__class__.__name__,
         (optimizer.__class__,),

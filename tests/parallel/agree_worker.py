@@ -193,7 +193,7 @@ def process_sets():
         model = mlp(4)
         opt = _dlgs_opt(model, form, sets[hvd.rank()])
         digests = train(model, opt, 12)
-        planner = opt.dlgs_planner if form == "optimizer" else None
+        planner = opt.dlgs.planner if form == "optimizer" else None
         out[f"split/{form}"] = {
             "digests": digests,
             "finite": bool(torch.isfinite(flat_params(model)).all()),

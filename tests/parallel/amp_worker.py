@@ -218,7 +218,7 @@ def fault_injection():
             merge="none",
             **opts,
         )
-        ex = opt.dlgs_exchange
+        ex = opt.dlgs.exchange
         if name == "merged":
             ex.set_groups([[i for i, p in enumerate(ex.layer_plans()) if p.sparse]])
         params = dict(model.named_parameters())
@@ -269,7 +269,7 @@ def scaled_conservation():
             scaler=scaler,
             **opts,
         )
-        ex = opt.dlgs_exchange
+        ex = opt.dlgs.exchange
         params = dict(model.named_parameters())
         total_in = {
             i: torch.zeros(layer.numel, dtype=torch.float64) for i, layer in enumerate(ex.layers)

@@ -70,7 +70,7 @@ def run(method: str, epochs: int, data):
             opt.step()
             step += 1
             if method != "dense" and step > TRACK_FROM:
-                for row in opt.dlgs_stats():
+                for row in opt.dlgs.stats():
                     if row["sparse"]:
                         ratios.setdefault(row["name"], []).append(row["selected"] / row["k"])
         acc.append(evaluate(model, xte, yte))

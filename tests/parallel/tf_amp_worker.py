@@ -138,7 +138,7 @@ def amp_fit_run(form: str, data):
         "seconds": time.perf_counter() - start,
     }
     if form != "horovod":
-        ex = opt.dlgs_exchange
+        ex = opt.dlgs.exchange
         out["sparse_layers"] = sorted(lay.name for lay in ex.layers if ex.is_sparse(lay))
         out["nonfinite_steps"] = ex.nonfinite_steps
     return out
@@ -267,7 +267,7 @@ def fault_injection():
         rec = {"finite": [], "nan_layers": [], "unchanged_by_bad_step": [], "ratio": []}
         if scaler is not None:
             rec["scaler_skipped"] = []
-        ex = comp.exchange if comp is not None else None
+        ex = comp.dlgs.exchange if comp is not None else None
         for s in range(steps):
             gs = [g.standard_normal(v.shape).astype(np.float32) for v in variables]
             scale = float(scaler.dynamic_scale.numpy()) if scaler is not None else 1.0
@@ -288,12 +288,12 @@ def fault_injection():
                 )
                 got = tape.gradient(target, variables)
                 if ex is None:
-                    ex = tape.dlgs_exchange
+                    ex = tape.dlgs.exchange
                     if case == "merged":
                         ex.set_groups([[i for i, p in enumerate(ex.layer_plans()) if p.sparse]])
             if snap is not None:
                 rec["unchanged_by_bad_step"].append(_changed(ex, snap))
-            finite = comp.last_step_finite if comp is not None else tape.dlgs_last_step_finite
+            finite = comp.dlgs.last_step_finite if comp is not None else tape.dlgs.last_step_finite
             rec["finite"].append(bool(finite))
             rec["nan_layers"].append(
                 sorted(n for n, r in zip(names, got) if not np.isfinite(r.numpy()).all())
@@ -347,7 +347,7 @@ def scaled_conservation():
                 t, min_sparse_size=1024, merge="none", name=f"sc.{case}", scaler=scaler, **opts
             )
             tape.gradient(target, variables)
-            ex = tape.dlgs_exchange
+            ex = tape.dlgs.exchange
             if total_in is None:
                 total_in = {i: np.zeros(lay.numel) for i, lay in enumerate(ex.layers)}
                 total_sent = {i: np.zeros(lay.numel) for i, lay in enumerate(ex.layers)}

@@ -77,7 +77,7 @@ class _Ratios(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         self.batches += 1
         if self.batches > 50 and self.batches % 10 == 0:
-            for row in self.opt.dlgs_stats():
+            for row in self.opt.dlgs.stats():
                 if row["sparse"] and "selected" in row:
                     self.ratios.setdefault(row["name"], []).append(row["selected"] / row["k"])
 

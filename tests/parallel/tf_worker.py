@@ -259,14 +259,14 @@ def exact_reconstruction():
             else:
                 tape, got = fn(gs)
             if case == "merged_groups" and s == 0:
-                ex = tape.dlgs_exchange
+                ex = tape.dlgs.exchange
                 ex.set_groups([[i for i, p in enumerate(ex.layer_plans()) if p.sparse]])
             for j, (g, r) in enumerate(zip(gs, got)):
                 expect = hvd.allreduce(tf.constant(g), op=op, name=f"ref.{case}.{s}.{j}")
                 worst = max(worst, float(np.abs(r.numpy() - expect.numpy()).max()))
         rec = {"max_diff": worst}
-        if tape is not None and tape.dlgs_exchange is not None:
-            ex = tape.dlgs_exchange
+        if tape is not None and tape.dlgs.exchange is not None:
+            ex = tape.dlgs.exchange
             rec["sparse_messages"] = sum(1 for g in ex.groups if g.sparse)
             rec["sparse_layers"] = sum(1 for lay in ex.layers if ex.is_sparse(lay))
         out[case] = rec
@@ -297,14 +297,14 @@ def conservation():
                 t, min_sparse_size=64, merge="none", name=f"cons.{case}", **opts
             )
             tape.gradient(target, variables)
-            ex = tape.dlgs_exchange
+            ex = tape.dlgs.exchange
             if total_sent is None:
                 total_sent = {i: np.zeros(lay.numel) for i, lay in enumerate(ex.layers)}
             for j, g in enumerate(gs):
                 total_in[j] += g.ravel()
             for i, sent in own_sent(ex).items():
                 total_sent[i] += sent
-        ex = tape.dlgs_exchange
+        ex = tape.dlgs.exchange
         index = {v.path: j for j, v in enumerate(variables)}
         worst, scale, sparse_layers = 0.0, 0.0, 0
         for i, lay in enumerate(ex.layers):
@@ -367,12 +367,12 @@ def fit_identical():
             keras.optimizers.SGD(0.05), name=f"fit.{case}", **opts
         )
         model, digests, loss = _fit(opt, run_eagerly=run_eagerly)
-        ex = opt.dlgs_exchange
+        ex = opt.dlgs.exchange
         out[case] = {
             "digests": digests,
             "finite": bool(np.isfinite(flat(model)).all()),
             "sparse_layers": sum(1 for lay in ex.layers if ex.is_sparse(lay)),
-            "planned": opt.dlgs_planner.plan is not None,
+            "planned": opt.dlgs.planner.plan is not None,
         }
     # The custom loop inside tf.function, sparse.
     model = mlp(4)
@@ -414,13 +414,13 @@ def _resume_run(total, at, *, keep_dlgs=True):
     ckpt_dir = tempfile.mkdtemp(prefix=f"dlgs-tf-rank{hvd.rank()}-")
     objs = dict(model=model, optimizer=opt)
     if keep_dlgs:
-        objs["dlgs"] = opt.dlgs_state
+        objs["dlgs"] = opt.dlgs.trackable
     path = tf.train.Checkpoint(**objs).save(os.path.join(ckpt_dir, "ckpt"))
     model2, opt2 = make()
     opt2.build(model2.trainable_variables)
     objs2 = dict(model=model2, optimizer=opt2)
     if keep_dlgs:
-        objs2["dlgs"] = opt2.dlgs_state
+        objs2["dlgs"] = opt2.dlgs.trackable
     tf.train.Checkpoint(**objs2).restore(path).assert_existing_objects_matched()
     shutil.rmtree(ckpt_dir, ignore_errors=True)
     return first + run_loop(model2, opt2, wrap, total - at, start=at)

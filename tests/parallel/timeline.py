@@ -33,7 +33,7 @@ def main(argv):
         merge=merge,
         profile_steps=1,
     )
-    ex = opt.dlgs_exchange
+    ex = opt.dlgs.exchange
     history = []
     for s in range(steps):
         train(model, opt, 1, start=s)

@@ -230,7 +230,7 @@ def merge_strategies():
             bucket_elements=4096,
         )
         digests = train(model, opt, 6)
-        ex = opt.dlgs_exchange
+        ex = opt.dlgs.exchange
         out[merge] = {
             "digests": digests,
             "messages": len(ex.groups),
@@ -261,7 +261,7 @@ def drift_replans():
     """A step that gets much slower after planning (a 64x larger batch) makes
     every rank profile again and re-plan, together."""
     model, opt = _dp_mlp(10, 256, drift_window=3, drift_tolerance=0.5)
-    planner = opt.dlgs_planner
+    planner = opt.dlgs.planner
     steps, made_before = 0, None
     for s in range(40):
         n = 16 if made_before is None else 1024
@@ -291,7 +291,7 @@ def guard():
     out = {}
     for slow in ("plan", "layerwise"):
         model, opt = _dp_mlp(11, 128)
-        planner = opt.dlgs_planner
+        planner = opt.dlgs.planner
         for s in range(10):
             opt.zero_grad()
             x, y = batch(s)
@@ -300,7 +300,7 @@ def guard():
             if phase == slow and s > 0:
                 time.sleep(0.5)  # far above any scheduling noise of a loaded machine
             opt.step()
-        ex = opt.dlgs_exchange
+        ex = opt.dlgs.exchange
         ckpt = _checkpoint(model, opt)
         model2, opt2 = _dp_mlp(11, 128)
         opt2.load_state_dict(ckpt["opt"])
@@ -311,7 +311,7 @@ def guard():
             "layers": len(ex.layers),
             "members": [g.members for g in ex.groups],
             "plan": [list(g.members) for g in planner.plan.groups],
-            "resumed_plan": [list(g.members) for g in opt2.dlgs_planner.plan.groups],
+            "resumed_plan": [list(g.members) for g in opt2.dlgs.planner.plan.groups],
             "digest": digest(model),
         }
     return out
@@ -358,7 +358,7 @@ def exact_reconstruction():
             merge="none",
             **opts,
         )
-        ex = opt.dlgs_exchange
+        ex = opt.dlgs.exchange
         if name == "merged_groups":
             ex.set_groups([[i for i, p in enumerate(ex.layer_plans()) if p.sparse]])
         if name == "merged_dense":
@@ -441,7 +441,7 @@ def conservation():
             merge="none",
             **opts,
         )
-        ex = opt.dlgs_exchange
+        ex = opt.dlgs.exchange
         params = dict(model.named_parameters())
         total_in = {i: torch.zeros(layer.numel) for i, layer in enumerate(ex.layers)}
         total_sent = {i: torch.zeros(layer.numel) for i, layer in enumerate(ex.layers)}

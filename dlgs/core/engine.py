@@ -1,0 +1,338 @@
+"""The per-job engine: what every adapter does around one exchange, once.
+
+An adapter (``dlgs.torch``, ``dlgs.tensorflow``) knows its framework's
+parameters, gradient hooks and Horovod module; everything else about running
+dlgs in a job lives here:
+
+* building the :class:`~dlgs.core.exchange.SparseExchange` over the layers in
+  back-propagation order (the reverse of registration order),
+* the rank-agreement check over a fingerprint of every option that shapes the
+  exchange (:func:`~dlgs.core.consistency.agreed_options`, so an option added
+  later is checked without anyone remembering to),
+* attaching the merge planner as the exchange's step hook,
+* the logging cadence (``log_every``),
+* checkpoint state, including a state loaded before the exchange exists
+  (TensorFlow restores checkpoints before the first step builds it),
+* the one set of accessors every adapter exposes as ``.dlgs``
+  (:class:`Engine`'s public members) with the pre-0.2 names kept as
+  deprecated aliases (:class:`OptimizerAliases`, :class:`CompressionAliases`).
+
+The engine holds no framework object except what the adapter hands in (the
+array ops, the collectives, a ``like`` tensor for the device).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from collections import Counter
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from .backend import ArrayOps
+from .config import SparsityConfig
+from .consistency import agreed_options, check_ranks_agree, signature
+from .exchange import Collectives, SparseExchange, log_stats
+
+__all__ = ["CompressionAliases", "Engine", "OptimizerAliases", "check_unique_names"]
+
+
+def check_unique_names(kind: str, names: Sequence[str]) -> None:
+    """dlgs keys per-layer state by name: ``kind`` (``"parameter"`` or
+    ``"variable"``) names must be unique."""
+    dups = sorted(n for n, count in Counter(names).items() if count > 1)
+    if dups:
+        raise ValueError(
+            f"{kind} names must be unique to key dlgs' per-{kind} state, duplicates: "
+            f"{dups[:5]} (give them distinct names)"
+        )
+
+
+class Engine:
+    """One job's sparse exchange and everything around it.
+
+    Adapters create it with their options, call :meth:`build` once with the
+    layers (which checks that every rank agrees), then drive
+    :attr:`exchange` per step and call :meth:`step_done` after each. Users
+    reach it as ``opt.dlgs`` / ``tape.dlgs`` / ``compression.dlgs``.
+
+    Args:
+        ops: the framework's array operations.
+        comm: the collectives on Horovod's process set; ``included`` False
+            means this rank is outside the set and takes no part.
+        config: the sparsification options.
+        planner: the merge planner (an :class:`~dlgs.core.profiler.OnlinePlanner`),
+            attached as the exchange's step hook; None for none.
+        average: average (``op=Average``) or sum over ranks.
+        prefix: prefix of the Horovod tensor names (distinct per engine).
+        dense_external: the caller allreduces dense layers itself (the
+            ``compression=`` form).
+        extra_options: more options every rank must agree on (e.g.
+            ``backward_passes_per_step``).
+        log_every: log per-layer statistics every this many steps (0: never).
+        loss_scale: the loss scaler's reader (see :class:`SparseExchange`).
+        logger: where statistics are logged (the adapter's logger).
+    """
+
+    def __init__(
+        self,
+        ops: ArrayOps,
+        comm: Collectives,
+        config: SparsityConfig,
+        planner: Any = None,
+        *,
+        average: bool,
+        prefix: str,
+        dense_external: bool = False,
+        extra_options: Optional[Dict[str, Any]] = None,
+        log_every: int = 0,
+        loss_scale: Optional[Callable[[], Any]] = None,
+        logger: Optional[logging.Logger] = None,
+    ):
+        self.ops = ops
+        self.comm = comm
+        self.config = config
+        self._planner = planner
+        self.average = average
+        self.prefix = prefix
+        self.dense_external = dense_external
+        self.extra_options = dict(extra_options or {})
+        self.extra_options["loss_scaler"] = loss_scale is not None
+        self.log_every = log_every
+        self._loss_scale = loss_scale
+        self.logger = logger or logging.getLogger("dlgs")
+        self._exchange: Optional[SparseExchange] = None
+        #: Exchange layer index -> position in the list given to :meth:`build`.
+        self.order: List[int] = []
+        #: Layer names in the order given to :meth:`build` (None before).
+        self.names: Optional[List[str]] = None
+        self._like: Any = None
+        self._pending_state: Optional[Dict[str, Any]] = None
+
+    # -- construction -------------------------------------------------------------
+    def options(self) -> Dict[str, Any]:
+        """Every option every rank must agree on (what :meth:`build` checks)."""
+        return agreed_options(
+            self.config,
+            self._planner,
+            self.comm,
+            average=self.average,
+            prefix=self.prefix,
+            dense_external=self.dense_external,
+            **self.extra_options,
+        )
+
+    def build(
+        self,
+        layers: Sequence[Tuple[str, Sequence[int], str]],
+        *,
+        like: Any = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> SparseExchange:
+        """Build the exchange over ``layers`` (``(name, shape, dtype)`` in
+        registration order; exchanged in reverse, the order back-propagation
+        produces gradients), after checking that every rank of the process set
+        has the same layers and options (:class:`~dlgs.RankMismatchError`
+        otherwise, on every rank). ``like``: a tensor on the exchange's device
+        (for states loaded before the first step). Applies a state loaded
+        before this call."""
+        if self._exchange is not None:
+            raise RuntimeError("this dlgs engine is built already")
+        names = [str(n) for n, _, _ in layers]
+        order = list(reversed(range(len(layers))))
+        ordered = [layers[i] for i in order]
+        if self.comm.included:  # a rank outside the process set takes no part
+            check_ranks_agree(
+                signature(ordered, self.options()),
+                # A fixed name: one derived from an option (prefix) could itself differ.
+                lambda sig: self.comm.allgather_object(sig, "dlgs.signature"),
+                size=self.comm.size,
+            )
+        numel = [(str(n), _numel(shape)) for n, shape, _ in ordered]
+        exchange = SparseExchange(
+            self.ops,
+            self.comm,
+            self.config,
+            numel,
+            average=self.average,
+            prefix=self.prefix,
+            dense_external=self.dense_external,
+            clock=clock,
+            loss_scale=self._loss_scale,
+        )
+        if self._planner is not None:
+            exchange.step_hooks.append(self._planner)
+        self._exchange, self.order, self.names, self._like = exchange, order, names, like
+        if self._pending_state is not None:
+            state, self._pending_state = self._pending_state, None
+            self.load_state_dict(state)
+        return exchange
+
+    @property
+    def built(self) -> bool:
+        return self._exchange is not None
+
+    @property
+    def loss_scale(self) -> Optional[Callable[[], Any]]:
+        return self._loss_scale
+
+    @loss_scale.setter
+    def loss_scale(self, reader: Optional[Callable[[], Any]]) -> None:
+        """Read the loss scale with ``reader`` from the next step on (a TF tape
+        re-created every step hands in its scaler every time)."""
+        self._loss_scale = reader
+        if self._exchange is not None:
+            self._exchange.loss_scale = reader
+
+    # -- per step ---------------------------------------------------------------------
+    def step_done(self) -> None:
+        """Called by the adapter after each exchanged step: logs every
+        ``log_every`` steps (each log reads device values once)."""
+        ex = self._exchange
+        if self.log_every and ex is not None and ex.step % self.log_every == 0:
+            log_stats(ex, self.logger)
+
+    # -- what users reach as .dlgs ----------------------------------------------------
+    @property
+    def exchange(self) -> Optional[SparseExchange]:
+        """The core :class:`~dlgs.core.exchange.SparseExchange` (per-layer plans
+        and state); None before the first step where the adapter builds lazily."""
+        return self._exchange
+
+    @property
+    def planner(self) -> Any:
+        """The :class:`~dlgs.core.profiler.OnlinePlanner`: its ``plan`` is the
+        merge plan in force with its predicted times (None before the first),
+        its ``profile`` the measured one (``profile.save(path)``)."""
+        return self._planner
+
+    def reprofile(self) -> None:
+        """Profile again from the next step and re-plan (the plan in force stays
+        until then). Collective: call it on every rank of the process set
+        between the same two steps; a call on one rank only leaves the others
+        waiting in its probes."""
+        if self._planner is not None:
+            self._planner.restart()
+
+    @property
+    def last_step_finite(self) -> bool:
+        """Whether the last step's gradients were finite on every rank (the same
+        on every rank; see :attr:`dlgs.core.SparseExchange.last_step_finite`).
+        True before the first step."""
+        return self._exchange is None or self._exchange.last_step_finite
+
+    @property
+    def nonfinite_steps(self) -> int:
+        """Steps whose gradients were non-finite somewhere (dlgs' state was left
+        as before each)."""
+        return 0 if self._exchange is None else self._exchange.nonfinite_steps
+
+    def stats(self) -> List[Dict[str, Any]]:
+        """Per-layer statistics of the last step: selected count, achieved
+        density, threshold, bytes sent. Reads device values; call it every few
+        steps, not every step."""
+        if self._exchange is None:
+            return []
+        return log_stats(self._exchange, self.logger, logging.DEBUG)
+
+    def state_dict(self) -> Dict[str, Any]:
+        """This rank's residuals, velocities, controller states, step and plan
+        (docs/design.md, "Checkpoints and residuals"); save one per rank."""
+        if self._exchange is None:
+            return dict(self._pending_state or {})
+        return self._exchange.state_dict()
+
+    def check_state_dict(self, state: Any) -> None:
+        """Validate ``state`` without changing anything (what
+        :meth:`load_state_dict` checks first); no-op before the build."""
+        if self._exchange is not None and state:
+            self._exchange.check_state_dict(state)
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict`. Collective once built (see
+        :meth:`SparseExchange.load_state_dict`); before the build, kept and
+        applied by :meth:`build`."""
+        if not state:
+            return
+        if self._exchange is None:
+            self._pending_state = state
+            return
+        self._exchange.load_state_dict(state, like=self._like)
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+# -- the names of dlgs 0.1, kept for one release --------------------------------------
+
+
+def _deprecated(old: str, new: str) -> None:
+    warnings.warn(
+        f"{old} is deprecated and will be removed in dlgs 0.3: use {new}",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+
+
+class OptimizerAliases:
+    """The dlgs 0.1 ``dlgs_*`` accessors of the optimizers and the tape, now
+    ``.dlgs.*`` (each warns once per call site with :class:`DeprecationWarning`).
+    The class mixing this in defines ``dlgs`` (the :class:`Engine`)."""
+
+    dlgs: Engine
+
+    @property
+    def dlgs_exchange(self):
+        _deprecated("dlgs_exchange", ".dlgs.exchange")
+        return self.dlgs.exchange
+
+    @property
+    def dlgs_planner(self):
+        _deprecated("dlgs_planner", ".dlgs.planner")
+        return self.dlgs.planner
+
+    @property
+    def dlgs_last_step_finite(self) -> bool:
+        _deprecated("dlgs_last_step_finite", ".dlgs.last_step_finite")
+        return self.dlgs.last_step_finite
+
+    def dlgs_stats(self) -> List[Dict[str, Any]]:
+        _deprecated("dlgs_stats()", ".dlgs.stats()")
+        return self.dlgs.stats()
+
+    def dlgs_reprofile(self) -> None:
+        _deprecated("dlgs_reprofile()", ".dlgs.reprofile()")
+        self.dlgs.reprofile()
+
+
+class CompressionAliases:
+    """The dlgs 0.1 accessors of the ``Compression`` classes, now ``.dlgs.*``."""
+
+    dlgs: Engine
+
+    @property
+    def exchange(self):
+        _deprecated("Compression.exchange", "Compression.dlgs.exchange")
+        return self.dlgs.exchange
+
+    @property
+    def planner(self):
+        _deprecated("Compression.planner", "Compression.dlgs.planner")
+        return self.dlgs.planner
+
+    @property
+    def last_step_finite(self) -> bool:
+        _deprecated("Compression.last_step_finite", "Compression.dlgs.last_step_finite")
+        return self.dlgs.last_step_finite
+
+    def stats(self) -> List[Dict[str, Any]]:
+        _deprecated("Compression.stats()", "Compression.dlgs.stats()")
+        return self.dlgs.stats()
+
+    def reprofile(self) -> None:
+        _deprecated("Compression.reprofile()", "Compression.dlgs.reprofile()")
+        self.dlgs.reprofile()

@@ -1,0 +1,194 @@
+"""The per-job engine (``dlgs/core/engine.py``) with no framework: NumPy arrays,
+ranks as threads (``tests/local_world.py``). What every adapter relies on:
+back-propagation order, the agreement check, deferred state loading, the
+logging cadence, the accessors and their deprecated aliases."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import warnings
+
+import numpy as np
+import pytest
+from local_world import OPS, LocalWorld
+
+from dlgs.core import MergeConfig, RankMismatchError, SparsityConfig
+from dlgs.core.engine import CompressionAliases, Engine, OptimizerAliases
+from dlgs.core.profiler import OnlinePlanner
+
+# Registration (forward) order, as a framework lists parameters.
+LAYERS = [("w1", (64, 64), "float32"), ("b1", (64,), "float32"), ("w2", (32, 64), "float32")]
+
+
+def engine(comm, *, planner=None, log_every=0, **options):
+    opts = dict(density=0.05, min_sparse_size=1024)
+    opts.update(options)
+    return Engine(
+        OPS,
+        comm,
+        SparsityConfig(**opts),
+        planner,
+        average=True,
+        prefix="t",
+        log_every=log_every,
+        logger=logging.getLogger("dlgs.test"),
+    )
+
+
+def grads(rank, step):
+    g = np.random.default_rng(100 * step + rank)
+    return {
+        name: g.standard_normal(int(np.prod(shape))).astype(np.float32) for name, shape, _ in LAYERS
+    }
+
+
+def step(eng, rank, s):
+    ex = eng.exchange
+    g = grads(rank, s)
+    for i, pos in enumerate(eng.order):
+        ex.submit(i, g[LAYERS[pos][0]])
+    out = ex.wait()
+    eng.step_done()
+    return {LAYERS[pos][0]: np.array(out[i]) for i, pos in enumerate(eng.order)}
+
+
+def test_build_orders_layers_for_backpropagation():
+    world = LocalWorld(2)
+
+    def body(rank, comm):
+        eng = engine(comm)
+        assert not eng.built and eng.exchange is None and eng.last_step_finite
+        assert eng.stats() == [] and eng.state_dict() == {}
+        ex = eng.build(LAYERS)
+        return [layer.name for layer in ex.layers], eng.order, eng.names
+
+    for names, order, given in world.run(body):
+        assert names == ["w2", "b1", "w1"]  # the last layer's gradient is ready first
+        assert order == [2, 1, 0]
+        assert given == ["w1", "b1", "w2"]
+
+
+@pytest.mark.parametrize(
+    "differ, key",
+    [
+        ({"density": 0.1}, "sparsity.density"),
+        ({"planner": MergeConfig("buckets", bucket_elements=512)}, "planner.bucket_elements"),
+        ({"layers": LAYERS[:2]}, "lacks parameters"),
+    ],
+)
+def test_ranks_that_disagree_raise_the_same_error_on_every_rank(differ, key):
+    """Every rank gathers every rank's fingerprint and judges the same list:
+    all raise, none waits (the LocalWorld fails a collective that hangs)."""
+    world = LocalWorld(2, timeout=5)
+
+    def body(rank, comm):
+        opts = dict(differ) if rank == 1 else {}
+        layers = opts.pop("layers", LAYERS)
+        merge = opts.pop("planner", MergeConfig("buckets"))
+        eng = engine(comm, planner=OnlinePlanner.from_config(merge), **opts)
+        with pytest.raises(RankMismatchError) as err:
+            eng.build(layers)
+        return str(err.value)
+
+    messages = world.run(body)
+    assert messages[0] == messages[1] and key in messages[0]
+
+
+def test_every_planner_and_config_option_is_in_the_fingerprint():
+    """An option added later to either config is checked without anyone
+    listing it: the fingerprint holds every field of both."""
+    world = LocalWorld(1)
+
+    def body(rank, comm):
+        return engine(comm, planner=OnlinePlanner.from_config(MergeConfig("dp"))).options()
+
+    (options,) = world.run(body)
+    from dataclasses import fields
+
+    assert {f.name for f in fields(SparsityConfig)} <= set(options["sparsity"])
+    assert {f.name for f in fields(MergeConfig) if f.name != "strategy"} <= set(options["planner"])
+    assert options["exchange"]["loss_scaler"] is False
+
+
+def test_state_loaded_before_the_build_is_applied_by_it_and_resumes_exactly():
+    """TensorFlow restores a checkpoint before the first step builds the
+    exchange: the engine keeps the state and applies it in build()."""
+    world = LocalWorld(2)
+
+    def body(rank, comm):
+        a = engine(comm, momentum=0.9)
+        a.build(LAYERS)
+        for s in range(3):
+            step(a, rank, s)
+        # A state_dict holds the live buffers (as torch's optimizers do): copy it.
+        saved = copy.deepcopy(a.state_dict())
+        straight = [step(a, rank, s) for s in (3, 4)]
+        b = engine(comm, momentum=0.9)
+        b.load_state_dict(saved)
+        assert b.state_dict() == saved  # kept, not applied yet
+        b.build(LAYERS)
+        assert b.exchange.step == 3
+        resumed = [step(b, rank, s) for s in (3, 4)]
+        return straight, resumed
+
+    for straight, resumed in world.run(body):
+        for x, y in zip(straight, resumed):
+            for name in x:
+                np.testing.assert_array_equal(x[name], y[name])
+
+
+def test_log_every_logs_on_its_cadence(caplog):
+    world = LocalWorld(1)
+
+    def body(rank, comm):
+        eng = engine(comm, log_every=2)
+        eng.build(LAYERS)
+        for s in range(4):
+            step(eng, rank, s)
+        return eng.stats()
+
+    with caplog.at_level(logging.INFO, logger="dlgs.test"):
+        (rows,) = world.run(body)
+    steps = sorted({r.getMessage().split()[1] for r in caplog.records if r.levelno == logging.INFO})
+    assert steps == ["2", "4"]
+    assert {r["name"] for r in rows} == {"w1", "b1", "w2"}
+
+
+def test_reprofile_restarts_the_planner_and_deprecated_aliases_warn():
+    world = LocalWorld(1)
+
+    class Opt(OptimizerAliases):
+        def __init__(self, eng):
+            self.dlgs = eng
+
+    class Comp(CompressionAliases):
+        def __init__(self, eng):
+            self.dlgs = eng
+
+    def body(rank, comm):
+        planner = OnlinePlanner.from_config(MergeConfig("buckets", profile_steps=1))
+        eng = engine(comm, planner=planner)
+        eng.build(LAYERS)
+        for s in range(4):
+            step(eng, rank, s)
+        assert planner.profile is not None
+        eng.reprofile()
+        assert planner.profile is None
+        return Opt(eng), Comp(eng), eng
+
+    ((opt, comp, eng),) = world.run(body)
+    for obj, names in (
+        (opt, ["dlgs_exchange", "dlgs_planner", "dlgs_last_step_finite"]),
+        (comp, ["exchange", "planner", "last_step_finite"]),
+    ):
+        for name in names:
+            with pytest.warns(DeprecationWarning, match=name.split("_")[-1]):
+                value = getattr(obj, name)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                assert value == getattr(eng, name.replace("dlgs_", ""))
+    with pytest.warns(DeprecationWarning, match=r"\.dlgs\.stats\(\)"):
+        assert opt.dlgs_stats() == eng.stats()
+    with pytest.warns(DeprecationWarning, match="reprofile"):
+        comp.reprofile()
