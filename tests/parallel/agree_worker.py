@@ -26,7 +26,7 @@ from dlgs.core import RankMismatchError  # noqa: E402
 from dlgs.core.planner import CostModel  # noqa: E402
 from dlgs.core.profile import LayerProfile, Profile  # noqa: E402
 from dlgs.core.profiler import OnlinePlanner  # noqa: E402
-from dlgs.torch._engine import HorovodCollectives, build_exchange  # noqa: E402
+from dlgs.torch._engine import HorovodCollectives, build_engine  # noqa: E402
 
 # A hang prints every thread's stack and exits, well before the test's timeout.
 
@@ -83,18 +83,18 @@ def _optimizer(**kwargs):
 
 
 def _exchange(**kwargs):
-    """The torch engine's build_exchange, with a planner built from ``kwargs``."""
+    """The torch adapter's build_engine, with a planner built from ``kwargs``."""
     model = mlp(3)
     extra = kwargs.pop("extra_options", None)
     if kwargs.get("profile") == "given":
         kwargs["profile"] = _a_profile(model)
-    return build_exchange(
+    return build_engine(
         list(model.named_parameters()),
         dlgs.SparsityConfig(),
+        OnlinePlanner("dp", **kwargs),
         HorovodCollectives(),
         average=True,
         prefix="agree",
-        merge=OnlinePlanner("dp", **kwargs),
         extra_options=extra,
     )
 
@@ -152,7 +152,7 @@ def option_mismatch():
         out["form"] = _error(_optimizer)
     else:
         out["form"] = _error(dlgs.torch.Compression, mlp(3).named_parameters())
-    # Planner options and an adapter's extra option (a loss scale), through build_exchange.
+    # Planner options and an adapter's extra option (a loss scale), through build_engine.
     for case, pairs in PLANNER_CASES.items():
         out[f"planner/{case}"] = _error(_exchange, **_mine(pairs))
     out["extra/loss_scale"] = _error(
