@@ -129,8 +129,8 @@ def timing_text(mode: str) -> str:
         + " Sparsify: for the methods built on dlgs, that rank's median host time in its "
         "exchange's submits (selection, packing, starting collectives), which run after "
         "the local gradient, inside step wait. Wire: bytes one rank contributes per step "
-        "(dense/fp16: 4/2 bytes per parameter; dlgs: the sum of `.dlgs.stats()` "
-        "`wire_bytes`, values + indices at capacity, dense layers at 4 bytes; with "
+        "(dense/fp16: 4/2 bytes per parameter; dlgs: `.dlgs.exchange.wire_bytes()`, "
+        "every message at capacity with its header, dense layers at 4 bytes; with "
         "`--rounds`, the mean over rounds, as each round plans anew). Efficiency: "
         "no-comm median / method median."
     )
@@ -275,7 +275,7 @@ def run_method(
         out.wire_bytes = 2 * params
     elif method in SPARSE_METHODS:
         tape = last["tape"]
-        out.wire_bytes = sum(int(r["wire_bytes"]) for r in tape.dlgs.stats())
+        out.wire_bytes = tape.dlgs.exchange.wire_bytes()
         out.messages = len(tape.dlgs.exchange.groups)
         out.guard = guard_verdict(tape.dlgs.planner)
         if merging:

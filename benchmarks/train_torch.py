@@ -50,7 +50,7 @@ TIMING = (
     "medians. Sparsify: for the methods built on dlgs, that rank's median host time in "
     "its gradient hooks (selection, packing, starting collectives), part of backward. "
     "Wire: bytes one rank contributes per step (dense/fp16: 4/2 bytes per parameter; "
-    "dlgs: the sum of `.dlgs.stats()` `wire_bytes`, values + indices at capacity, dense "
+    "dlgs: `.dlgs.exchange.wire_bytes()`, every message at capacity with its header, dense "
     "layers at 4 bytes; with `--rounds`, the mean over rounds, as each round plans "
     "anew). Efficiency: no-comm median / method median."
 )
@@ -181,7 +181,7 @@ def run_method(
     elif method == "fp16":
         out.wire_bytes = 2 * params
     elif method in SPARSE_METHODS:
-        out.wire_bytes = sum(int(r["wire_bytes"]) for r in opt.dlgs.stats())
+        out.wire_bytes = opt.dlgs.exchange.wire_bytes()
         out.messages = len(opt.dlgs.exchange.groups)
         out.guard = guard_verdict(opt.dlgs.planner)
         if SPARSE_METHODS[method][1] != "none":

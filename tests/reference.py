@@ -115,3 +115,71 @@ class Reference:
         if self.average:
             out = [o / self.ranks for o in out]
         return out
+
+
+def plan_modes(ref: Reference, plan, step: int) -> Dict[int, bool]:
+    """Layer -> sparse for a merge plan (``[(members, sparse or None)]``) in
+    force at ``step`` (None: layer-wise); ``None`` groups are sparse when every
+    member is by the rule."""
+    modes: Dict[int, bool] = {}
+    for members, sparse in plan or []:
+        if sparse is None:
+            sparse = all(ref.target(ref.sizes[i], step)[2] for i in members)
+        modes.update({i: bool(sparse) for i in members})
+    return modes
+
+
+def compare_run(
+    ref: Reference,
+    rank: int,
+    grads: Sequence[Sequence[Sequence[np.ndarray]]],
+    thetas: Sequence[Sequence[Dict[int, float]]],
+    outs: Sequence[Sequence[np.ndarray]],
+    residuals: Sequence[Dict[int, np.ndarray]],
+    plans: Sequence[Optional[list]],
+) -> Dict[str, float]:
+    """Replay a real run through the reference and measure how far ``rank``'s
+    results are from it.
+
+    Args:
+        grads: ``grads[step][rank][layer]``: every rank's gradients (flat,
+            exchange order).
+        thetas: ``thetas[step][rank]``: the thresholds each rank's sparse layers used.
+        outs: ``outs[step][layer]``: this rank's reduced gradients.
+        residuals: ``residuals[step]``: this rank's residual per sparse layer.
+        plans: the merge plan in force at each step (None: layer-wise).
+
+    Returns:
+        ``out``: the largest output error relative to the output's scale
+        (max(1, max |output|)); ``residual``: the same for the residuals;
+        ``modes``: steps at which the set of sparse layers (the thresholds
+        reported) differs from the
+        reference's rule; ``first_bad_step``: the first step off by more
+        than 1e-6 (-1: none).
+    """
+    worst_out = worst_res = 0.0
+    wrong_modes = 0
+    first_bad = -1
+    for s in range(len(outs)):
+        modes = plan_modes(ref, plans[s], s)
+        want = ref.step(grads[s], thetas[s], modes)
+        sparse = {
+            i for i, n in enumerate(ref.sizes) if (modes[i] if i in modes else ref.target(n, s)[2])
+        }
+        wrong_modes += set(thetas[s][rank]) != sparse
+        for i, w in enumerate(want):
+            scale = max(1.0, float(np.abs(w).max()))
+            got = np.asarray(outs[s][i], np.float64)
+            worst_out = max(worst_out, float(np.abs(got - w).max()) / scale)
+        for i, r in residuals[s].items():
+            want_r = ref.residual[rank][i]
+            scale = max(1.0, float(np.abs(want_r).max()))
+            worst_res = max(worst_res, float(np.abs(np.asarray(r) - want_r).max()) / scale)
+        if first_bad < 0 and max(worst_out, worst_res) > 1e-6:
+            first_bad = s
+    return {
+        "out": worst_out,
+        "residual": worst_res,
+        "modes": float(wrong_modes),
+        "first_bad_step": float(first_bad),
+    }

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from local_world import OPS, LocalWorld
 
-from dlgs.core import MergeConfig, RankMismatchError, SparsityConfig
+from dlgs.core import MergeConfig, RankMismatchError, SparseExchange, SparsityConfig
 from dlgs.core.engine import CompressionAliases, Engine, OptimizerAliases
 from dlgs.core.profiler import OnlinePlanner
 
@@ -192,3 +192,63 @@ def test_reprofile_restarts_the_planner_and_deprecated_aliases_warn():
         assert opt.dlgs_stats() == eng.stats()
     with pytest.warns(DeprecationWarning, match="reprofile"):
         comp.reprofile()
+
+
+def test_each_step_hands_its_hooks_a_typed_record():
+    """The planner's interface: a StepRecord per step, with layer times only
+    for steps it asked to time (trace_next_step), and the modes in force."""
+    world = LocalWorld(1)
+    seen = []
+
+    def hook(ex, record):
+        seen.append(record)
+        if record.step == 1:
+            ex.trace_next_step()
+
+    def body(rank, comm):
+        eng = engine(comm)
+        eng.build(LAYERS)
+        eng.exchange.step_hooks.append(hook)
+        for s in range(4):
+            step(eng, rank, s)
+        return eng.exchange
+
+    (ex,) = world.run(body)
+    assert [r.step for r in seen] == [0, 1, 2, 3] and ex.last_step is seen[-1]
+    assert [r.trace is not None for r in seen] == [False, False, True, False]
+    trace = seen[2].trace
+    assert set(trace.arrive) == set(trace.done) == {0, 1, 2}
+    assert all(trace.done[i] >= trace.arrive[i] for i in trace.arrive)
+    assert trace.end is not None and trace.end >= 0
+    assert seen[0].layers_sparse == (True, False, True)  # w2, b1, w1
+    assert all(r.seconds is not None and r.seconds >= r.submit_seconds >= 0 for r in seen)
+
+
+def test_a_dense_plan_applies_in_the_compression_form():
+    """With dense_external (Horovod allreduces dense layers itself), a plan's
+    dense group still sends its members dense, one by one: the caller gets
+    their tensors back, with what their residuals owed."""
+    world = LocalWorld(2)
+
+    def body(rank, comm):
+        ex = SparseExchange(
+            OPS,
+            comm,
+            SparsityConfig(density=0.05, min_sparse_size=1024),
+            [("a", 4096), ("b", 2048)],
+            dense_external=True,
+        )
+        g = [np.ones(4096, np.float32), np.ones(2048, np.float32)]
+        assert ex.submit(0, g[0]) is None and ex.submit(1, g[1]) is None  # sparse by the rule
+        ex.wait()
+        ex.set_plan([([0, 1], False)])
+        sent = [ex.submit(i, g[i]) for i in range(2)]
+        ex.wait(finish=False)
+        ex.finish([(i, s) for i, s in enumerate(sent)])
+        return [len(ex.groups), [ex.is_sparse(layer) for layer in ex.layers], sent]
+
+    for groups, sparse, sent in world.run(body):
+        assert groups == 2 and sparse == [False, False]
+        # First step sent k of the ones; the rest was owed and is flushed now.
+        for n, s in zip((4096, 2048), sent):
+            assert s is not None and float(np.sum(s)) == 2 * n - np.ceil(0.05 * n)

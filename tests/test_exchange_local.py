@@ -228,6 +228,10 @@ CASES = {
         {7: _SPARSE_PLAN, 9: _DENSE_PLAN, 11: None},
     ),
     "merged_then_layerwise": (dict(), {0: _SPARSE_PLAN, 5: None}),
+    "momentum_flush": (dict(momentum=0.9), {3: _SPARSE_PLAN, 6: _DENSE_PLAN, 9: None}),
+    # One layer alone sent dense: its velocity must stay this rank's own (an
+    # in-place reduction once made it the average, carried into sparse steps).
+    "momentum_single_dense": (dict(momentum=0.9), {3: [([2], False)], 6: None}),
     "sum": (dict(average=False), {}),
 }
 STEPS = 13

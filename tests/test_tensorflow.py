@@ -40,6 +40,7 @@ SCENARIOS = [
     "fit_identical",
     "resume",
     "mismatch",
+    "against_reference",
 ]
 
 
@@ -264,6 +265,19 @@ def test_checkpoint_round_trip_single_process(tmp_path):
 def ranks(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"tf-ranks-{request.param}")
     return run_scenarios(request.param, "tf_worker.py", out, SCENARIOS)
+
+
+@pytest.mark.parallel
+def test_tf_both_forms_match_the_reference_with_plans_and_flushes(ranks):
+    """Every rank's reduced gradients and residuals against tests/reference.py,
+    step by step, through a merged plan, a dense plan (flush) and back, in the
+    tape form and the sparse Compression form (Horovod's tape, num_groups=1)."""
+    for r, v in enumerate(value(ranks, "against_reference")):
+        assert len(v) == 10
+        for case, rec in v.items():
+            assert rec["modes"] == 0, f"rank {r} {case}: sparse layers differ from the rule"
+            assert rec["out"] <= 1e-5, f"rank {r} {case}: reduced gradient off: {rec}"
+            assert rec["residual"] <= 1e-5, f"rank {r} {case}: residual off: {rec}"
 
 
 @pytest.mark.parallel

@@ -5,13 +5,15 @@ from .backend import ArrayOps
 from .config import Controller, MergeConfig, SparsityConfig, ValueDType
 from .consistency import RankMismatchError, describe_mismatch, signature
 from .controller import ThresholdController, make_controller
-from .exchange import STATE_VERSION, Collectives, LayerPlan, SparseExchange, plan_layers, select
-from .wire import GroupLayout, LayoutMismatchError
+from .engine import Engine
+from .exchange import STATE_VERSION, Collectives, SparseExchange, StepRecord, StepTrace, select
+from .wire import GroupLayout, LayerPlan, LayoutMismatchError, plan_layers
 
 __all__ = [
     "ArrayOps",
     "Collectives",
     "Controller",
+    "Engine",
     "GroupLayout",
     "LayerPlan",
     "LayoutMismatchError",
@@ -20,6 +22,8 @@ __all__ = [
     "STATE_VERSION",
     "SparseExchange",
     "SparsityConfig",
+    "StepRecord",
+    "StepTrace",
     "ThresholdController",
     "ValueDType",
     "describe_mismatch",

@@ -23,14 +23,14 @@ import logging
 import math
 import time
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 from .backend import ArrayOps
 from .config import SparsityConfig, ValueDType
 from .consistency import RankMismatchError
 from .controller import ThresholdController, make_controller
-from .wire import GroupLayout, member_bytes
+from .wire import GroupLayout, LayerPlan, plan_layers
 
 __all__ = [
     "Collectives",
@@ -78,40 +78,6 @@ class Collectives(Protocol):
 
     def allgather_object(self, obj: Any, name: str) -> List[Any]:
         """Every rank's ``obj``, in rank order (picklable Python objects)."""
-
-
-@dataclass(frozen=True)
-class LayerPlan:
-    """How one layer is sent at a given density (pure numbers).
-
-    ``sparse`` is False when the layer is below ``min_sparse_size`` or when a
-    sparse message (values + int32 indices) would not be smaller than the dense
-    float32 gradient.
-    """
-
-    numel: int
-    k: int
-    capacity: int
-    sparse: bool
-    value_dtype: ValueDType = ValueDType.FLOAT32
-
-    @property
-    def wire_bytes(self) -> int:
-        """Bytes this rank contributes per step when sent by the per-layer rule:
-        a count word, values and int32 indices, or the float32 dense gradient."""
-        return member_bytes(self.capacity, self.value_dtype) if self.sparse else self.numel * 4
-
-
-def plan_layers(sizes: Sequence[int], density: float, config: SparsityConfig) -> List[LayerPlan]:
-    """Target count, capacity and sparse/dense decision of each layer."""
-    plans = []
-    for n in sizes:
-        k = max(1, math.ceil(density * n))
-        cap = min(n, math.ceil(config.max_ratio * k))
-        # Sparse only where its message (less the count word) beats the dense one.
-        sparse = n >= config.min_sparse_size and member_bytes(cap, config.value_dtype) - 4 < 4 * n
-        plans.append(LayerPlan(n, k, cap, sparse, config.value_dtype))
-    return plans
 
 
 def select(
@@ -177,6 +143,7 @@ class _Layer:
         "residual_next",
         "velocity",
         "velocity_next",
+        "send",
         "ctrl",
         "ctrl_prev",
         "flush",
@@ -195,6 +162,9 @@ class _Layer:
         self.residual_next: Any = None
         self.velocity: Any = None
         self.velocity_next: Any = None
+        # A dense layer's send buffer under momentum correction (n float32):
+        # its velocity stays this rank's own, whatever the reduction does in place.
+        self.send: Any = None
         self.ctrl: Dict[str, Any] = {}
         self.ctrl_prev: Optional[Dict[str, Any]] = None
         self.flush = False  # a dense layer sent what its residual owed this step
@@ -330,9 +300,13 @@ class SparseExchange:
         #: packing and starting collectives (on a GPU: launching them).
         self.last_submit_seconds: Optional[float] = None
         self._submit_seconds = 0.0
-        #: Called with the exchange at the end of every step (profiling, planning).
+        #: Called with the exchange and the step's :class:`StepRecord` at the end
+        #: of every step (profiling, planning).
         self.step_hooks: List[StepHook] = []
-        self.trace: Optional[Dict[str, Any]] = None
+        #: The last finished step's :class:`StepRecord` (None before the first).
+        self.last_step: Optional[StepRecord] = None
+        self._trace: Optional[StepTrace] = None
+        self._trace_next = False
         self.loss_scale = loss_scale
         self._open = False  # a step has begun (first submit) and not finished
         self._scale: Any = None  # this step's loss scale (0-d) or None
@@ -377,6 +351,12 @@ class SparseExchange:
         """Density in force for the current step."""
         return self.config.density_at(self.step)
 
+    def trace_next_step(self) -> None:
+        """Time the next step layer by layer (:class:`StepTrace` in its
+        :class:`StepRecord`). Each timed layer calls ``clock()`` twice, which
+        on an asynchronous device waits for it: profiling steps only."""
+        self._trace_next = True
+
     def set_plan(self, plan: Optional[Plan]) -> None:
         """Replace the merge plan: ``[(layer indices, sparse), ...]`` where
         ``sparse`` is True/False or None (sparse if every member would be sent
@@ -416,8 +396,11 @@ class SparseExchange:
         for members, sparse in self._plan or []:
             mode = all(plans[i].sparse for i in members) if sparse is None else bool(sparse)
             if not mode and self.dense_external:
-                continue  # dense layers go alone, through the caller's allreduce
-            out.append((list(members), mode))
+                # Dense members go alone, through the caller's allreduce
+                # (Horovod fuses them itself), but dense as the plan says.
+                out += [([i], False) for i in members]
+            else:
+                out.append((list(members), mode))
             placed.update(members)
         out += [([i], plans[i].sparse) for i in range(len(plans)) if i not in placed]
         return sorted(_split_oversized(out, plans), key=lambda g: min(g[0]))
@@ -505,6 +488,8 @@ class SparseExchange:
     def _begin_step(self) -> None:
         """Once per step, at the first submit: read the loss scale."""
         self._open = True
+        if self._trace_next:
+            self._trace, self._trace_next = StepTrace(), False
         ops = self.ops
         base = 1.0 / self.comm.size if self.average else 1.0
         scale = self.loss_scale() if self.loss_scale is not None else None
@@ -540,7 +525,7 @@ class SparseExchange:
             self._begin_step()
         if self._step_start is None:
             self._step_start = entered
-        trace = self.trace
+        trace = self._trace
         if trace is not None:
             t0 = self.clock()
         self._submitted.add(i)
@@ -565,8 +550,8 @@ class SparseExchange:
                 if group.ready == len(group.members):
                     group.handle = self.comm.allreduce_async(group.dense, group.name)
         if trace is not None:
-            trace["arrive"][i] = t0
-            trace["done"][i] = self.clock()
+            trace.arrive[i] = t0
+            trace.done[i] = self.clock()
         self._submit_seconds += time.perf_counter() - entered
         return result
 
@@ -580,22 +565,29 @@ class SparseExchange:
             # Momentum correction keeps every layer's velocity locally (the
             # wrapped optimizer has none); a dense layer sends its velocity,
             # whose average is what momentum SGD applies to the averaged
-            # gradient. Reduced in place, it leaves every rank the average.
+            # gradient. It is sent from a copy: an in-place reduction must not
+            # turn this rank's velocity into the average (which it would then
+            # carry into steps where the layer is sparse again), whether the
+            # layer travels alone or in a merged dense message.
             if layer.velocity is None:
                 layer.velocity = ops.zeros(n + 1, "float32", grad)
             if layer.velocity_next is None:
                 layer.velocity_next = ops.zeros(n + 1, "float32", grad)
-            grad = self._advance_velocity(layer, grad)
+            if layer.send is None:
+                layer.send = ops.zeros(n, "float32", grad)
+            vel = self._advance_velocity(layer, grad)
+            if layer.residual is None:
+                return ops.copy_(layer.send, vel)
+            owed = ops.narrow(layer.residual, 0, 0, n)  # both unscaled
+            layer.flush = True
+            return ops.add_into_(layer.send, vel, owed, None)
         if layer.residual is not None:
             # The layer went dense (e.g. end of warm-up, or a new plan): send
             # what it still owes with this gradient; the residual is dropped
             # when the step finishes finite.
             owed = ops.narrow(layer.residual, 0, 0, n)
             out = ops.zeros(n, "float32", grad)
-            if self.config.momentum:  # velocity and residual are both unscaled
-                grad = ops.add_into_(out, grad, owed, None)
-            else:
-                grad = ops.add_into_(out, grad, owed, self._scale)
+            grad = ops.add_into_(out, grad, owed, self._scale)
             layer.flush = True
         return grad
 
@@ -775,11 +767,20 @@ class SparseExchange:
             self.last_step_seconds = time.perf_counter() - self._step_start
             self._step_start = None
         self.last_submit_seconds, self._submit_seconds = self._submit_seconds, 0.0
-        if self.trace is not None:
-            self.trace["waited"] = self.clock()
+        trace, self._trace = self._trace, None
+        if trace is not None:
+            trace.waited = self.clock()
+        record = StepRecord(
+            step=self.step,
+            seconds=self.last_step_seconds,
+            submit_seconds=self.last_submit_seconds,
+            layers_sparse=tuple(self.is_sparse(layer) for layer in self.layers),
+            trace=trace,
+        )
+        self.last_step = record
         self.step += 1
         for hook in list(self.step_hooks):
-            hook(self)
+            hook(self, record)
         return finite
 
     def _log_nonfinite(self, external: Sequence[Tuple[int, Any]]) -> None:
@@ -817,12 +818,29 @@ class SparseExchange:
         self._nonfinite_unlogged = 0
 
     # -- statistics and checkpoints -------------------------------------------
+    def _message_bytes(self, group: _Group) -> int:
+        if group.sparse:
+            assert group.layout is not None
+            return 4 * group.layout.chunk_words
+        return 4 * sum(self.layers[i].numel for i in group.members)
+
+    def wire_bytes(self) -> int:
+        """Bytes this rank contributes per step under the layout in force, over
+        all its messages (sparse ones at capacity, with their fingerprint
+        word; dense layers as float32, before any Horovod compression). No
+        device read."""
+        return sum(self._message_bytes(g) for g in self.groups)
+
     def stats(self) -> List[Dict[str, Any]]:
         """Per-layer numbers of the last step (synchronises; not for the hot path).
 
         Keys: name, numel, sparse, k, capacity, selected (count with
         ``|a| >= theta``), sent (``min(selected, capacity)``), density
-        (selected / numel), threshold, wire_bytes (this rank, per step).
+        (selected / numel), threshold, wire_bytes (this layer's part of this
+        rank's message per step: count word, values and indices, or the
+        float32 gradient), message (the layer's message), message_bytes (that
+        whole message from this rank, with its 4-byte fingerprint word: what
+        the collective moves; :meth:`wire_bytes` sums them).
         """
         ops = self.ops
         rows = []
@@ -841,6 +859,7 @@ class SparseExchange:
                 # float32 gradient (before any Horovod compression of dense layers).
                 "wire_bytes": plan.wire_bytes if sparse else 4 * layer.numel,
                 "message": layer.group,
+                "message_bytes": self._message_bytes(self.groups[layer.group]),
             }
             if sparse and layer.count is not None:
                 selected = int(ops.to_host(layer.count))
@@ -1047,16 +1066,54 @@ class SparseExchange:
                 layer.ctrl = fresh
 
 
+@dataclass
+class StepTrace:
+    """Host times (``clock()``, after the device finished) of one timed step
+    (:meth:`SparseExchange.trace_next_step`)."""
+
+    #: Layer index -> when its gradient was submitted.
+    arrive: Dict[int, float] = field(default_factory=dict)
+    #: Layer index -> when its selection and packing (or dense send) returned.
+    done: Dict[int, float] = field(default_factory=dict)
+    #: When the step's wait() ended.
+    waited: Optional[float] = None
+
+    @property
+    def end(self) -> Optional[float]:
+        """Seconds from the first gradient to the end of the wait."""
+        if self.waited is None or not self.arrive:
+            return None
+        return self.waited - min(self.arrive.values())
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What a finished step hands its step hooks (and leaves in
+    :attr:`SparseExchange.last_step`)."""
+
+    #: The step's index (``exchange.step`` was this during it).
+    step: int
+    #: Host seconds from the first submit to the end of the wait (no device sync).
+    seconds: Optional[float]
+    #: Host seconds inside submit(): selection, packing, starting collectives.
+    submit_seconds: float
+    #: Per layer (exchange order), whether it was sent sparse.
+    layers_sparse: Tuple[bool, ...]
+    #: Layer-by-layer times, if :meth:`SparseExchange.trace_next_step` asked for them.
+    trace: Optional[StepTrace] = None
+
+
 class StepHook(Protocol):
     """What :attr:`SparseExchange.step_hooks` hold (e.g. the online planner).
 
-    Called with the exchange after every step. Optional members: ``on_density(ex,
-    density)`` returning a plan for a new density (applied in that layout) or
-    None; ``state_dict()`` / ``load_state_dict(state, ex)``, saved in the
-    exchange's state under ``state_key`` (default: the class name).
+    Called with the exchange and the step's :class:`StepRecord` after every
+    step. Optional members: ``on_density(ex, density)`` returning a plan for a
+    new density (applied in that layout) or None; ``state_dict()`` /
+    ``load_state_dict(state, ex)``, saved in the exchange's state under
+    ``state_key`` (default: the class name).
     """
 
-    def __call__(self, exchange: "SparseExchange") -> None: ...
+    def __call__(self, exchange: "SparseExchange", record: StepRecord) -> None: ...
 
 
 def _hook_key(hook: Any) -> str:

@@ -15,9 +15,8 @@ from typing import Any, Callable, Dict, List, Sequence, Tuple, Union
 
 from ._checks import check_float, check_int
 from .config import SparsityConfig
-from .exchange import plan_layers
 from .planner import CostModel, LayerCost, PlanSpec
-from .wire import member_bytes
+from .wire import member_bytes, plan_layers
 
 __all__ = ["LayerProfile", "Profile", "build_spec", "PROFILE_VERSION"]
 

@@ -30,6 +30,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ._checks import check_int
 from .config import MERGE_STRATEGIES, MergeConfig
+from .exchange import StepRecord, StepTrace
 from .planner import CostModel, Plan, fit_cost_model, plan_strategy
 from .profile import LayerProfile, Profile, build_spec
 
@@ -145,11 +146,11 @@ class OnlinePlanner:
         self.timings: List[Dict[str, float]] = []
         self.plan: Optional[Plan] = None
         self.order: List[int] = []
-        self._traces: List[Dict[str, Dict[int, float]]] = []
+        self._traces: List[StepTrace] = []
         self._density: Optional[float] = None  # density the current plan is for
 
     # -- step hook -------------------------------------------------------------
-    def __call__(self, ex) -> None:
+    def __call__(self, ex, record: StepRecord) -> None:
         """Called by the exchange after each step (``ex.step`` steps are done)."""
         if self.strategy == "none" and not self.record:
             return  # layer-wise needs no profile unless predictions are wanted
@@ -158,26 +159,26 @@ class OnlinePlanner:
                 self._replan(ex)
             assert self.plan is not None
             if self._refining:
-                self._refine_step(ex)
+                self._refine_step(ex, record)
                 return
-            self._check_drift(ex)
+            self._check_drift(ex, record)
             if self.record:
-                if ex.trace is not None and ex.trace["arrive"]:
-                    t = ex.trace
-                    first = min(t["arrive"].values())
+                t = record.trace
+                end = t.end if t is not None else None
+                if t is not None and end is not None:
+                    first = min(t.arrive.values())
                     self.timings.append(
                         {
-                            "step": ex.step - 1,
+                            "step": record.step,
                             "predicted_end": self.plan.end,
-                            "measured_end": t["waited"] - first,
-                            "compute_end": max(t["done"].values()) - first,
+                            "measured_end": end,
+                            "compute_end": max(t.done.values()) - first,
                         }
                     )
-                ex.trace = {"arrive": {}, "done": {}}
+                ex.trace_next_step()
             return
-        if ex.trace is not None:
-            self._traces.append(ex.trace)
-            ex.trace = None
+        if record.trace is not None:
+            self._traces.append(record.trace)
         if len(self._traces) >= self.profile_steps:
             self.profile = self._measure(ex)
             self._before = _measured_end(self._traces) if self._layerwise_in_force else None
@@ -186,14 +187,13 @@ class OnlinePlanner:
             self._replan(ex)
             self._refining = self.refine
         elif ex.step >= self.skip_steps:
-            ex.trace = {"arrive": {}, "done": {}}  # time the next step
+            ex.trace_next_step()
 
-    def _refine_step(self, ex) -> None:
+    def _refine_step(self, ex, record: StepRecord) -> None:
         """Time steps under the fresh plan (its first step relays buffers and is
         skipped), then re-measure and plan once more on every rank."""
-        if ex.trace is not None and self._refine_armed:
-            self._traces.append(ex.trace)
-        ex.trace = None
+        if record.trace is not None and self._refine_armed:
+            self._traces.append(record.trace)
         if len(self._traces) >= self.profile_steps:
             assert self.profile is not None
             keep = self._judge(ex)
@@ -205,7 +205,7 @@ class OnlinePlanner:
             return
         if self._refine_armed or ex.step > self._plan_step:
             self._refine_armed = True
-            ex.trace = {"arrive": {}, "done": {}}
+            ex.trace_next_step()
 
     def _judge(self, ex) -> bool:
         """The guard: whether the plan timed in refinement may stay (rank 0's
@@ -228,7 +228,7 @@ class OnlinePlanner:
             )
         return bool(verdict["kept"])
 
-    def _check_drift(self, ex) -> None:
+    def _check_drift(self, ex, record: StepRecord) -> None:
         """Re-profile when the measured step drifts from what the plan was made for.
 
         The ratio of measured (first gradient to end of wait) to predicted end
@@ -236,10 +236,10 @@ class OnlinePlanner:
         a later window's median moves by more than ``drift_tolerance``, rank
         0's verdict is broadcast and every rank profiles again.
         """
-        if not self.drift_window or self.strategy == "none" or ex.last_step_seconds is None:
+        if not self.drift_window or self.strategy == "none" or record.seconds is None:
             return
         assert self.plan is not None
-        self._ratios.append(ex.last_step_seconds / max(self.plan.end, 1e-9))
+        self._ratios.append(record.seconds / max(self.plan.end, 1e-9))
         if len(self._ratios) < self.drift_window:
             return
         ratio = statistics.median(self._ratios)
@@ -343,23 +343,21 @@ class OnlinePlanner:
         (no probes), only backward and sparsify are measured again."""
         n_layers = len(ex.layers)
         arrive = {
-            i: statistics.median(t["arrive"][i] - min(t["arrive"].values()) for t in self._traces)
+            i: statistics.median(t.arrive[i] - min(t.arrive.values()) for t in self._traces)
             for i in range(n_layers)
         }
         order = sorted(range(n_layers), key=lambda i: (arrive[i], i))
         backward: Dict[int, List[float]] = {i: [] for i in range(n_layers)}
         for t in self._traces:
             prev_done = None
-            for i in sorted(range(n_layers), key=lambda i: t["arrive"][i]):
-                backward[i].append(
-                    0.0 if prev_done is None else max(0.0, t["arrive"][i] - prev_done)
-                )
-                prev_done = t["done"][i]
+            for i in sorted(range(n_layers), key=lambda i: t.arrive[i]):
+                backward[i].append(0.0 if prev_done is None else max(0.0, t.arrive[i] - prev_done))
+                prev_done = t.done[i]
         sizes, times = [], []
         for i in range(n_layers):
             if ex.is_sparse(ex.layers[i]):
                 sizes.append(ex.layers[i].numel)
-                times.append(statistics.median(t["done"][i] - t["arrive"][i] for t in self._traces))
+                times.append(statistics.median(t.done[i] - t.arrive[i] for t in self._traces))
         if under is None:
             sparsify = _fit_or_flat(sizes, times)
             pack = self._probe_copy(ex)
@@ -511,11 +509,9 @@ class OnlinePlanner:
             self._replan(ex)
 
 
-def _measured_end(traces: Sequence[Dict[str, Any]]) -> Optional[float]:
+def _measured_end(traces: Sequence[StepTrace]) -> Optional[float]:
     """Median time from a traced step's first gradient to the end of its wait."""
-    ends = [
-        t["waited"] - min(t["arrive"].values()) for t in traces if "waited" in t and t["arrive"]
-    ]
+    ends = [t.end for t in traces if t.end is not None]
     return statistics.median(ends) if ends else None
 
 

@@ -25,10 +25,10 @@ from __future__ import annotations
 import math
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, Tuple
+from typing import Any, List, Sequence, Tuple
 
 from .backend import ArrayOps
-from .config import ValueDType
+from .config import SparsityConfig, ValueDType
 
 __all__ = ["GroupLayout", "LayoutMismatchError", "member_bytes", "value_bytes"]
 
@@ -184,3 +184,37 @@ class GroupLayout:
         values = ops.narrow(ops.view_as(raw, self.value_dtype.value), 1, 0, self.total_capacity)
         indices = ops.narrow(rows, 1, self.header_words + self.value_words, self.total_capacity)
         return ops.index_add_rows_(dense, indices, values, scale)
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """How one layer is sent at a given density (pure numbers).
+
+    ``sparse`` is False when the layer is below ``min_sparse_size`` or when a
+    sparse message (values + int32 indices) would not be smaller than the dense
+    float32 gradient.
+    """
+
+    numel: int
+    k: int
+    capacity: int
+    sparse: bool
+    value_dtype: ValueDType = ValueDType.FLOAT32
+
+    @property
+    def wire_bytes(self) -> int:
+        """Bytes this rank contributes per step when sent by the per-layer rule:
+        a count word, values and int32 indices, or the float32 dense gradient."""
+        return member_bytes(self.capacity, self.value_dtype) if self.sparse else self.numel * 4
+
+
+def plan_layers(sizes: Sequence[int], density: float, config: SparsityConfig) -> List[LayerPlan]:
+    """Target count, capacity and sparse/dense decision of each layer."""
+    plans = []
+    for n in sizes:
+        k = max(1, math.ceil(density * n))
+        cap = min(n, math.ceil(config.max_ratio * k))
+        # Sparse only where its message (less the count word) beats the dense one.
+        sparse = n >= config.min_sparse_size and member_bytes(cap, config.value_dtype) - 4 < 4 * n
+        plans.append(LayerPlan(n, k, cap, sparse, config.value_dtype))
+    return plans

@@ -129,10 +129,11 @@ def linear_target(variables, grads):
     return tf.add_n([tf.reduce_sum(v * g) for v, g in zip(variables, grads)])
 
 
-def sparse_grads(variables, k_of, seed):
-    """At most k non-zeros per variable on this rank (some shared positions)."""
+def sparse_grads(variables, k_of, seed, shared_seed):
+    """At most k non-zeros per variable on this rank: half at positions every
+    rank shares (``shared_seed`` is the same on every rank), half its own."""
     rng = np.random.default_rng(seed)
-    shared_rng = np.random.default_rng(seed // 10)
+    shared_rng = np.random.default_rng(shared_seed)
     out = []
     for v in variables:
         n = int(np.prod(v.shape))
@@ -251,6 +252,7 @@ def exact_reconstruction():
                 variables,
                 lambda nm, n, plans=plans: plans[nm].k if plans[nm].sparse else n,
                 seed=100 * s + 7 + hvd.rank() * 1000,
+                shared_seed=s,
             )
             if "fp16" in case:
                 gs = [g.astype(np.float16).astype(np.float32) for g in gs]
@@ -316,6 +318,110 @@ def conservation():
             worst = max(worst, float(np.abs(total_sent[i] + resid - acc).max()))
             scale = max(scale, float(np.abs(acc).max()))
         out[case] = {"max_error": worst, "scale": scale, "sparse_layers": sparse_layers}
+    return out
+
+
+# -- against the independent reference (tests/reference.py) ---------------------------
+
+TF_REFERENCE_CASES = {
+    "dynamic": dict(),
+    "momentum": dict(momentum=0.9),
+    "warmup": dict(warmup=(0.5, 0.2), warmup_steps=2),
+    "fp16_values": dict(value_dtype="float16"),
+    "sum": dict(op="sum"),
+}
+TF_REFERENCE_STEPS = 9
+
+
+def _tf_reference_plans(ex):
+    """As the torch worker's: layer-wise, the sparse layers merged (step 2), the
+    largest sent dense, flushing its residual (step 5), layer-wise (step 7)."""
+    rule = plan_layers([lay.numel for lay in ex.layers], ex.config.density, ex.config)
+    sparse = [i for i, p in enumerate(rule) if p.sparse]
+    biggest = max(sparse, key=lambda i: ex.layers[i].numel)
+    merged, dense = [(sparse, None)], [([biggest], False)]
+    return [None, None, merged, merged, merged, dense, dense, None, None]
+
+
+def _tf_reference_grads(variables, step, rank):
+    rng = np.random.default_rng(7919 * step + 104729 * rank)
+    return [rng.standard_normal(v.shape).astype(np.float32) for v in variables]
+
+
+@scenario
+def against_reference():
+    """The tape and the Compression form (Horovod's tape, num_groups=1), sparse,
+    with a merge plan in force and a residual flush: every rank's reduced
+    gradients and residuals after each step against the NumPy reference."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
+    from reference import Reference, compare_run
+
+    size, rank = hvd.size(), hvd.rank()
+    out = {}
+    for form in ("tape", "compression"):
+        for case, options in TF_REFERENCE_CASES.items():
+            options = dict(options)
+            op = hvd.Sum if options.pop("op", None) == "sum" else hvd.Average
+            model = mlp(11, hidden=96)
+            variables = model.trainable_variables
+            opts = dict(density=0.05, min_sparse_size=64, merge="none", **options)
+            name = f"ref.{form}.{case}"
+            comp = (
+                dlgs.tensorflow.Compression([v.value for v in variables], name=name, **opts)
+                if form == "compression"
+                else None
+            )
+            eng = ex = plans = None
+            grads, thetas, outs, residuals = [], [], [], []
+            for s in range(TF_REFERENCE_STEPS):
+                if ex is not None:
+                    ex.set_plan(plans[s])
+                gs = _tf_reference_grads(variables, s, rank)
+                with tf.GradientTape() as t:
+                    target = linear_target(variables, gs)
+                if comp is None:
+                    tape = dlgs.tensorflow.DistributedGradientTape(t, op=op, name=name, **opts)
+                    got = tape.gradient(target, variables)
+                    eng = tape.dlgs
+                else:
+                    tape = hvd.DistributedGradientTape(t, compression=comp, num_groups=1, op=op)
+                    got = tape.gradient(target, [v.value for v in variables])
+                    eng = comp.dlgs
+                if ex is None:
+                    ex, plans = eng.exchange, _tf_reference_plans(eng.exchange)
+                order = eng.order  # exchange index -> variable position
+                lays = list(enumerate(ex.layers))
+                outs.append([np.asarray(got[order[i]]).ravel() for i, _ in lays])
+                thetas.append(
+                    {i: float(np.asarray(_read(lay.theta))) for i, lay in lays if ex.is_sparse(lay)}
+                )
+                residuals.append(
+                    {i: _read(lay.residual).numpy()[:-1] for i, lay in lays if ex.is_sparse(lay)}
+                )
+                grads.append(
+                    [
+                        [_tf_reference_grads(variables, s, r)[order[i]].ravel() for i, _ in lays]
+                        for r in range(size)
+                    ]
+                )
+            all_thetas = hvd.allgather_object(thetas, name=f"{name}.thetas")
+            ref = Reference(
+                [lay.numel for lay in ex.layers],
+                size,
+                density=0.05,
+                min_sparse_size=64,
+                average=op == hvd.Average,
+                **options,
+            )
+            out[f"{form}/{case}"] = compare_run(
+                ref,
+                rank,
+                grads,
+                [[all_thetas[r][s] for r in range(size)] for s in range(TF_REFERENCE_STEPS)],
+                outs,
+                residuals,
+                plans,
+            )
     return out
 
 

@@ -13,6 +13,7 @@ import hashlib
 import io
 import sys
 import time
+from pathlib import Path
 
 import horovod.torch as hvd
 import torch
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 from scenarios import main, scenario  # tests/parallel, the script's own folder
 
 import dlgs.torch
-from dlgs.core import RankMismatchError
+from dlgs.core import RankMismatchError, plan_layers
 
 torch.set_num_threads(1)
 
@@ -317,14 +318,16 @@ def guard():
     return out
 
 
-def _sparse_grads(model, k_of, seed):
-    """Gradients with at most k non-zeros per layer on this rank (some shared positions)."""
+def _sparse_grads(model, k_of, seed, shared_seed):
+    """Gradients with at most k non-zeros per layer on this rank: half of them at
+    positions every rank shares (``shared_seed`` is the same on every rank, so
+    the reduction really adds values from several ranks), half of its own."""
     g = torch.Generator().manual_seed(seed)
     grads = {}
     for name, p in model.named_parameters():
         n = p.numel()
         k = k_of(name, n)
-        shared = torch.randperm(n, generator=torch.Generator().manual_seed(seed // 10))[: k // 2]
+        shared = torch.randperm(n, generator=torch.Generator().manual_seed(shared_seed))[: k // 2]
         own = torch.randperm(n, generator=g)[: k - k // 2]
         idx = torch.unique(torch.cat([shared, own]))[:k]
         flat = torch.zeros(n)
@@ -370,6 +373,7 @@ def exact_reconstruction():
                 model,
                 lambda nm, n, plans=plans: plans[nm].k if plans[nm].sparse else n,
                 seed=100 * s + 7 + hvd.rank() * 1000,
+                shared_seed=s,
             )
             if "fp16" in name:
                 grads = {k: v.half().float() for k, v in grads.items()}
@@ -493,6 +497,134 @@ def dtypes_and_frozen():
             "digests": digests,
             "finite": bool(torch.isfinite(flat_params(model)).all()),
         }
+    return out
+
+
+# -- against the independent reference (tests/reference.py) ---------------------------
+
+REFERENCE_CASES = {
+    "momentum": dict(momentum=0.9),
+    "dynamic": dict(),
+    "topk": dict(controller="topk"),
+    "warmup": dict(warmup=(0.5, 0.2), warmup_steps=2),
+    "fp16_values": dict(value_dtype="float16"),
+    "max_ratio": dict(max_ratio=2.0),
+    "sum_bpps2": dict(op="sum", passes=2),
+}
+REFERENCE_STEPS = 9
+
+
+def _reference_plans(ex):
+    """The plan in force at each step: layer-wise, then the sparse layers in
+    one message (from step 2), then the largest one sent dense, which flushes
+    its residual (from step 5), then layer-wise again (from step 7)."""
+    rule = plan_layers([layer.numel for layer in ex.layers], ex.config.density, ex.config)
+    sparse = [i for i, p in enumerate(rule) if p.sparse]  # after any warm-up
+    biggest = max(sparse, key=lambda i: ex.layers[i].numel)
+    merged = [(sparse, None)]
+    dense = [([biggest], False)]
+    return [None, None, merged, merged, merged, dense, dense, None, None]
+
+
+def _reference_grads(ex, step: int, rank: int, passes: int):
+    """What each backward pass contributes on ``rank`` (exchange order)."""
+    g = torch.Generator().manual_seed(7919 * step + 104729 * rank)
+    return [[torch.randn(layer.numel, generator=g) for layer in ex.layers] for _ in range(passes)]
+
+
+@scenario
+def against_reference():
+    """Both forms, several options, a merge plan in force and a residual flush:
+    every rank's reduced gradients and residuals after each step against the
+    NumPy reference. Gradients come from a real backward pass (hooks, Horovod's
+    backward_passes_per_step) of ``sum(p * c)``, whose gradient is ``c``."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/
+    from reference import Reference, compare_run
+
+    size, rank = hvd.size(), hvd.rank()
+    out = {}
+    for form in ("optimizer", "compression"):
+        for case, options in REFERENCE_CASES.items():
+            options = dict(options)
+            passes = options.pop("passes", 1)
+            op = hvd.Sum if options.pop("op", None) == "sum" else hvd.Average
+            model = mlp(11, hidden=96)
+            opts = dict(density=0.05, min_sparse_size=64, merge="none", **options)
+            base = torch.optim.SGD(model.parameters(), lr=0.0)
+            if form == "optimizer":
+                opt = dlgs.torch.DistributedOptimizer(
+                    base,
+                    named_parameters=model.named_parameters(),
+                    op=op,
+                    backward_passes_per_step=passes,
+                    **opts,
+                )
+                ex = opt.dlgs.exchange
+            else:
+                comp = dlgs.torch.Compression(model.named_parameters(), **opts)
+                opt = hvd.DistributedOptimizer(
+                    base,
+                    named_parameters=model.named_parameters(),
+                    compression=comp,
+                    op=op,
+                    backward_passes_per_step=passes,
+                )
+                ex = comp.dlgs.exchange
+            params = dict(model.named_parameters())
+            plans = _reference_plans(ex)
+            grads, thetas, outs, residuals = [], [], [], []
+            for s in range(REFERENCE_STEPS):
+                ex.set_plan(plans[s])
+                opt.zero_grad()
+                for c in _reference_grads(ex, s, rank, passes):
+                    loss = sum(
+                        (params[layer.name] * ci.view_as(params[layer.name])).sum()
+                        for layer, ci in zip(ex.layers, c)
+                    )
+                    loss.backward()
+                opt.step()
+                outs.append(
+                    [params[layer.name].grad.reshape(-1).numpy().copy() for layer in ex.layers]
+                )
+                thetas.append(
+                    {
+                        i: float(layer.theta)
+                        for i, layer in enumerate(ex.layers)
+                        if ex.is_sparse(layer)
+                    }
+                )
+                residuals.append(
+                    {
+                        i: layer.residual[:-1].numpy().copy()
+                        for i, layer in enumerate(ex.layers)
+                        if ex.is_sparse(layer)
+                    }
+                )
+                every = [_reference_grads(ex, s, r, passes) for r in range(size)]
+                grads.append(
+                    [
+                        [sum(p[i] for p in passes_r).numpy() for i in range(len(ex.layers))]
+                        for passes_r in every
+                    ]
+                )
+            all_thetas = hvd.allgather_object(thetas, name=f"ref.{form}.{case}")
+            ref = Reference(
+                [layer.numel for layer in ex.layers],
+                size,
+                density=0.05,
+                min_sparse_size=64,
+                average=op == hvd.Average,
+                **{k: v for k, v in options.items() if k not in ("controller",)},
+            )
+            out[f"{form}/{case}"] = compare_run(
+                ref,
+                rank,
+                grads,
+                [[all_thetas[r][s] for r in range(size)] for s in range(REFERENCE_STEPS)],
+                outs,
+                residuals,
+                plans,
+            )
     return out
 
 
