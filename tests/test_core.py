@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 
 from dlgs.core import (
@@ -182,3 +183,22 @@ def test_entry_point_options_split_between_the_two_configs():
         build_configs(None, None, "dp", {"profile_step": 3})
     with pytest.raises(TypeError, match="merge must be a str or a dlgs.MergeConfig"):
         build_configs(None, None, 3, {})
+
+
+def test_an_anchor_step_uses_the_exact_kth_largest():
+    """On an anchor step the dynamic controller's threshold is the exact k-th
+    largest |a|: recomputed as (exact / scale) * scale it can round up by an
+    ulp and drop the k-th element (seen on real ranks with <= k non-zeros)."""
+    from local_world import OPS
+
+    from dlgs.core import make_controller
+
+    ctrl = make_controller(SparsityConfig(density=0.05, anchor_every=1))
+    rng = np.random.default_rng(3)
+    for trial in range(200):
+        absx = np.abs(rng.standard_normal(512).astype(np.float32) * rng.uniform(1e-3, 1e3))
+        state = ctrl.init_state(OPS, absx, 0.05)
+        for step in range(2):
+            theta = ctrl.threshold(OPS, state, absx, 26, step)
+            assert theta == OPS.kth_largest(absx, 26), (trial, step)
+            ctrl.update(OPS, state, theta, int(np.count_nonzero(absx >= theta)), 26)

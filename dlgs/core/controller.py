@@ -123,8 +123,10 @@ class _Dynamic(ThresholdController):
             # across an anchor it would mix the corrected and uncorrected one.
             state["prev_factor"] = exact * 0.0  # on the device, no host copy
             state["since_anchor"] = 0
-        else:
-            state["since_anchor"] = since + 1
+            # The exact value itself: (exact / scale) * scale can round up by
+            # an ulp and drop the k-th element.
+            return exact
+        state["since_anchor"] = since + 1
         return ops.clamp(state["factor"] * scale, _THETA_MIN, _THETA_MAX)
 
     def update(self, ops, state, theta, count, k):

@@ -32,7 +32,7 @@ import numpy as np
 import tensorflow as tf
 
 from .. import _options
-from ..core.consistency import horovod_options
+from .._horovod import HorovodSet
 from ..core.engine import Engine as CoreEngine
 from ..core.engine import OptimizerAliases, _deprecated, check_unique_names
 from ._ops import OPS, _read
@@ -65,17 +65,17 @@ def _shape(v: Any) -> Tuple[int, ...]:
     return tuple(int(s) for s in shape)
 
 
-class HorovodCollectives:
-    """:class:`dlgs.core.exchange.Collectives` on ``horovod.tensorflow`` (eager).
+class HorovodCollectives(HorovodSet):
+    """:class:`dlgs.core.exchange.Collectives` on ``horovod.tensorflow`` (eager),
+    on ``process_set`` (see :class:`dlgs._horovod.HorovodSet`).
 
     Horovod's TF ops have no asynchronous Python API; each collective is run
     eagerly on one worker thread (Horovod releases the GIL while it waits), so
     ``*_async`` return a future and messages go out in submission order.
-
-    Every collective runs on ``process_set``. On a rank outside the set,
-    ``included`` is False, ``rank`` is -1 and nothing may be issued: the
-    engine hands gradients back unchanged there, as Horovod's tape does.
+    ``device_dense`` / ``device_sparse`` place the allreduces / allgathers.
     """
+
+    hvd = hvd
 
     def __init__(
         self,
@@ -87,24 +87,10 @@ class HorovodCollectives:
         device_dense: str = "",
         device_sparse: str = "",
     ):
-        self.op = op
-        self.prescale_factor = prescale_factor
-        self.postscale_factor = postscale_factor
-        self.process_set = process_set
-        self.compression = compression
+        super().__init__(op, prescale_factor, postscale_factor, process_set, compression)
         self.device_dense = device_dense
         self.device_sparse = device_sparse
-        glob = process_set is hvd.global_process_set
-        self.included = glob or bool(process_set.included())
-        self.size = hvd.size() if glob else process_set.size()
-        # ProcessSet.rank() raises on a rank outside the set.
-        self.rank = hvd.rank() if glob else (process_set.rank() if self.included else -1)
         self._pool: Optional[ThreadPoolExecutor] = None
-
-    def options(self) -> Dict[str, Any]:
-        """What every rank must agree on: op, scaling, compression, process set
-        (the devices only place the collectives, they need not agree)."""
-        return horovod_options(self, hvd)
 
     def _submit(self, fn, *args):
         if self._pool is None:
@@ -138,12 +124,6 @@ class HorovodCollectives:
 
     def synchronize(self, handle):
         return handle.result()
-
-    def broadcast_object(self, obj):
-        root = 0 if self.process_set is hvd.global_process_set else self.process_set.ranks[0]
-        return hvd.broadcast_object(
-            obj, root_rank=root, name="dlgs.broadcast", process_set=self.process_set
-        )
 
     def allgather_object(self, obj, name):
         return hvd.allgather_object(obj, name=name, process_set=self.process_set)

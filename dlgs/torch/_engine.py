@@ -14,9 +14,9 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 import horovod.torch as hvd
 import torch
 
+from .._horovod import HorovodSet
 from .._options import warn_float64
 from ..core.config import SparsityConfig
-from ..core.consistency import horovod_options
 from ..core.engine import Engine, check_unique_names
 from ..core.profiler import OnlinePlanner
 from ._amp import scale_reader
@@ -30,21 +30,14 @@ logger = logging.getLogger("dlgs.torch")
 _WIRE_UNSUPPORTED = (torch.bfloat16,)
 
 
-class HorovodCollectives:
-    """:class:`dlgs.core.exchange.Collectives` on ``horovod.torch``.
-
-    Every collective runs on ``process_set``, including the object ones
-    (Horovod 0.28.1's torch ``allgather_object`` has no ``process_set``, so
-    :meth:`allgather_object` is built here from two allgathers). On a rank
-    outside the set, ``included`` is False, ``rank`` is -1 and nothing may be
-    issued: the adapters skip the exchange there, as Horovod's optimizer does.
-
-    Args:
-        op: ``hvd.Average`` or ``hvd.Sum`` (for the dense allreduces).
-        prescale_factor / postscale_factor: as Horovod's allreduce.
-        process_set: Horovod process set.
-        compression: Horovod compression for dense layers (e.g. ``hvd.Compression.fp16``).
+class HorovodCollectives(HorovodSet):
+    """:class:`dlgs.core.exchange.Collectives` on ``horovod.torch``, on
+    ``process_set`` (see :class:`dlgs._horovod.HorovodSet`), including the
+    object collectives (Horovod 0.28.1's torch ``allgather_object`` has no
+    ``process_set``, so :meth:`allgather_object` is built from two allgathers).
     """
+
+    hvd = hvd
 
     def __init__(
         self,
@@ -54,20 +47,7 @@ class HorovodCollectives:
         process_set=hvd.global_process_set,
         compression=hvd.Compression.none,
     ):
-        self.op = op
-        self.prescale_factor = prescale_factor
-        self.postscale_factor = postscale_factor
-        self.process_set = process_set
-        self.compression = compression
-        glob = process_set is hvd.global_process_set
-        self.included = glob or bool(process_set.included())
-        self.size = hvd.size() if glob else process_set.size()
-        # ProcessSet.rank() raises on a rank outside the set.
-        self.rank = hvd.rank() if glob else (process_set.rank() if self.included else -1)
-
-    def options(self) -> Dict[str, Any]:
-        """What every rank must agree on: op, scaling, compression, process set."""
-        return horovod_options(self, hvd)
+        super().__init__(op, prescale_factor, postscale_factor, process_set, compression)
 
     def allgather_object(self, obj: Any, name: str) -> List[Any]:
         """Every rank's ``obj`` (picklable), in the set's rank order."""
@@ -99,12 +79,6 @@ class HorovodCollectives:
             process_set=self.process_set,
         )
         return handle, ctx
-
-    def broadcast_object(self, obj):
-        root = 0 if self.process_set is hvd.global_process_set else self.process_set.ranks[0]
-        return hvd.broadcast_object(
-            obj, root_rank=root, name="dlgs.broadcast", process_set=self.process_set
-        )
 
     def synchronize(self, handle):
         if isinstance(handle, tuple):

@@ -1,0 +1,54 @@
+"""What both adapters' Horovod collectives share (no framework import: the
+framework's Horovod module is a class attribute of the subclass)."""
+
+from __future__ import annotations
+
+from typing import Any, Dict
+
+from .core.consistency import horovod_options
+
+__all__ = ["HorovodSet"]
+
+
+class HorovodSet:
+    """Horovod's reduction options and process-set membership.
+
+    Subclasses set ``hvd`` (``horovod.torch`` or ``horovod.tensorflow``). On a
+    rank outside ``process_set``, ``included`` is False, ``rank`` is -1 and
+    nothing may be issued: the adapters skip the exchange there, as Horovod's
+    optimizer and tape do.
+
+    Args:
+        op: ``hvd.Average`` or ``hvd.Sum`` (for the dense allreduces).
+        prescale_factor / postscale_factor: as Horovod's allreduce.
+        process_set: Horovod process set.
+        compression: Horovod compression for dense layers (e.g. ``hvd.Compression.fp16``).
+    """
+
+    hvd: Any
+
+    def __init__(self, op, prescale_factor, postscale_factor, process_set, compression):
+        hvd = self.hvd
+        self.op = op
+        self.prescale_factor = prescale_factor
+        self.postscale_factor = postscale_factor
+        self.process_set = process_set
+        self.compression = compression
+        glob = process_set is hvd.global_process_set
+        self.included = glob or bool(process_set.included())
+        self.size = hvd.size() if glob else process_set.size()
+        # ProcessSet.rank() raises on a rank outside the set.
+        self.rank = hvd.rank() if glob else (process_set.rank() if self.included else -1)
+
+    def options(self) -> Dict[str, Any]:
+        """What every rank must agree on: op, scaling, compression, process set
+        (device placement need not agree)."""
+        return horovod_options(self, self.hvd)
+
+    def broadcast_object(self, obj: Any) -> Any:
+        """The set's first rank's ``obj`` on every rank of the set."""
+        hvd = self.hvd
+        root = 0 if self.process_set is hvd.global_process_set else self.process_set.ranks[0]
+        return hvd.broadcast_object(
+            obj, root_rank=root, name="dlgs.broadcast", process_set=self.process_set
+        )
