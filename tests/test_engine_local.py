@@ -252,3 +252,39 @@ def test_a_dense_plan_applies_in_the_compression_form():
         # First step sent k of the ones; the rest was owed and is flushed now.
         for n, s in zip((4096, 2048), sent):
             assert s is not None and float(np.sum(s)) == 2 * n - np.ceil(0.05 * n)
+
+
+def test_describe_answers_in_every_state_with_layer_names():
+    world = LocalWorld(1)
+
+    def body(rank, comm):
+        planner = OnlinePlanner.from_config(MergeConfig("buckets", profile_steps=1, refine=False))
+        eng = engine(comm, planner=planner)
+        seen = {"unbuilt": eng.describe()}
+        eng.build(LAYERS)
+        seen["built"] = eng.describe()
+        step(eng, rank, 0)
+        seen["profiling"] = eng.describe()
+        for s in range(1, 4):
+            step(eng, rank, s)
+        assert planner.plan is not None
+        seen["planned"] = eng.describe()
+        eng.reprofile()
+        seen["reprofiling"] = eng.describe()
+        none = engine(comm, planner=OnlinePlanner.from_config(MergeConfig("none")))
+        none.build(LAYERS)
+        step(none, rank, 0)
+        seen["none"] = none.describe()
+        return seen
+
+    ((seen),) = world.run(body)
+    assert "no step yet" in seen["unbuilt"]
+    assert "layout made at the next gradient" in seen["built"]
+    assert "profiling" in seen["profiling"] and "w1" in seen["profiling"]
+    planned = seen["planned"]
+    assert "strategy buckets" in planned and "first..last" in planned
+    # The plan's table names its layers without being told them.
+    table = planned.split("first..last")[1].split("layout in force")[0]
+    assert "w2" in table or "w1" in table
+    assert "re-profiling" in seen["reprofiling"] and "layout in force" in seen["reprofiling"]
+    assert "merge='none'" in seen["none"] and "sparse" in seen["none"]

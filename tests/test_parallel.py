@@ -26,6 +26,7 @@ SCENARIOS = [
     "resume",
     "mismatch",
     "against_reference",
+    "plan_in_force",
 ]
 
 
@@ -87,6 +88,19 @@ def test_both_forms_match_the_reference_with_plans_and_flushes(ranks):
             assert rec["residual"] <= 1e-5, f"rank {r} {case}: residual off by {rec}"
 
 
+def test_both_forms_apply_the_plan_their_planner_made(ranks):
+    """merge="dp" from the same given profile in both torch forms: the layout in
+    force is the plan made (and logged), dense layers the rule would send sparse
+    included, and both forms give bit-identical parameters."""
+    for r, v in enumerate(value(ranks, "plan_in_force")):
+        for form, rec in v.items():
+            assert rec["mixed"], f"{form}: the plan should mix dense and sparse messages"
+            assert rec["overrides_rule"], f"{form}: the plan should send an eligible layer dense"
+            assert rec["modes_equal"], f"rank {r} {form}: a layer's mode differs from the plan"
+            assert rec["sparse_messages_equal"], f"rank {r} {form}: sparse messages differ"
+        assert v["optimizer"]["digests"] == v["compression"]["digests"], f"rank {r}: forms differ"
+
+
 def test_error_feedback_conserves_gradient(ranks):
     for r, v in enumerate(value(ranks, "conservation")):
         for case, rec in v.items():
@@ -106,6 +120,10 @@ def test_resume_reproduces_uninterrupted_run(ranks):
         assert v["resumed"] == v["straight"], f"rank {r}: resumed run differs"
         assert v["without_dlgs_state"][-1] != v["straight"][-1], "control: state had no effect"
         assert v["resumed_dp"] == v["straight_dp"], f"rank {r}: resumed DP-planned run differs"
+        assert v["resumed_compression"] == v["straight_compression"], f"rank {r}: form (a)"
+        assert v["without_compression"][-1] != v["straight_compression"][-1], "control (a)"
+        # One warning per job, on the first rank: form (a) without attach().
+        assert v["unattached_warnings"] == (1 if r == 0 else 0)
 
 
 def test_merge_strategies_apply_their_plans(ranks):

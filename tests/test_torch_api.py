@@ -183,3 +183,9 @@ def test_compression_form_exposes_the_planner_like_the_optimizer():
     assert comp.dlgs.planner.strategy == "buckets" and comp.dlgs.planner.bucket_elements == 512
     assert comp.dlgs.planner.config == dlgs.MergeConfig("buckets", bucket_elements=512)
     comp.dlgs.reprofile()  # between steps: profiles again from the next step
+
+
+def test_compression_attach_wants_an_optimizer():
+    comp = dlgs.torch.Compression(model().named_parameters(), density=0.1)
+    with pytest.raises(TypeError, match="torch.optim.Optimizer"):
+        comp.attach(comp)

@@ -214,6 +214,48 @@ class Engine:
         if self._planner is not None:
             self._planner.restart()
 
+    def describe(self) -> str:
+        """What dlgs is doing now, in every state (before the first step,
+        profiling, layer by layer, planned, re-profiling): the layout in force,
+        message by message with layer names, and the plan with its predicted
+        timeline when there is one. Reads no device value."""
+        ex = self._exchange
+        if ex is None:
+            return "dlgs: no step yet (the exchange is built at the first gradient)"
+        sparse = sum(1 for g in ex.groups if g.sparse)
+        lines = [
+            f"dlgs at step {ex.step}: density {ex.density:g}, {len(ex.layers)} layers in "
+            f"{len(ex.groups)} messages ({sparse} sparse), {ex.wire_bytes()} bytes per step "
+            "from this rank"
+            if ex.groups
+            else f"dlgs at step {ex.step}: layout made at the next gradient"
+        ]
+        p = self._planner
+        if p is None or p.strategy == "none":
+            lines.append("merge='none': every layer is its own message")
+        elif p.plan is None:
+            what = "re-profiling" if p.plans_made else "profiling"
+            lines.append(
+                f"merge={p.strategy!r}: {what} ({p.profile_steps} timed steps), then planning; "
+                "the layout below stays in force until then"
+            )
+        else:
+            guard = p.guard_result
+            if guard is not None and guard.get("plan") is not None:
+                lines.append(
+                    f"guard: steps ended at {guard['plan'] * 1e3:.3f} ms under the plan, "
+                    f"{guard['layerwise'] * 1e3:.3f} ms layer by layer: "
+                    + ("plan kept" if guard["kept"] else "sending layer by layer")
+                )
+            lines.append(p.plan.describe())
+        lines.append("layout in force (backward order):")
+        for n, g in enumerate(ex.groups):
+            names = [ex.layers[i].name for i in g.members]
+            label = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]} ({len(names)})"
+            mode = "sparse" if g.sparse else "dense"
+            lines.append(f"{n:>4} {mode:>6} {ex.message_bytes(g):>12} B  {label}")
+        return "\n".join(lines)
+
     @property
     def last_step_finite(self) -> bool:
         """Whether the last step's gradients were finite on every rank (the same

@@ -818,7 +818,8 @@ class SparseExchange:
         self._nonfinite_unlogged = 0
 
     # -- statistics and checkpoints -------------------------------------------
-    def _message_bytes(self, group: _Group) -> int:
+    def message_bytes(self, group: _Group) -> int:
+        """Bytes this rank contributes to ``group``'s message per step."""
         if group.sparse:
             assert group.layout is not None
             return 4 * group.layout.chunk_words
@@ -829,7 +830,7 @@ class SparseExchange:
         all its messages (sparse ones at capacity, with their fingerprint
         word; dense layers as float32, before any Horovod compression). No
         device read."""
-        return sum(self._message_bytes(g) for g in self.groups)
+        return sum(self.message_bytes(g) for g in self.groups)
 
     def stats(self) -> List[Dict[str, Any]]:
         """Per-layer numbers of the last step (synchronises; not for the hot path).
@@ -859,7 +860,7 @@ class SparseExchange:
                 # float32 gradient (before any Horovod compression of dense layers).
                 "wire_bytes": plan.wire_bytes if sparse else 4 * layer.numel,
                 "message": layer.group,
-                "message_bytes": self._message_bytes(self.groups[layer.group]),
+                "message_bytes": self.message_bytes(self.groups[layer.group]),
             }
             if sparse and layer.count is not None:
                 selected = int(ops.to_host(layer.count))

@@ -37,7 +37,7 @@ which makes 1,000-layer models plannable in about 0.1 s (see
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -160,6 +160,8 @@ class Plan:
     strategy: str = "custom"
     #: False when the DP had to thin a Pareto set (see :func:`plan_dp`).
     exact: bool = True
+    #: Layer names in ready order (what ``first``/``last`` index), when known.
+    names: Tuple[str, ...] = ()
     end: float = field(init=False)
     compute_end: float = field(init=False)
 
@@ -174,7 +176,13 @@ class Plan:
         return [g.sparse for g in self.groups]
 
     def describe(self, names: Optional[Sequence[str]] = None) -> str:
-        """A readable table of the plan and its predicted timeline."""
+        """A readable table of the plan and its predicted timeline (times in
+        milliseconds from the first gradient; ``bytes``: what one rank sends
+        in the message). ``names``: layer names in ready order, the order of
+        ``first``/``last`` (default: :attr:`names`, filled in by
+        :func:`plan_strategy`)."""
+        if names is None and self.names:
+            names = self.names
         lines = [
             f"strategy {self.strategy}: {len(self.groups)} messages, predicted end "
             f"{self.end * 1e3:.3f} ms (compute ends {self.compute_end * 1e3:.3f} ms)",
@@ -509,13 +517,15 @@ def plan_strategy(
     ``eligible[l]`` says whether layer ``l`` may go sparse in the baseline
     strategies (``dp`` chooses every group's mode itself).
     """
+    names = tuple(layer.name for layer in spec.layers)
     if strategy == "dp":
-        return plan_dp(spec, max_group=max_group, max_front=max_front, eligible=eligible)
+        plan = plan_dp(spec, max_group=max_group, max_front=max_front, eligible=eligible)
+        return replace(plan, names=names)
     if strategy == "buckets" and len(numel) != len(spec.layers):
         raise ValueError("merge='buckets' needs numel, the element count of every layer")
     if strategy not in STRATEGIES:
-        names = ", ".join(repr(s) for s in ("dp", *STRATEGIES))
-        raise ValueError(f"merge must be one of {names}, got {strategy!r}")
+        known = ", ".join(repr(s) for s in ("dp", *STRATEGIES))
+        raise ValueError(f"merge must be one of {known}, got {strategy!r}")
     ok = list(eligible) if eligible is not None else [True] * len(spec.layers)
     part = STRATEGIES[strategy](spec, ok, bucket_elements=bucket_elements, numel=numel)
-    return simulate(spec, part, strategy)
+    return replace(simulate(spec, part, strategy), names=names)

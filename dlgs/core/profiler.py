@@ -117,9 +117,11 @@ class OnlinePlanner:
         self.probe_reps = probe_reps
         self.refine = refine
         self.guard = guard
-        #: The last guard's verdict: measured medians (seconds) of the
-        #: layer-wise steps and of the steps under the plan, and whether the
-        #: plan was kept; None until a guard has run.
+        #: The last guard's verdict, ``{"layerwise": s, "plan": s, "kept": bool}``:
+        #: the median seconds from the first gradient to the end of the wait of
+        #: the profiled layer-wise steps and of the steps timed under the plan,
+        #: and whether the plan was kept (rank 0's, the same on every rank);
+        #: None until a guard has run. Saved in checkpoints.
         self.guard_result: Optional[Dict[str, Any]] = None
         self._fallback = False  # the guard rejected the plan: layer-wise in force
         self._layerwise_in_force = True  # what the profiled steps ran under
@@ -220,7 +222,8 @@ class OnlinePlanner:
         }
         self.guard_result = verdict = ex.comm.broadcast_object(verdict)
         if not verdict["kept"]:
-            logger.info(
+            _log(
+                ex,
                 "dlgs: the plan's steps ended at %.3g ms against %.3g ms layer by layer: "
                 "sending layer by layer",
                 verdict["plan"] * 1e3,
@@ -249,7 +252,8 @@ class OnlinePlanner:
             return
         drift = ratio / self._baseline - 1.0
         if ex.comm.broadcast_object(abs(drift) > self.drift_tolerance):
-            logger.info(
+            _log(
+                ex,
                 "dlgs: step time drifted %+.0f%% from the plan's calibration at step %d: "
                 "profiling again",
                 drift * 100,
@@ -378,7 +382,8 @@ class OnlinePlanner:
             allreduce=allreduce,
         )
         shared = Profile.from_dict(ex.comm.broadcast_object(local.to_dict()))
-        logger.info(
+        _log(
+            ex,
             "dlgs profile (rank 0's, %d ranks): allgather %.3g ms + %.3g ns/B, allreduce %.3g ms "
             "+ %.3g ns/B, sparsify %.3g us + %.3g ns/element, backward %.3g ms",
             shared.world_size,
@@ -418,11 +423,15 @@ class OnlinePlanner:
             times.append(min(samples[1:]))
         model = fit_cost_model(sizes, times)
         if model.beta == 0.0:
-            logger.warning(
-                "dlgs: %s times did not grow with size (%s): the plan will treat bytes as "
-                "free; profile again on a quieter machine (opt.dlgs.reprofile() on every rank)",
+            _log(
+                ex,
+                "dlgs: %s times did not grow with size (%s): the plan treats bytes as free. "
+                "Expected on loopback or shared memory; on a real network the machine was "
+                "busy: profile again later with .dlgs.reprofile() (on the optimizer, tape or "
+                "compression object), called on every rank between the same two steps",
                 kind,
                 ", ".join(f"{s / 1024:.0f} KiB {t * 1e3:.2f} ms" for s, t in zip(sizes, times)),
+                level=logging.WARNING,
             )
         return model
 
@@ -475,12 +484,7 @@ class OnlinePlanner:
         groups = [([self.order[p] for p in g.members], g.sparse) for g in plan.groups]
         if defer:
             ex.set_plan(groups)
-        logger.info(
-            "dlgs plan at step %d (density %g):\n%s",
-            ex.step,
-            d,
-            plan.describe([layer.name for layer in profile.layers]),
-        )
+        _log(ex, "dlgs plan at step %d (density %g):\n%s", ex.step, d, plan.describe())
         return groups
 
     # -- checkpoints -------------------------------------------------------------
@@ -488,6 +492,7 @@ class OnlinePlanner:
         return {
             "profile": self.profile.to_dict() if self.profile is not None else None,
             "fallback": self._fallback,
+            "guard_result": self.guard_result,
         }
 
     def load_state_dict(self, state: Dict[str, Any], ex) -> None:
@@ -502,11 +507,18 @@ class OnlinePlanner:
             )
             self.profile = None
         self._fallback = bool(state.get("fallback", False))
+        self.guard_result = state.get("guard_result")
         self._traces = []
         self._refining = False  # a saved profile was measured (and refined) already
         self.plan = None
         if self.profile is not None:
             self._replan(ex)
+
+
+def _log(ex, msg: str, *args: Any, level: int = logging.INFO) -> None:
+    """Log on the process set's first rank; the others log at DEBUG (every
+    rank plans the same, so one line per job is enough)."""
+    logger.log(level if ex.comm.rank <= 0 else logging.DEBUG, msg, *args)
 
 
 def _measured_end(traces: Sequence[StepTrace]) -> Optional[float]:

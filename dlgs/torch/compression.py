@@ -97,6 +97,9 @@ class Compression(CompressionAliases):
         # decompress() calls are still to come.
         self._external: List[Any] = []
         self._left = 0
+        # Whether the residuals reach a checkpoint: attach()ed to the optimizer,
+        # or state_dict() called by the user; else one warning at the first step.
+        self._saved_somehow = False
 
     @property
     def dlgs(self) -> Engine:
@@ -132,7 +135,44 @@ class Compression(CompressionAliases):
             "(and do not use sparse_as_dense)"
         )
 
+    def attach(self, optimizer: torch.optim.Optimizer) -> "Compression":
+        """Fold this compressor's state into ``optimizer``'s checkpoints: from
+        now on ``optimizer.state_dict()["dlgs"]`` holds the residuals,
+        thresholds, step and plan, and ``optimizer.load_state_dict()`` restores
+        them (a collective, as the optimizer form's). Call it once, with the
+        ``hvd.DistributedOptimizer`` built with ``compression=self``; returns
+        self."""
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+            )
+
+        def save(opt, state):
+            state["dlgs"] = self._engine.state_dict()
+            return state
+
+        def load(opt, state):
+            state = dict(state)
+            dlgs_state = state.pop("dlgs", None)
+            if dlgs_state is not None:
+                self.load_state_dict(dlgs_state)
+            return state
+
+        optimizer.register_state_dict_post_hook(save)
+        optimizer.register_load_state_dict_pre_hook(load)
+        self._saved_somehow = True
+        return self
+
     def compress(self, tensor: torch.Tensor):
+        if not self._saved_somehow:
+            self._saved_somehow = True
+            log = logger.warning if self._engine.comm.rank <= 0 else logger.debug
+            log(
+                "dlgs.torch.Compression: the optimizer's state_dict() does not hold dlgs' "
+                "residuals and thresholds, so a checkpoint of it alone resumes with them "
+                "lost. Call compression.attach(optimizer) once to fold them in, or save "
+                "compression.state_dict() beside it (one per rank)"
+            )
         if self._results is not None:
             self._results = None  # a new step has begun
             self._finish()
@@ -193,7 +233,9 @@ class Compression(CompressionAliases):
 
     def state_dict(self) -> Dict[str, Any]:
         """This rank's residuals and controller states (see ``docs/design.md``,
-        "Checkpoints and residuals"); save it beside the optimizer's."""
+        "Checkpoints and residuals"); save it beside the optimizer's, or
+        :meth:`attach` to the optimizer instead."""
+        self._saved_somehow = True
         return self._engine.state_dict()
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import logging
 import sys
 import time
 from pathlib import Path
@@ -22,6 +23,8 @@ from scenarios import main, scenario  # tests/parallel, the script's own folder
 
 import dlgs.torch
 from dlgs.core import RankMismatchError, plan_layers
+from dlgs.core.planner import CostModel
+from dlgs.core.profile import LayerProfile, Profile
 
 torch.set_num_threads(1)
 
@@ -189,7 +192,7 @@ def forms_agree():
     """Form (a) through Horovod's compression= and form (b) run the same exchange:
     identical parameters after several sparse steps; form (a) also in float16."""
     out = {}
-    for dtype in (torch.float32, torch.float16):
+    for dtype, plan in ((torch.float32, None), (torch.float16, None), (torch.float32, "fixed")):
         digests = {}
         for form in ("optimizer", "compression"):
             model = mlp(7).to(dtype)
@@ -204,6 +207,17 @@ def forms_agree():
                 opt = hvd.DistributedOptimizer(
                     base, named_parameters=model.named_parameters(), compression=comp
                 )
+            if plan == "fixed":
+                # The same plan in both forms, mixing a merged sparse message
+                # and a merged dense one (what a dp plan may hold).
+                ex = (opt if form == "optimizer" else comp).dlgs.exchange
+                rule = ex.layer_plans()
+                ex.set_plan(
+                    [
+                        ([i for i, p in enumerate(rule) if p.sparse], True),
+                        ([i for i, p in enumerate(rule) if not p.sparse], False),
+                    ]
+                )
             digests[form] = []
             for s in range(5):
                 opt.zero_grad()
@@ -211,7 +225,70 @@ def forms_agree():
                 F.cross_entropy(model(x.to(dtype)).float(), y).backward()
                 opt.step()
                 digests[form].append(digest(model))
-        out[str(dtype)] = digests
+        out[f"{dtype}{'/fixed_plan' if plan else ''}"] = digests
+    return out
+
+
+def _layout_against_plan(planner, ex) -> dict:
+    """Whether the layout in force is the plan the planner made (and logged):
+    every layer's mode and every sparse message's members. In the
+    ``compression=`` form a dense message's members travel one by one through
+    Horovod's allreduce (its fusion merges them), so only their mode counts."""
+    plan_modes, plan_sparse = {}, []
+    for g in planner.plan.groups:
+        members = sorted(planner.order[p] for p in g.members)
+        plan_modes.update({i: g.sparse for i in members})
+        if g.sparse:
+            plan_sparse.append(members)
+    return {
+        "modes_equal": plan_modes == {i: ex.is_sparse(lay) for i, lay in enumerate(ex.layers)},
+        "sparse_messages_equal": sorted(plan_sparse)
+        == sorted(sorted(g.members) for g in ex.groups if g.sparse),
+        "mixed": bool(plan_sparse) and not all(g.sparse for g in planner.plan.groups),
+        # A layer the plan sends dense that the per-layer rule would send sparse.
+        "overrides_rule": any(
+            not plan_modes[i] and p.sparse for i, p in enumerate(ex.layer_plans())
+        ),
+    }
+
+
+def _slow_link_profile(ex) -> Profile:
+    """A profile of a slow link (1 MB/s) where an allgather costs 10 ms to
+    start and an allreduce 1 ms, and each layer's backward 20 ms: the dp plan
+    sends layers the per-layer rule would send sparse dense, and the last one
+    sparse."""
+    layers = tuple(LayerProfile(lay.name, lay.numel, 20e-3) for lay in ex.layers)
+    allgather, allreduce = CostModel(10e-3, 1e-6), CostModel(1e-3, 1e-6)
+    sparsify, pack = CostModel(1e-5, 1e-9), CostModel(0.0, 1e-10)
+    return Profile(hvd.size(), layers, sparsify, pack, allgather, allreduce)
+
+
+@scenario
+def plan_in_force():
+    """Both forms apply the plan their planner made, dense and sparse messages
+    alike: merge="dp" planning from the same given profile in both (so the
+    plan is fixed, not timed), which mixes a merged dense message with sparse
+    ones."""
+    out = {}
+    for form in ("optimizer", "compression"):
+        model = mlp(8, hidden=96)
+        opts = dict(density=0.05, min_sparse_size=64, merge="dp", refine=False)
+        base = torch.optim.SGD(model.parameters(), lr=0.05)
+        if form == "optimizer":
+            opt = dlgs.torch.DistributedOptimizer(
+                base, named_parameters=model.named_parameters(), **opts
+            )
+            eng = opt.dlgs
+        else:
+            comp = dlgs.torch.Compression(model.named_parameters(), **opts)
+            opt = hvd.DistributedOptimizer(
+                base, named_parameters=model.named_parameters(), compression=comp
+            )
+            eng = comp.dlgs
+        eng.planner.profile = _slow_link_profile(eng.exchange)  # plans after step 0
+        digests = train(model, opt, 6)
+        rec = _layout_against_plan(eng.planner, eng.exchange)
+        out[form] = {**rec, "digests": digests, "plan": eng.planner.plan.describe()}
     return out
 
 
@@ -667,6 +744,24 @@ def _resume_model(**opts):
     return make
 
 
+def _resume_compression(attach):
+    def make():
+        model = mlp(5)
+        comp = dlgs.torch.Compression(
+            model.named_parameters(), density=0.05, min_sparse_size=64, merge="none"
+        )
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+            named_parameters=model.named_parameters(),
+            compression=comp,
+        )
+        if attach:
+            comp.attach(opt)
+        return model, opt
+
+    return make
+
+
 @scenario
 def resume():
     """Checkpoint mid-run, resume in fresh objects: same as the uninterrupted run,
@@ -677,7 +772,25 @@ def resume():
     # so the comparison above can fail.
     _, without = _resume_run(layerwise, 8, 4, keep_dlgs=False)
     straight_dp, resumed_dp = _resume_run(_resume_model(merge="dp", profile_steps=2), 10, 6)
+    # The compression= form: attach() folds the residuals into the Horovod
+    # optimizer's own state_dict(); without it, one warning says so.
+    straight_c, resumed_c = _resume_run(_resume_compression(attach=True), 8, 4)
+    _, without_c = _resume_run(_resume_compression(attach=True), 8, 4, keep_dlgs=False)
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("dlgs.torch").addHandler(handler)
+    try:
+        model, opt = _resume_compression(attach=False)()
+        train(model, opt, 3)
+    finally:
+        logging.getLogger("dlgs.torch").removeHandler(handler)
+    warned = sum("compression.attach(optimizer)" in r.getMessage() for r in records)
     return {
+        "straight_compression": straight_c,
+        "resumed_compression": resumed_c,
+        "without_compression": without_c,
+        "unattached_warnings": warned,
         "straight": straight,
         "resumed": resumed,
         "without_dlgs_state": without,
