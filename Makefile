@@ -15,10 +15,14 @@ test-fast: install
 
 # The main job: dense Horovod against dlgs on the PTB LSTM, 2 workers on a 1 Gbit/s
 # local cluster (network namespaces + tc when root; plain loopback otherwise).
+# Results go to bench-results/main (ignored by git); `make bench BENCH_OUT=benchmarks/results/main`
+# refreshes the committed ones.
+BENCH_OUT ?= bench-results/main
+
 bench: install
 	$(PY) -m benchmarks.cluster --workers 2 --bandwidth 1gbit -- \
 	  $(PY) -m benchmarks.train --model lstm --batch 20 --methods no-comm,dense,dlgs \
-	  --steps 20 --warmup 10 --out benchmarks/results/main
+	  --steps 20 --warmup 10 --out $(BENCH_OUT)
 
 bench-kernels: install
 	$(PY) -m benchmarks.kernels --sizes 1e4,1e5,1e6,1e7,2.5e7 --out benchmarks/results/kernels-cpu

@@ -51,7 +51,7 @@ from dlgs.core.catalog import (
 )
 from dlgs.core.config import SparsityConfig
 from dlgs.core.netmodel import allgather_cost, allreduce_cost
-from dlgs.core.planner import STRATEGIES, Plan, PlanSpec, plan_dp, plan_strategy, simulate
+from dlgs.core.planner import STRATEGIES, Plan, PlanSpec, plan_strategy, simulate
 from dlgs.core.profile import Profile, build_spec
 
 __all__ = [
@@ -362,8 +362,8 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument(
         "--out",
         type=Path,
-        default=Path("benchmarks/results/plan-sim"),
-        help="output folder (default: benchmarks/results/plan-sim)",
+        default=Path("plan-sim"),
+        help="output folder (default: plan-sim in the current directory)",
     )
     sim.add_argument("--no-plot", action="store_true", help="skip simulate.png")
     return p
@@ -416,14 +416,18 @@ def plan_methods(
       back-propagation (Horovod's fusion at its best for latency);
     * ``dlgs-layerwise``: each layer its own message, sparse where the
       per-layer rule (``min_sparse_size``, sparse smaller than dense) says so;
-    * ``dp-dlgs``: :func:`~dlgs.core.planner.plan_dp`.
+    * ``dp-dlgs``: :func:`~dlgs.core.planner.plan_dp` with the same
+      eligibility rule as training (a layer the rule sends dense is never put
+      in a sparse message).
     """
     n = len(spec.layers)
     return {
         "dense": plan_strategy(spec, "none", eligible=[False] * n),
         "dense-fused": simulate(spec, [(0, n - 1, False)], "dense-fused"),
         "dlgs-layerwise": plan_strategy(spec, "none", eligible=eligible),
-        "dp-dlgs": plan_dp(spec, max_group=max_group, max_front=max_front),
+        "dp-dlgs": plan_strategy(
+            spec, "dp", eligible=eligible, max_group=max_group, max_front=max_front
+        ),
     }
 
 
@@ -469,16 +473,15 @@ def _show(args: argparse.Namespace) -> int:
     spec, eligible = build_spec(profile, _config(args), args.density)
     names = [layer.name for layer in spec.layers]
     n = len(spec.layers)
-    if args.merge == "dp":
-        plan = plan_dp(spec, max_group=args.max_group, max_front=args.max_front)
-    else:
-        plan = plan_strategy(
-            spec,
-            args.merge,
-            eligible=eligible,
-            bucket_elements=args.bucket_elements,
-            numel=[layer.numel for layer in profile.layers],
-        )
+    plan = plan_strategy(
+        spec,
+        args.merge,
+        eligible=eligible,
+        bucket_elements=args.bucket_elements,
+        numel=[layer.numel for layer in profile.layers],
+        max_group=args.max_group,
+        max_front=args.max_front,
+    )
     dense = plan_strategy(spec, "none", eligible=[False] * n)
     fused = simulate(spec, [(0, n - 1, False)], "dense-fused")
     lines = [

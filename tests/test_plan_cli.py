@@ -213,8 +213,10 @@ def test_show_prints_plan_and_speedup(capsys):
     ]
     # Independently recomputed from the planner: the CLI adds no numbers of its own.
     prof = catalog_profile("resnet50", world_size=8, bandwidth_bps=1e9)
-    spec, _ = build_spec(prof, SparsityConfig(density=0.01), 0.01)
-    plan = plan_dp(spec)
+    spec, eligible = build_spec(prof, SparsityConfig(density=0.01), 0.01)
+    # Training's rule: a layer too small to go sparse (batch norm) never joins a
+    # sparse message.
+    plan = plan_dp(spec, eligible=eligible)
     dense = plan_strategy(spec, "none", eligible=[False] * len(spec.layers))
     assert len(rows) == len(plan.groups)
     assert rows[0].split()[1] == f"{plan.groups[0].first}-{plan.groups[0].last}"
@@ -400,10 +402,10 @@ def test_simulate_writes_csv(tmp_path):
         if (r["model"], r["workers"], r["bandwidth"], r["method"])
         == ("vgg16", "16", "1gbit", "dp-dlgs")
     )
-    spec, _ = build_spec(
+    spec, eligible = build_spec(
         catalog_profile("vgg16", world_size=16, bandwidth_bps=1e9), SparsityConfig(), 0.01
     )
-    plan = plan_dp(spec)
+    plan = plan_dp(spec, eligible=eligible)
     fused = simulate(spec, [(0, len(spec.layers) - 1, False)])
     assert float(r["predicted_iteration_s"]) == pytest.approx(plan.end, rel=1e-5)
     assert float(r["speedup_vs_dense_fused"]) == pytest.approx(fused.end / plan.end, rel=1e-3)

@@ -153,6 +153,20 @@ def test_same_name_other_options_is_an_error_and_same_options_continue():
         dlgs.tensorflow.DistributedGradientTape(tape, density=0.2, name="cont", merge="none")
 
 
+def test_compression_created_anew_with_one_name_continues_one_exchange():
+    """The README's per-step pattern: a Compression built inside the step keeps
+    its residuals, thresholds and plan under its name, as the tape does."""
+    m = _model()
+    variables = [v.value for v in m.trainable_variables]
+    a = dlgs.tensorflow.Compression(variables, density=0.1, name="comp.cont", merge="none")
+    b = dlgs.tensorflow.Compression(variables, density=0.1, name="comp.cont", merge="none")
+    assert a.dlgs is b.dlgs and a.dlgs.exchange is b.dlgs.exchange
+    with pytest.raises(ValueError, match="name="):
+        dlgs.tensorflow.Compression(variables, density=0.2, name="comp.cont", merge="none")
+    with pytest.raises(ValueError, match="name="):
+        dlgs.tensorflow.Compression(variables[:1], density=0.1, name="comp.cont", merge="none")
+
+
 def test_duplicate_variable_names_and_other_variables_are_errors():
     a = tf.Variable(tf.ones([4]), name="w")
     b = tf.Variable(tf.ones([4]), name="w")

@@ -25,7 +25,7 @@ import pickle
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import horovod.tensorflow as hvd
 import numpy as np
@@ -229,6 +229,28 @@ class Engine(CoreEngine):
     def state_dict(self) -> Dict[str, Any]:
         """This rank's residuals, controller states, step and plan, as NumPy."""
         return _to_numpy(super().state_dict())
+
+
+_ENGINES: Dict[str, Tuple[Any, Engine]] = {}
+_ENGINES_LOCK = threading.Lock()
+
+
+def engine_named(name: str, key: Any, make: Callable[[], Engine]) -> Engine:
+    """The engine this process keeps under ``name``, built by ``make`` the
+    first time: objects re-created every step (tapes, compressors) with one
+    name continue one exchange, so residuals, thresholds and the plan persist.
+    ``key`` holds their options; other options under an existing name raise
+    ``ValueError`` (give another model another name)."""
+    with _ENGINES_LOCK:
+        found = _ENGINES.get(name)
+        if found is not None and found[0] != key:
+            raise ValueError(
+                f"a dlgs exchange named {name!r} already exists with other options or "
+                "variables; pass the same options every step, or another name= for another model"
+            )
+        if found is None:
+            found = _ENGINES[name] = (key, make())
+        return found[1]
 
 
 class ExchangeState(tf.train.experimental.PythonState):

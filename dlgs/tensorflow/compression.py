@@ -47,7 +47,7 @@ from .. import _options
 from ..core.config import SparsityConfig
 from ..core.engine import CompressionAliases, _deprecated
 from ._amp import check_scaler, scale_reader
-from ._engine import Engine, HorovodCollectives, _shape
+from ._engine import Engine, HorovodCollectives, _shape, engine_named, variable_name
 
 __all__ = ["Compression"]
 
@@ -64,7 +64,11 @@ class Compression(CompressionAliases):
         density, config, merge, log_every, **options: as
             :func:`dlgs.tensorflow.DistributedGradientTape`.
         process_set: the Horovod process set the tape uses.
-        name: prefix of this compressor's Horovod tensor names.
+        name: the exchange this compressor continues and the prefix of its
+            Horovod tensor names: compressors created with one name (say,
+            anew every step) share one exchange, so residuals, thresholds and
+            the plan persist, as with the tape's ``name``; other options or
+            variables under an existing name raise ``ValueError``.
         scaler: with a loss-scaled loss, the ``keras.optimizers.LossScaleOptimizer``
             that scaled it (as :func:`dlgs.tensorflow.DistributedGradientTape`'s
             ``scaler``). Every layer, dense ones included, goes through the
@@ -94,15 +98,32 @@ class Compression(CompressionAliases):
         self._variables = list(variables)
         if not self._variables:
             raise ValueError("variables is empty: pass the variables the tape differentiates")
-        self._engine = Engine(
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"name must be a non-empty str, got {name!r}")
+        key = (
+            "compression",
             cfg,
-            planner,
-            HorovodCollectives(process_set=process_set),
-            average=True,
-            prefix=name,
-            log_every=log_every,
-            loss_scale=scale_reader(scaler),
+            planner.config,
+            id(process_set),
+            log_every,
+            scaler is not None,
+            tuple(variable_name(v) for v in self._variables),
         )
+        self._engine = engine_named(
+            name,
+            key,
+            lambda: Engine(
+                cfg,
+                planner,
+                HorovodCollectives(process_set=process_set),
+                average=True,
+                prefix=name,
+                log_every=log_every,
+                loss_scale=scale_reader(scaler),
+            ),
+        )
+        if scaler is not None:
+            self._engine.loss_scale = scale_reader(scaler)  # this object's scaler
         with tf.init_scope():
             self._engine.specs(self._variables)
         self._shapes = [_shape(v) for v in self._variables]

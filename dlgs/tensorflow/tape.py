@@ -20,8 +20,7 @@ other options under the same name raise ``ValueError``.
 
 from __future__ import annotations
 
-import threading
-from typing import Any, Dict, Optional
+from typing import Any, Optional
 
 import horovod.tensorflow as hvd
 import tensorflow as tf
@@ -29,12 +28,9 @@ import tensorflow as tf
 from .. import _options
 from ..core.config import SparsityConfig
 from ._amp import check_scaler, scale_reader
-from ._engine import DlgsAccessors, Engine, HorovodCollectives, variable_name
+from ._engine import DlgsAccessors, Engine, HorovodCollectives, engine_named, variable_name
 
 __all__ = ["DistributedGradientTape"]
-
-_ENGINES: Dict[str, Any] = {}
-_ENGINES_LOCK = threading.Lock()
 
 
 class _SparseTape:
@@ -176,31 +172,25 @@ def DistributedGradientTape(
         log_every,
         scaler is not None,
     )
-    with _ENGINES_LOCK:
-        found = _ENGINES.get(name)
-        if found is not None and found[0] != key:
-            raise ValueError(
-                f"a dlgs exchange named {name!r} already exists with other options; pass "
-                "the same options every step, or another name= for another model"
-            )
-        if found is None:
-            average = op == hvd.Average
-            pre, post = _options.horovod_scales(average, gradient_predivide_factor)
-            comm = HorovodCollectives(
-                op, pre, post, process_set, compression, device_dense, device_sparse
-            )
-            engine = Engine(
-                cfg,
-                planner,
-                comm,
-                average=average,
-                prefix=name,
-                extra_options={"scale_local_gradients": bool(scale_local_gradients)},
-                log_every=log_every,
-                loss_scale=scale_reader(scaler),
-            )
-            found = _ENGINES[name] = (key, engine)
-    engine = found[1]
+    average = op == hvd.Average
+    pre, post = _options.horovod_scales(average, gradient_predivide_factor)
+
+    def make() -> Engine:
+        comm = HorovodCollectives(
+            op, pre, post, process_set, compression, device_dense, device_sparse
+        )
+        return Engine(
+            cfg,
+            planner,
+            comm,
+            average=average,
+            prefix=name,
+            extra_options={"scale_local_gradients": bool(scale_local_gradients)},
+            log_every=log_every,
+            loss_scale=scale_reader(scaler),
+        )
+
+    engine = engine_named(name, ("tape", key), make)
     if scaler is not None:
         engine.loss_scale = scale_reader(scaler)  # the scaler of this step
     methods = {
