@@ -33,6 +33,7 @@ import dlgs.tensorflow  # noqa: E402
 import dlgs.tensorflow.keras  # noqa: E402
 from dlgs.tensorflow._ops import OPS, _read  # noqa: E402
 
+REFERENCE = "against_reference"
 SCENARIOS = [
     "dense_equivalence",
     "exact_reconstruction",
@@ -278,16 +279,22 @@ def test_checkpoint_round_trip_single_process(tmp_path):
 @pytest.fixture(scope="module", params=["gloo", "mpi"])
 def ranks(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"tf-ranks-{request.param}")
-    return run_scenarios(request.param, "tf_worker.py", out, SCENARIOS)
+    # The reference comparison checks the exchange's arithmetic, which does not
+    # depend on the transport: Gloo only (MPI runs every other scenario), to keep
+    # the suite's time.
+    names = SCENARIOS if request.param == "gloo" else [n for n in SCENARIOS if n != REFERENCE]
+    return run_scenarios(request.param, "tf_worker.py", out, names)
 
 
 @pytest.mark.parallel
-def test_tf_both_forms_match_the_reference_with_plans_and_flushes(ranks):
+def test_tf_both_forms_match_the_reference_with_plans_and_flushes(ranks, request):
     """Every rank's reduced gradients and residuals against tests/reference.py,
     step by step, through a merged plan, a dense plan (flush) and back, in the
     tape form and the sparse Compression form (Horovod's tape, num_groups=1)."""
+    if request.node.callspec.params["ranks"] != "gloo":
+        pytest.skip("run under Gloo only (the arithmetic does not depend on the transport)")
     for r, v in enumerate(value(ranks, "against_reference")):
-        assert len(v) == 10
+        assert len(v) == 8
         for case, rec in v.items():
             assert rec["modes"] == 0, f"rank {r} {case}: sparse layers differ from the rule"
             assert rec["out"] <= 1e-5, f"rank {r} {case}: reduced gradient off: {rec}"

@@ -323,8 +323,8 @@ def conservation():
 
 # -- against the independent reference (tests/reference.py) ---------------------------
 
+# The default (dynamic) controller runs in every case.
 TF_REFERENCE_CASES = {
-    "dynamic": dict(),
     "momentum": dict(momentum=0.9),
     "warmup": dict(warmup=(0.5, 0.2), warmup_steps=2),
     "fp16_values": dict(value_dtype="float16"),
