@@ -7,7 +7,24 @@ from typing import Any, Dict
 
 from .core.consistency import horovod_options
 
-__all__ = ["HorovodSet"]
+__all__ = ["HorovodSet", "methods_of"]
+
+# Class attributes that are not methods to copy into a generated class.
+_NOT_COPIED = {
+    "__dict__",
+    "__weakref__",
+    "__module__",
+    "__qualname__",
+    "__doc__",
+    "__annotations__",
+}
+
+
+def methods_of(*classes: type) -> Dict[str, Any]:
+    """The methods and properties ``classes`` define (later ones win), for a
+    class generated the way Horovod generates its optimizer and tape classes
+    (a new class over the user's, with these members copied in)."""
+    return {k: v for c in classes for k, v in c.__dict__.items() if k not in _NOT_COPIED}
 
 
 class HorovodSet:

@@ -183,3 +183,22 @@ def compare_run(
         "modes": float(wrong_modes),
         "first_bad_step": float(first_bad),
     }
+
+
+def replay(
+    sizes: Sequence[int],
+    ranks: int,
+    rank: int,
+    grads,
+    thetas,
+    outs,
+    residuals,
+    plans,
+    **options,
+) -> Dict[str, float]:
+    """:func:`compare_run` for a multi-rank test: ``thetas[r][step]`` is rank
+    ``r``'s record as allgathered; ``options`` are :class:`Reference`'s."""
+    steps = len(outs)
+    by_step = [[thetas[r][s] for r in range(ranks)] for s in range(steps)]
+    ref = Reference(sizes, ranks, **options)
+    return compare_run(ref, rank, grads, by_step, outs, residuals, plans)

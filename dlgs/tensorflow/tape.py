@@ -26,7 +26,9 @@ import horovod.tensorflow as hvd
 import tensorflow as tf
 
 from .. import _options
+from .._horovod import methods_of
 from ..core.config import SparsityConfig
+from ..core.engine import OptimizerAliases
 from ._amp import check_scaler, scale_reader
 from ._engine import DlgsAccessors, Engine, HorovodCollectives, engine_named, variable_name
 
@@ -75,16 +77,6 @@ class _SparseTape:
         tape does; it is divided by the number of ranks when
         ``scale_local_gradients`` is set."""
         self._dlgs_local.add(variable_name(source))
-
-
-_NOT_COPIED = {
-    "__dict__",
-    "__weakref__",
-    "__module__",
-    "__qualname__",
-    "__doc__",
-    "__annotations__",
-}
 
 
 def DistributedGradientTape(
@@ -193,12 +185,8 @@ def DistributedGradientTape(
     engine = engine_named(name, ("tape", key), make)
     if scaler is not None:
         engine.loss_scale = scale_reader(scaler)  # the scaler of this step
-    methods = {
-        k: v
-        for part in (DlgsAccessors, _SparseTape)
-        for k, v in part.__dict__.items()
-        if k not in _NOT_COPIED
-    }
+    # DlgsAccessors' own members and the deprecated names it inherits.
+    methods = methods_of(OptimizerAliases, DlgsAccessors, _SparseTape)
     cls = type(gradtape.__class__.__name__, (gradtape.__class__,), methods)
     tape = cls.__new__(cls)
     tape.__dict__.update(gradtape.__dict__)  # shares the recorded tape

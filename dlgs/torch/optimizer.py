@@ -24,6 +24,7 @@ import torch
 from horovod.torch.optimizer import _DistributedOptimizer
 from torch.autograd import Variable
 
+from .._horovod import methods_of
 from .._options import (
     build_configs,
     check_int,
@@ -215,16 +216,6 @@ def _dense_grad(p: torch.Tensor) -> torch.Tensor:
     return p.grad.to_dense() if p.grad.is_sparse else p.grad
 
 
-_NOT_COPIED = {
-    "__dict__",
-    "__weakref__",
-    "__module__",
-    "__qualname__",
-    "__doc__",
-    "__annotations__",
-}
-
-
 def DistributedOptimizer(
     optimizer: torch.optim.Optimizer,
     named_parameters=None,
@@ -292,12 +283,7 @@ def DistributedOptimizer(
     check_log_every(log_every)
     check_scaler(scaler)
     cfg, planner = build_configs(config, density, merge, options)
-    methods = {
-        k: v
-        for part in (OptimizerAliases, _SparseOverrides)
-        for k, v in part.__dict__.items()
-        if k not in _NOT_COPIED
-    }
+    methods = methods_of(OptimizerAliases, _SparseOverrides)
     cls = type(
         optimizer.__class__.__name__,
         (optimizer.__class__,),

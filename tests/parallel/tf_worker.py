@@ -354,7 +354,7 @@ def against_reference():
     with a merge plan in force and a residual flush: every rank's reduced
     gradients and residuals after each step against the NumPy reference."""
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
-    from reference import Reference, compare_run
+    from reference import replay
 
     size, rank = hvd.size(), hvd.rank()
     out = {}
@@ -405,22 +405,19 @@ def against_reference():
                     ]
                 )
             all_thetas = hvd.allgather_object(thetas, name=f"{name}.thetas")
-            ref = Reference(
+            out[f"{form}/{case}"] = replay(
                 [lay.numel for lay in ex.layers],
                 size,
+                rank,
+                grads,
+                all_thetas,
+                outs,
+                residuals,
+                plans,
                 density=0.05,
                 min_sparse_size=64,
                 average=op == hvd.Average,
                 **options,
-            )
-            out[f"{form}/{case}"] = compare_run(
-                ref,
-                rank,
-                grads,
-                [[all_thetas[r][s] for r in range(size)] for s in range(TF_REFERENCE_STEPS)],
-                outs,
-                residuals,
-                plans,
             )
     return out
 
