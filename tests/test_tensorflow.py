@@ -159,6 +159,34 @@ def test_same_name_other_options_is_an_error_and_same_options_continue():
         dlgs.tensorflow.DistributedGradientTape(tape, density=0.2, name="cont", merge="none")
 
 
+def test_an_exchange_is_reachable_by_name_and_takes_a_state_before_its_first_step():
+    """The recipe for tapes created inside tf.function: one eager tape creates
+    the engine; state restored into it applies when the first step builds."""
+    with pytest.raises(KeyError, match="no dlgs exchange named"):
+        dlgs.tensorflow.exchange("by.name")
+    m = _model()
+    x = tf.ones([2, 8])
+    kw = dict(density=0.1, name="by.name", merge="none")
+    eng = dlgs.tensorflow.DistributedGradientTape(tf.GradientTape(), **kw).dlgs
+    assert dlgs.tensorflow.exchange("by.name") is eng and eng.exchange is None
+    saved = None
+    for step in range(2):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(m(x))
+        dlgs.tensorflow.DistributedGradientTape(tape, **kw).gradient(loss, m.trainable_variables)
+        if step == 0:
+            saved = eng.state_dict()
+    assert eng.exchange.step == 2
+    # A fresh engine (another name) loads the state before any step...
+    kw2 = dict(kw, name="by.name.2")
+    eng2 = dlgs.tensorflow.DistributedGradientTape(tf.GradientTape(), **kw2).dlgs
+    eng2.load_state_dict(saved)
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(m(x))
+    dlgs.tensorflow.DistributedGradientTape(tape, **kw2).gradient(loss, m.trainable_variables)
+    assert eng2.exchange.step == 2  # ... and resumed at step 1
+
+
 def test_compression_created_anew_with_one_name_continues_one_exchange():
     """The README's per-step pattern: a Compression built inside the step keeps
     its residuals, thresholds and plan under its name, as the tape does."""

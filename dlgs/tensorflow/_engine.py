@@ -253,6 +253,31 @@ def engine_named(name: str, key: Any, make: Callable[[], Engine]) -> Engine:
         return found[1]
 
 
+def exchange(name: str = "dlgs.tape") -> Engine:
+    """The engine (what ``tape.dlgs`` returns) this process keeps under
+    ``name``: the tape's or ``Compression``'s ``name=`` (default: the tape's).
+
+    Reaches a tape created inside a ``tf.function``, whose Python object is
+    gone after tracing: ``dlgs.tensorflow.exchange().stats()``, or
+    ``tf.train.Checkpoint(dlgs=dlgs.tensorflow.exchange().trackable)``. To
+    resume, create one tape with the same options and name eagerly before
+    restoring (``dlgs.tensorflow.DistributedGradientTape(tf.GradientTape(),
+    density=...)``): the engine then exists, takes the restored state and
+    applies it when the first step builds the exchange.
+
+    Raises:
+        KeyError: nothing was created under ``name`` in this process.
+    """
+    with _ENGINES_LOCK:
+        found = _ENGINES.get(name)
+        if found is None:
+            raise KeyError(
+                f"no dlgs exchange named {name!r} in this process (known: {sorted(_ENGINES)}); "
+                "it is created with the first DistributedGradientTape / Compression of that name"
+            )
+        return found[1]
+
+
 class ExchangeState(tf.train.experimental.PythonState):
     """The exchange's rank-local state as one checkpoint entry.
 
