@@ -24,6 +24,7 @@ array ops, the collectives, a ``like`` tensor for the device).
 from __future__ import annotations
 
 import logging
+import math
 import time
 import warnings
 from collections import Counter
@@ -148,7 +149,7 @@ class Engine:
                 lambda sig: self.comm.allgather_object(sig, "dlgs.signature"),
                 size=self.comm.size,
             )
-        numel = [(str(n), _numel(shape)) for n, shape, _ in ordered]
+        numel = [(str(n), math.prod(int(s) for s in shape)) for n, shape, _ in ordered]
         exchange = SparseExchange(
             self.ops,
             self.comm,
@@ -300,13 +301,6 @@ class Engine:
             self._pending_state = state
             return
         self._exchange.load_state_dict(state, like=self._like)
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
 
 
 # -- the names of dlgs 0.1, kept for one release --------------------------------------

@@ -292,14 +292,9 @@ class SparseExchange:
         self._dense_offsets: Dict[int, int] = {}
         #: A tensor on the exchange's device (the first gradient seen).
         self.like: Any = None
-        #: Seconds from the first gradient of the last step to the end of its
-        #: wait() (host clock, no device synchronisation).
-        self.last_step_seconds: Optional[float] = None
         self._step_start: Optional[float] = None
-        #: Host seconds spent inside submit() in the last step: selection,
-        #: packing and starting collectives (on a GPU: launching them).
-        self.last_submit_seconds: Optional[float] = None
         self._submit_seconds = 0.0
+        self._modes: Tuple[bool, ...] = ()  # per layer: sparse in the layout in force
         #: Called with the exchange and the step's :class:`StepRecord` at the end
         #: of every step (profiling, planning).
         self.step_hooks: List[StepHook] = []
@@ -340,6 +335,18 @@ class SparseExchange:
                 self._finite = False
                 self.nonfinite_steps += 1
         return self._finite
+
+    @property
+    def last_step_seconds(self) -> Optional[float]:
+        """Seconds from the first gradient of the last step to the end of its
+        wait() (host clock, no device synchronisation); ``last_step.seconds``."""
+        return self.last_step.seconds if self.last_step is not None else None
+
+    @property
+    def last_submit_seconds(self) -> Optional[float]:
+        """Host seconds spent inside submit() in the last step: selection,
+        packing and starting collectives (on a GPU: launching them)."""
+        return self.last_step.submit_seconds if self.last_step is not None else None
 
     @property
     def in_step(self) -> bool:
@@ -471,6 +478,7 @@ class SparseExchange:
                     self._dense_offsets[i] = offset
                     offset += plans[i].numel
             self.groups.append(group)
+        self._modes = tuple(i in sparse_layers for i in range(len(self.layers)))
         biggest = max((plans[i].numel for i in sparse_layers), default=0)
         if biggest and (self._scratch_abs is None or ops.numel(self._scratch_abs) < biggest):
             self._scratch_abs = ops.zeros(biggest, "float32", like)
@@ -763,18 +771,16 @@ class SparseExchange:
         self._dense_out.clear()
         self._open = False
         self._submitted.clear()
-        if self._step_start is not None:
-            self.last_step_seconds = time.perf_counter() - self._step_start
-            self._step_start = None
-        self.last_submit_seconds, self._submit_seconds = self._submit_seconds, 0.0
+        start, self._step_start = self._step_start, None
+        submit, self._submit_seconds = self._submit_seconds, 0.0
         trace, self._trace = self._trace, None
         if trace is not None:
             trace.waited = self.clock()
         record = StepRecord(
             step=self.step,
-            seconds=self.last_step_seconds,
-            submit_seconds=self.last_submit_seconds,
-            layers_sparse=tuple(self.is_sparse(layer) for layer in self.layers),
+            seconds=time.perf_counter() - start if start is not None else None,
+            submit_seconds=submit,
+            layers_sparse=self._modes,
             trace=trace,
         )
         self.last_step = record

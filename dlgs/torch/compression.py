@@ -147,19 +147,29 @@ class Compression(CompressionAliases):
                 f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
             )
 
+        pending: List[Any] = []
+
         def save(opt, state):
             state["dlgs"] = self._engine.state_dict()
             return state
 
-        def load(opt, state):
+        def check(opt, state):
+            # As the optimizer form: validate dlgs' part before anything loads,
+            # apply it after the optimizer's own state has loaded.
             state = dict(state)
             dlgs_state = state.pop("dlgs", None)
             if dlgs_state is not None:
-                self.load_state_dict(dlgs_state)
+                self._engine.check_state_dict(dlgs_state)
+                pending.append(dlgs_state)
             return state
 
+        def load(opt):
+            while pending:
+                self.load_state_dict(pending.pop())
+
         optimizer.register_state_dict_post_hook(save)
-        optimizer.register_load_state_dict_pre_hook(load)
+        optimizer.register_load_state_dict_pre_hook(check)
+        optimizer.register_load_state_dict_post_hook(load)
         self._saved_somehow = True
         return self
 
@@ -210,12 +220,9 @@ class Compression(CompressionAliases):
         _, i, grad = ctx
         if ctx[0] == "dense":
             factor = self._exchange.external_scale(i)
-            if factor is not None:
-                out = tensor * factor  # a momentum-corrected velocity, unscaled
-            elif self._exchange.config.momentum:
-                out = tensor.clone()  # the layer's velocity: never alias it from p.grad
-            else:
-                out = tensor
+            # With momentum correction the reduced tensor is the layer's send
+            # buffer, not its velocity, so p.grad may alias it.
+            out = tensor * factor if factor is not None else tensor
             self._external.append((i, out))
         else:
             out = self._results[i] * tensor  # tensor is 1 (Average) or size (Sum)
