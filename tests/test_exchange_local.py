@@ -110,7 +110,8 @@ def test_nonfinite_on_one_rank_is_seen_everywhere_and_undone_exactly(controller,
 
     def record(rank, ex, out):
         state = {
-            i: (layer.residual.copy(), dict(layer.ctrl))
+            # Copies: controller entries are views of the exchange's state vectors.
+            i: (layer.residual.copy(), {k: np.copy(v) for k, v in layer.ctrl.items()})
             for i, layer in enumerate(ex.layers)
             if layer.residual is not None
         }

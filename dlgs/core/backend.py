@@ -159,3 +159,19 @@ class ArrayOps(Protocol):
 
     def stack(self, xs: Sequence[T]) -> T:
         """Stack 0-d tensors into 1-D."""
+
+    # -- controller state kept in vectors -------------------------------------
+    def state_vector(self, n: int, like: T) -> T:
+        """A float32 vector of ``n`` zeros for controller state, where the
+        controller's arithmetic is cheapest (``like``'s device; a framework whose
+        device ops cost more than its host arithmetic may keep it on the host
+        when ``like`` lives there)."""
+
+    def element(self, vec: T, j: int) -> T:
+        """A 0-d view of ``vec[j]``: reads as a 0-d tensor, and :meth:`assign_`
+        into it writes ``vec``."""
+
+    def assign_(self, dst: T, value: T | float) -> T:
+        """``dst[...] = value`` in place where ``dst`` is a buffer, a view or a
+        state vector (value conversion to its dtype); returns ``dst``, or for an
+        immutable ``dst`` the value to use instead."""

@@ -21,7 +21,7 @@ Ok-Topk does every 32 iterations, which bounds drift.
 from __future__ import annotations
 
 import math
-from typing import Any, Dict
+from typing import Any, Dict, Sequence, Tuple
 
 from .backend import ArrayOps
 from .config import Controller, SparsityConfig
@@ -45,7 +45,20 @@ _SCALE_SAMPLE = 65536
 
 
 class ThresholdController:
-    """Base: how ``theta`` is chosen before selection and updated after it."""
+    """Base: how ``theta`` is chosen before selection and updated after it.
+
+    :meth:`threshold` may change only plain Python entries of the state (it runs
+    during a step that may turn out non-finite, and the exchange restores those
+    from a copy); every tensor entry that learning changes is named in
+    :attr:`vector_keys` and changed only by :meth:`update` /
+    :meth:`update_many`, which the exchange runs once a step is known finite.
+    """
+
+    #: The state's tensor entries that :meth:`update` changes. An exchange keeps
+    #: each in one vector over all its sparse layers (a layer's entry is an
+    #: element view of it) and updates them with :meth:`update_many` in one
+    #: vectorised pass per step, not a dozen scalar operations per layer.
+    vector_keys: Tuple[str, ...] = ()
 
     def __init__(self, config: SparsityConfig):
         self.config = config
@@ -60,6 +73,19 @@ class ThresholdController:
 
     def update(self, ops: ArrayOps, state: State, theta: Any, count: Any, k: int) -> None:
         """Learn from the count that ``theta`` selected (device tensors only)."""
+
+    def update_many(
+        self,
+        ops: ArrayOps,
+        vectors: Dict[str, Any],
+        states: Sequence[State],
+        counts: Any,
+        k1: Any,
+    ) -> None:
+        """:meth:`update` for many layers at once: ``vectors[key]`` holds
+        :attr:`vector_keys` entries of every layer (``states[j][key]`` is element
+        ``j``), ``counts`` their selected counts (float32) and ``k1`` their
+        targets plus one."""
 
 
 class _TopK(ThresholdController):
@@ -100,6 +126,8 @@ class _Dynamic(ThresholdController):
             ops.mean(ops.strided(absx, max(1, n // _SCALE_SAMPLE))), _THETA_MIN, _THETA_MAX
         )
 
+    vector_keys = ("factor", "prev_factor", "prev_count", "elasticity", "drift")
+
     def init_state(self, ops, like, density):
         e0 = min(max(math.log(1.0 / density), _ELASTICITY_RANGE[0]), _ELASTICITY_RANGE[1])
         return {
@@ -118,10 +146,11 @@ class _Dynamic(ThresholdController):
         since = state["since_anchor"]
         if since < 0 or (every and since + 1 >= every):
             exact = ops.clamp(ops.kth_largest(absx, k), _THETA_MIN, _THETA_MAX)
-            state["factor"] = exact / scale
-            # The secant needs two factors applied to comparable inputs;
-            # across an anchor it would mix the corrected and uncorrected one.
-            state["prev_factor"] = exact * 0.0  # on the device, no host copy
+            # The factor this implies; update() installs it, and clears the
+            # previous factor: the secant needs two factors applied to
+            # comparable inputs, and across an anchor it would mix the corrected
+            # and uncorrected one.
+            state["anchor"] = exact / scale
             state["since_anchor"] = 0
             # The exact value itself: (exact / scale) * scale can round up by
             # an ulp and drop the k-th element.
@@ -129,33 +158,60 @@ class _Dynamic(ThresholdController):
         state["since_anchor"] = since + 1
         return ops.clamp(state["factor"] * scale, _THETA_MIN, _THETA_MAX)
 
+    def _install_anchor(self, ops, state):
+        anchor = state.pop("anchor", None)
+        if anchor is not None:
+            state["factor"] = ops.assign_(state["factor"], anchor)
+            state["prev_factor"] = ops.assign_(state["prev_factor"], anchor * 0.0)
+
     def update(self, ops, state, theta, count, k):
+        self._install_anchor(ops, state)
+        new = self._advance(ops, *(state[key] for key in self.vector_keys), count, k + 1.0)
+        for key in _WRITE_ORDER:
+            state[key] = ops.assign_(state[key], new[key])
+
+    def update_many(self, ops, vectors, states, counts, k1):
+        for state in states:
+            self._install_anchor(ops, state)
+        new = self._advance(ops, *(vectors[key] for key in self.vector_keys), counts, k1)
+        for key in _WRITE_ORDER:
+            ops.assign_(vectors[key], new[key])
+
+    @staticmethod
+    def _advance(ops, factor, prev, prev_count, e, drift, count, k1):
+        """The update, element-wise (one layer's 0-d state or vectors of many):
+        the new value of each of :attr:`vector_keys`. The new ``prev_factor`` is
+        the old ``factor`` itself, so it is written first (:data:`_WRITE_ORDER`)."""
         c1 = ops.to_float(count) + 1.0
-        factor, prev = state["factor"], state["prev_factor"]
         # Secant estimate of the tail's elasticity from the last two steps.
         has_prev = prev > 0
         dlog = ops.log(factor / ops.where(has_prev, prev, factor))
         moved = has_prev & ((dlog > 1e-3) | (dlog < -1e-3))
         safe = ops.where(moved, dlog, dlog * 0 + 1.0)
-        observed = ops.clamp(-ops.log(c1 / (state["prev_count"] + 1.0)) / safe, *_ELASTICITY_RANGE)
-        e = state["elasticity"]
+        observed = ops.clamp(-ops.log(c1 / (prev_count + 1.0)) / safe, *_ELASTICITY_RANGE)
         e = ops.where(moved, e + _ELASTICITY_SMOOTHING * (observed - e), e)
-        ratio = c1 / (k + 1.0)
+        ratio = c1 / k1
         # Integral action on the *linear* error: it cancels the lag behind a
         # steady drift of the tail's shape, and it centres the mean of count/k
         # (what bandwidth sees) rather than its geometric mean.
         drift = ops.clamp(
-            state["drift"] + _INTEGRAL_GAIN * ops.clamp(ratio - 1.0, -1.0, 3.0) / e,
+            drift + _INTEGRAL_GAIN * ops.clamp(ratio - 1.0, -1.0, 3.0) / e,
             -_MAX_DRIFT,
             _MAX_DRIFT,
         )
         step = ops.clamp(ops.log(ratio) / e + drift, -_MAX_STEP, _MAX_STEP)
-        state["drift"] = drift
-        state["elasticity"] = e
-        state["prev_factor"] = factor
-        state["prev_count"] = c1 - 1.0
-        state["factor"] = ops.clamp(factor * ops.exp(step), _THETA_MIN, _THETA_MAX)
+        new_factor = ops.clamp(factor * ops.exp(step), _THETA_MIN, _THETA_MAX)
+        return {
+            "prev_factor": factor,
+            "factor": new_factor,
+            "prev_count": c1 - 1.0,
+            "elasticity": e,
+            "drift": drift,
+        }
 
+
+# In-place writes: ``prev_factor`` takes the old ``factor`` before it changes.
+_WRITE_ORDER = ("prev_factor", "factor", "prev_count", "elasticity", "drift")
 
 _CONTROLLERS = {
     Controller.DYNAMIC: _Dynamic,

@@ -114,15 +114,18 @@ def select(
     return idx, count, theta
 
 
-def _select(ops, controller, state, acc, k, capacity, step, scratch_abs, scratch_mask):
-    """:func:`select`, also returning ``|acc|`` (for the non-finite check)."""
+def _select(ops, controller, state, acc, k, capacity, step, scratch_abs, scratch_mask, update=True):
+    """:func:`select`, also returning ``|acc|`` (for the non-finite check).
+    ``update=False`` leaves the controller's update to the caller (an exchange
+    updates all its layers at once, at the end of a finite step)."""
     n = ops.numel(acc)
     absx = ops.abs_(acc, scratch_abs)
     theta = controller.threshold(ops, state, absx, k, step)
     mask = ops.ge_(absx, theta, scratch_mask)
     count = ops.count_nonzero(mask)
     idx = ops.nonzero_static(mask, capacity, n)
-    controller.update(ops, state, theta, count, k)
+    if update:
+        controller.update(ops, state, theta, count, k)
     return idx, count, theta, absx
 
 
@@ -151,6 +154,9 @@ class _Layer:
         "theta",
         "group",
         "member",
+        "views",
+        "slot",
+        "count_slot",
     )
 
     def __init__(self, name: str, numel: int):
@@ -172,6 +178,21 @@ class _Layer:
         self.theta: Any = None
         self.group = -1
         self.member = -1
+        # Views reused every step (each new view is an operation): buffer id ->
+        # (buffer, view of its first ``numel`` elements). Holding the buffer
+        # keeps its id from being reused while the entry exists.
+        self.views: Dict[int, Tuple[Any, Any]] = {}
+        self.slot = -1  # position in the exchange's controller vectors, or -1
+        self.count_slot: Any = None  # the element of those vectors' count it writes
+
+    def head(self, ops: ArrayOps, buf: Any) -> Any:
+        """The first ``numel`` elements of ``buf`` (a cached view)."""
+        hit = self.views.get(id(buf))
+        if hit is not None and hit[0] is buf:
+            return hit[1]
+        view = ops.narrow(buf, 0, 0, self.numel)
+        self.views[id(buf)] = (buf, view)
+        return view
 
 
 class _Group:
@@ -189,6 +210,8 @@ class _Group:
         "name",
         "first",
         "bad",
+        "member_views",
+        "outputs",
     )
 
     def __init__(self, members: List[int], sparse: bool, name: str):
@@ -203,6 +226,9 @@ class _Group:
         self.verified = False
         self.first: Any = None  # sparse: each member's first slot in ``dense`` (int64)
         self.bad: Any = None  # sparse: per member, non-finite on some rank this step
+        # sparse: per member, its (values, indices, count word) views of ``chunk``.
+        self.member_views: List[Tuple[Any, Any, Any]] = []
+        self.outputs: List[Any] = []  # sparse: each member's view of ``dense``
 
 
 Plan = Sequence[Tuple[Sequence[int], Optional[bool]]]
@@ -288,6 +314,11 @@ class SparseExchange:
         self._density: Optional[float] = None
         self._scratch_abs: Any = None
         self._scratch_mask: Any = None
+        # The controller's vector_keys state of every sparse layer, one vector
+        # per key (a layer's entries are element views): updated in one pass per
+        # finite step. With the counts this step selected and each target k + 1.
+        self._bank: Optional[Dict[str, Any]] = None
+        self._bank_layers: List["_Layer"] = []
         self._submitted: set = set()
         self._dense_offsets: Dict[int, int] = {}
         #: A tensor on the exchange's device (the first gradient seen).
@@ -427,6 +458,8 @@ class SparseExchange:
         plans = self.layer_plans()
         ops = self.ops
         groups = self._group_lists(plans)
+        for layer in self.layers:
+            layer.views.clear()
         sparse_layers = {i for members, mode in groups if mode for i in members}
         for i, (layer, plan) in enumerate(zip(self.layers, plans)):
             old = layer.plan
@@ -467,6 +500,13 @@ class SparseExchange:
                 group.first = ops.index_vector(
                     [layout.dense_offset(m) for m in range(len(members))], like
                 )
+                group.member_views = [
+                    layout.member_views(ops, group.chunk, m) for m in range(len(members))
+                ]
+                group.outputs = [
+                    ops.narrow(group.dense, 0, layout.dense_offset(m), plans[i].numel)
+                    for m, i in enumerate(members)
+                ]
             elif len(members) > 1:
                 group.dense = ops.zeros(sum(plans[i].numel for i in members), "float32", like)
             offset = 0
@@ -479,6 +519,7 @@ class SparseExchange:
                     offset += plans[i].numel
             self.groups.append(group)
         self._modes = tuple(i in sparse_layers for i in range(len(self.layers)))
+        self._build_bank(like)
         biggest = max((plans[i].numel for i in sparse_layers), default=0)
         if biggest and (self._scratch_abs is None or ops.numel(self._scratch_abs) < biggest):
             self._scratch_abs = ops.zeros(biggest, "float32", like)
@@ -491,6 +532,29 @@ class SparseExchange:
             len(self.groups),
             sum(1 for g in self.groups if g.sparse),
         )
+
+    def _build_bank(self, like: Any) -> None:
+        """Move the sparse layers' controller state into one vector per key
+        (their values carried over), so a step updates every layer at once."""
+        keys = self.controller.vector_keys
+        layers = [self.layers[i] for g in self.groups if g.sparse for i in g.members]
+        for layer in self.layers:
+            layer.slot, layer.count_slot = -1, None
+        if not keys or not layers:
+            self._bank, self._bank_layers = None, []
+            return
+        ops = self.ops
+        bank = {key: ops.state_vector(len(layers), like) for key in (*keys, "count", "k1")}
+        for j, layer in enumerate(layers):
+            layer.slot = j
+            layer.count_slot = ops.element(bank["count"], j)
+            for key in keys:
+                view = ops.element(bank[key], j)
+                ops.assign_(view, layer.ctrl[key])
+                layer.ctrl[key] = view
+            assert layer.plan is not None
+            ops.assign_(ops.element(bank["k1"], j), layer.plan.k + 1.0)
+        self._bank, self._bank_layers = bank, layers
 
     # -- the per-step path -----------------------------------------------------
     def _begin_step(self) -> None:
@@ -621,19 +685,21 @@ class SparseExchange:
         ops = self.ops
         plan = layer.plan
         assert plan is not None  # set by _relayout before any submit
-        n, k, cap = plan.numel, plan.k, plan.capacity
+        k, cap = plan.k, plan.capacity
         layout = group.layout
         assert layout is not None  # sparse groups always have one
         # This step's accumulation goes into the spare buffers (finish() swaps
         # them in): a = r + g / scale, or with momentum a = r + (m u + g / scale).
         nxt = layer.residual_next
-        acc = ops.narrow(nxt, 0, 0, n)
+        acc = layer.head(ops, nxt)
+        res = layer.head(ops, layer.residual)
         if layer.velocity is not None:
             vel = self._advance_velocity(layer, grad)
-            ops.add_into_(acc, ops.narrow(layer.residual, 0, 0, n), vel, None)
+            ops.add_into_(acc, res, vel, None)
         else:
-            ops.add_into_(acc, ops.narrow(layer.residual, 0, 0, n), grad, self._inv_scale)
+            ops.add_into_(acc, res, grad, self._inv_scale)
         layer.ctrl_prev = dict(layer.ctrl)  # restored if the step is not finite
+        bank = self._bank
         idx, count, theta, absx = _select(
             ops,
             self.controller,
@@ -642,14 +708,22 @@ class SparseExchange:
             k,
             cap,
             self.step,
-            ops.narrow(self._scratch_abs, 0, 0, n),
-            ops.narrow(self._scratch_mask, 0, 0, n),
+            layer.head(ops, self._scratch_abs),
+            layer.head(ops, self._scratch_mask),
+            update=bank is None,
         )
+        if bank is not None:
+            ops.assign_(layer.count_slot, count)
         # One reduction tells whether |a| has a NaN or an infinity; the verdict
         # travels as the member's count word (-1), so every rank learns it.
         ok = ops.isfinite(ops.amax(absx))
-        out_vals = layout.pack(
-            ops, group.chunk, layer.member, nxt, idx, ops.count_or_flag(count, ok)
+        out_vals = layout.pack_into(
+            ops,
+            group.member_views[layer.member],
+            layer.member,
+            nxt,
+            idx,
+            ops.count_or_flag(count, ok),
         )
         if layout.value_dtype is ValueDType.FLOAT32:
             ops.fill_at_(nxt, idx, 0.0)
@@ -704,24 +778,18 @@ class SparseExchange:
             else:
                 layout = group.layout
                 assert layout is not None
-                gathered = self.comm.synchronize(group.handle)
+                rows = layout.rows(ops, self.comm.synchronize(group.handle), self.comm.size)
                 ops.mul_(group.dense, 0.0)
-                layout.unpack(
-                    ops,
-                    gathered,
-                    self.comm.size,
-                    group.dense,
-                    self._out_scale,
-                    verify=not group.verified,
+                layout.unpack_rows(
+                    ops, rows, group.dense, self._out_scale, verify=not group.verified
                 )
                 group.verified = True
                 # Members non-finite on some rank read NaN on every rank.
-                group.bad = ops.any_negative_rows(layout.counts(ops, gathered, self.comm.size))
+                group.bad = ops.any_negative_rows(layout.row_counts(ops, rows))
                 ops.nan_at_(group.dense, group.first, group.bad)
                 self._flags.append(group.bad)
-                for m, i in enumerate(group.members):
-                    start = layout.dense_offset(m)
-                    out[i] = ops.narrow(group.dense, 0, start, self.layers[i].numel)
+                for i, view in zip(group.members, group.outputs):
+                    out[i] = view
             group.ready = 0
             group.handle = None
         if finish:
@@ -749,6 +817,11 @@ class SparseExchange:
             self._lazy_flag = (flags, dense) if flags or dense else None
             finite = True
         submitted = sorted(self._submitted)
+        if finite and self._bank is not None:
+            bank = self._bank
+            self.controller.update_many(
+                ops, bank, [layer.ctrl for layer in self._bank_layers], bank["count"], bank["k1"]
+            )
         for i in submitted:
             layer = self.layers[i]
             sparse = self.is_sparse(layer)
@@ -891,7 +964,13 @@ class SparseExchange:
             layers[layer.name] = {
                 "residual": layer.residual,
                 "velocity": layer.velocity,
-                "controller": dict(layer.ctrl),
+                # Copies: a layer's entries may be views of the shared vectors.
+                "controller": {
+                    key: v
+                    if isinstance(v, (int, float))
+                    else self.ops.copy_(self.ops.scalar(0.0, v), v)
+                    for key, v in layer.ctrl.items()
+                },
                 "k": layer.plan.k if layer.plan is not None else None,
             }
         return {
@@ -1071,6 +1150,7 @@ class SparseExchange:
                 }
             else:
                 layer.ctrl = fresh
+        self._build_bank(like)
 
 
 @dataclass

@@ -131,18 +131,36 @@ class GroupLayout:
         ops.copy_(head, ops.cast(ops.scalar(float(self.fingerprint), like), "int32"))
         return chunk
 
+    def member_views(self, ops: ArrayOps, chunk: Any, i: int) -> Tuple[Any, Any, Any]:
+        """Member ``i``'s value slots, index slots and count word in ``chunk``
+        (views: make them once per chunk, then :meth:`pack_into` every step)."""
+        cap, off = self.caps[i], self.value_offset(i)
+        return (
+            ops.narrow(self.values_view(ops, chunk), 0, off, cap),
+            ops.narrow(self.indices_view(ops, chunk), 0, off, cap),
+            ops.narrow(chunk, 0, 1 + i, 1),
+        )
+
     def pack(self, ops: ArrayOps, chunk: Any, i: int, source: Any, idx: Any, count: Any) -> Any:
         """Write member ``i``'s message: the values ``source[idx]`` (in the wire
         dtype), the indices shifted to the member's place in the dense buffer,
         and its count word. Returns the values as written (for the residual)."""
-        cap = self.caps[i]
-        off = self.value_offset(i)
-        values = ops.narrow(self.values_view(ops, chunk), 0, off, cap)
+        return self.pack_into(ops, self.member_views(ops, chunk, i), i, source, idx, count)
+
+    def pack_into(
+        self,
+        ops: ArrayOps,
+        views: Tuple[Any, Any, Any],
+        i: int,
+        source: Any,
+        idx: Any,
+        count: Any,
+    ) -> Any:
+        """:meth:`pack` into member ``i``'s :meth:`member_views`."""
+        values, indices, word = views
         ops.gather_(source, idx, values)
-        ops.add_offset_(
-            ops.narrow(self.indices_view(ops, chunk), 0, off, cap), idx, self.dense_offset(i)
-        )
-        self.write_count(ops, chunk, i, count)
+        ops.add_offset_(indices, idx, self.dense_offset(i))
+        ops.copy_(word, count)
         return values
 
     def write_count(self, ops: ArrayOps, chunk: Any, i: int, count: Any) -> None:
@@ -152,8 +170,23 @@ class GroupLayout:
 
     def counts(self, ops: ArrayOps, gathered: Any, world: int) -> Any:
         """The ``(world, members)`` count words of every rank's chunk."""
-        rows = ops.reshape(gathered, (world, self.chunk_words))
+        return self.row_counts(ops, self.rows(ops, gathered, world))
+
+    def row_counts(self, ops: ArrayOps, rows: Any) -> Any:
+        """:meth:`counts` of :meth:`rows`."""
         return ops.narrow(rows, 1, 1, self.members)
+
+    def rows(self, ops: ArrayOps, gathered: Any, world: int) -> Any:
+        """The allgathered chunks as ``(world, chunk_words)``; a size that is not
+        ``world`` chunks proves the ranks disagree on the layout."""
+        got = ops.numel(gathered)
+        if got != world * self.chunk_words:
+            raise LayoutMismatchError(
+                f"allgather returned {got} words, expected {world} ranks x "
+                f"{self.chunk_words}: ranks disagree on the sparse layout (different "
+                "models, densities or options on different ranks)"
+            )
+        return ops.reshape(gathered, (world, self.chunk_words))
 
     def unpack(
         self, ops: ArrayOps, gathered: Any, world: int, dense: Any, scale: float, verify: bool
@@ -164,14 +197,10 @@ class GroupLayout:
         ``verify`` reads the fingerprints on the host (one synchronisation):
         do it once per layout, not every step.
         """
-        got = ops.numel(gathered)
-        if got != world * self.chunk_words:
-            raise LayoutMismatchError(
-                f"allgather returned {got} words, expected {world} ranks x "
-                f"{self.chunk_words}: ranks disagree on the sparse layout (different "
-                "models, densities or options on different ranks)"
-            )
-        rows = ops.reshape(gathered, (world, self.chunk_words))
+        return self.unpack_rows(ops, self.rows(ops, gathered, world), dense, scale, verify)
+
+    def unpack_rows(self, ops: ArrayOps, rows: Any, dense: Any, scale: float, verify: bool) -> Any:
+        """:meth:`unpack` of :meth:`rows`."""
         if verify:
             prints = ops.to_host(ops.narrow(rows, 1, 0, 1))
             bad = [r for r, (fp,) in enumerate(prints) if fp != self.fingerprint]

@@ -79,7 +79,10 @@ class TorchOps:
         return dst.index_add_(0, idx, vals, alpha=-1)
 
     def copy_(self, dst, src):
-        return dst.copy_(src.reshape(dst.shape))
+        # A 0-d source broadcasts; reshaping it would be one more operation.
+        return dst.copy_(
+            src if src.dim() == 0 or src.shape == dst.shape else src.reshape(dst.shape)
+        )
 
     def add_offset_(self, dst, idx, offset):
         return (
@@ -89,29 +92,33 @@ class TorchOps:
         )
 
     def index_add_rows_(self, dst, idx, vals, scale):
-        vals = vals.to(torch.float32)
-        if isinstance(scale, torch.Tensor) or scale != 1.0:
+        if vals.dtype != torch.float32:
+            vals = vals.to(torch.float32)
+        alpha = 1.0
+        if isinstance(scale, torch.Tensor):
             vals = vals * scale
+        else:
+            alpha = scale  # folded into the scatter: no pass, no temporary
         if dst.device.type == "cpu":
             # The CPU kernel adds serially in index order: deterministic.
-            return dst.index_add_(0, idx.reshape(-1), vals.reshape(-1))
+            return dst.index_add_(0, idx.reshape(-1), vals.reshape(-1), alpha=alpha)
         # Elsewhere scatter-adds race; rows (ranks) have unique indices, so
         # adding one row at a time gives the same bits on every rank.
         for r in range(idx.shape[0]):
-            dst.index_add_(0, idx[r], vals[r])
+            dst.index_add_(0, idx[r], vals[r], alpha=alpha)
         return dst
 
     def mul_(self, x, factor):
         return x.mul_(factor) if factor != 0.0 else x.zero_()
 
     def add_into_(self, out, a, b, scale):
-        a, b = a.reshape(-1), b.reshape(-1)
+        a, b = _flat(a), _flat(b)
         if scale is None:
             return torch.add(a, b, out=out)
         return torch.addcmul(a, b, scale, out=out)
 
     def momentum_into_(self, out, v, momentum, g, scale):
-        g = g.reshape(-1)
+        g = _flat(g)
         if scale is None:
             return torch.add(g, v, alpha=momentum, out=out)
         return torch.mul(v, momentum, out=out).addcmul_(g, scale)
@@ -126,7 +133,7 @@ class TorchOps:
         return torch.amax(x)
 
     def isfinite(self, x):
-        return x.abs() < math.inf  # one op for a 0-d x; NaN compares false
+        return torch.isfinite(x)
 
     def count_or_flag(self, count, ok):
         return torch.where(ok, count, _const(-1, count.dtype, count.device))
@@ -181,8 +188,24 @@ class TorchOps:
     def stack(self, xs):
         return torch.stack(list(xs))
 
+    def state_vector(self, n, like):
+        return torch.zeros(n, dtype=torch.float32, device=like.device)
+
+    def element(self, vec, j):
+        return vec.select(0, j)
+
+    def assign_(self, dst, value):
+        if isinstance(value, torch.Tensor):
+            return dst.copy_(value)
+        return dst.fill_(value)
+
 
 _CONSTS: dict = {}
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as 1-D; a tensor that already is one as it is (no operation)."""
+    return x if x.dim() == 1 else x.reshape(-1)
 
 
 def _const(value: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -817,5 +817,69 @@ def mismatch():
     return out
 
 
+@scenario
+def op_counts():
+    """Operations one training step issues (torch.profiler events, nested ones
+    included) with each form of dlgs, minus those of the same step without
+    communication; with the layers and messages of the layout in force."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def count(build):
+        model = mlp(3, hidden=96)
+        opt, engine = build(model)
+        x, y = batch(0)
+        for _ in range(6):  # the first step anchors the controller; later ones do not
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+        ops = sum(1 for _ in prof.events())
+        if engine is None:
+            return {"ops": ops}
+        ex = engine.exchange
+        sparse = sum(1 for layer in ex.layers if ex.is_sparse(layer))
+        return {
+            "ops": ops,
+            "sparse": sparse,
+            "dense": len(ex.layers) - sparse,
+            "messages": len(ex.groups),
+        }
+
+    def plain(model):
+        return torch.optim.SGD(model.parameters(), lr=0.1), None
+
+    def form_b(model):
+        opt = dlgs.torch.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            named_parameters=model.named_parameters(),
+            density=0.05,
+            merge="none",
+            min_sparse_size=512,
+        )
+        return opt, opt.dlgs
+
+    def form_a(model):
+        comp = dlgs.torch.Compression(
+            model.named_parameters(), density=0.05, merge="none", min_sparse_size=512
+        )
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            named_parameters=model.named_parameters(),
+            compression=comp,
+        )
+        return opt, comp.dlgs
+
+    base = count(plain)["ops"]
+    out = {}
+    for name, build in (("b", form_b), ("a", form_a)):
+        rec = count(build)
+        rec["added"] = rec.pop("ops") - base
+        out[name] = rec
+    return out
+
+
 if __name__ == "__main__":
     main(sys.argv, hvd)
