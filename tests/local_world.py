@@ -73,6 +73,9 @@ class NumpyOps:
         out[...] = src[idx]
         return out
 
+    def take(self, src, idx):
+        return src[idx]
+
     def fill_at_(self, dst, idx, value):
         dst[idx] = value
         return dst

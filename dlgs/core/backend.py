@@ -69,6 +69,9 @@ class ArrayOps(Protocol):
     def gather_(self, src: T, idx: T, out: T) -> T:
         """``out[i] = src[idx[i]]``."""
 
+    def take(self, src: T, idx: T) -> T:
+        """``src[idx]`` as a new 1-D tensor (``src`` 1-D, ``idx`` an index vector)."""
+
     def fill_at_(self, dst: T, idx: T, value: float) -> T:
         """``dst[idx] = value``."""
 

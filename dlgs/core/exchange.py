@@ -212,6 +212,8 @@ class _Group:
         "bad",
         "member_views",
         "outputs",
+        "positions",
+        "count_positions",
     )
 
     def __init__(self, members: List[int], sparse: bool, name: str):
@@ -229,6 +231,10 @@ class _Group:
         # sparse: per member, its (values, indices, count word) views of ``chunk``.
         self.member_views: List[Tuple[Any, Any, Any]] = []
         self.outputs: List[Any] = []  # sparse: each member's view of ``dense``
+        # sparse: index vectors of every rank's values and indices, and count
+        # words, in the allgathered chunks (GroupLayout.positions).
+        self.positions: Any = None
+        self.count_positions: Any = None
 
 
 Plan = Sequence[Tuple[Sequence[int], Optional[bool]]]
@@ -507,6 +513,12 @@ class SparseExchange:
                     ops.narrow(group.dense, 0, layout.dense_offset(m), plans[i].numel)
                     for m, i in enumerate(members)
                 ]
+                at_values, at_indices, at_counts = layout.positions(self.comm.size)
+                group.positions = (
+                    ops.index_vector(at_values, like),
+                    ops.index_vector(at_indices, like),
+                )
+                group.count_positions = ops.index_vector(at_counts, like)
             elif len(members) > 1:
                 group.dense = ops.zeros(sum(plans[i].numel for i in members), "float32", like)
             offset = 0
@@ -778,14 +790,17 @@ class SparseExchange:
             else:
                 layout = group.layout
                 assert layout is not None
-                rows = layout.rows(ops, self.comm.synchronize(group.handle), self.comm.size)
-                ops.mul_(group.dense, 0.0)
-                layout.unpack_rows(
-                    ops, rows, group.dense, self._out_scale, verify=not group.verified
-                )
+                world = self.comm.size
+                gathered = self.comm.synchronize(group.handle)
+                layout.check_gathered(ops, gathered, world, verify=not group.verified)
                 group.verified = True
+                ops.mul_(group.dense, 0.0)
+                layout.unpack_taken(
+                    ops, gathered, world, group.dense, self._out_scale, group.positions
+                )
                 # Members non-finite on some rank read NaN on every rank.
-                group.bad = ops.any_negative_rows(layout.row_counts(ops, rows))
+                counts = ops.take(gathered, group.count_positions)
+                group.bad = ops.any_negative_rows(ops.reshape(counts, (world, len(group.members))))
                 ops.nan_at_(group.dense, group.first, group.bad)
                 self._flags.append(group.bad)
                 for i, view in zip(group.members, group.outputs):

@@ -188,6 +188,53 @@ class GroupLayout:
             )
         return ops.reshape(gathered, (world, self.chunk_words))
 
+    def positions(self, world: int) -> Tuple[List[int], List[int], List[int]]:
+        """Where every rank's values, indices and count words lie in the
+        allgathered chunks: values in units of the value dtype, the others in
+        words; rank-major. Metadata for :meth:`unpack_taken`, made once per layout."""
+        w, h, c = self.chunk_words, self.header_words, self.total_capacity
+        per_word = 4 // _VALUE_BYTES[self.value_dtype]
+        values = [per_word * (r * w + h) + j for r in range(world) for j in range(c)]
+        first = h + self.value_words
+        indices = [r * w + first + j for r in range(world) for j in range(c)]
+        counts = [r * w + 1 + m for r in range(world) for m in range(self.members)]
+        return values, indices, counts
+
+    def check_gathered(self, ops: ArrayOps, gathered: Any, world: int, verify: bool) -> None:
+        """The gathered size (no device access) and, with ``verify``, every
+        rank's fingerprint (one host read: once per layout)."""
+        if not verify:
+            if ops.numel(gathered) != world * self.chunk_words:
+                self.rows(ops, gathered, world)  # raises, with the sizes
+            return
+        prints = ops.to_host(ops.narrow(self.rows(ops, gathered, world), 1, 0, 1))
+        bad = [r for r, (fp,) in enumerate(prints) if fp != self.fingerprint]
+        if bad:
+            raise LayoutMismatchError(
+                f"ranks {bad} sent a different sparse layout than this rank "
+                "(different models, densities or options on different ranks)"
+            )
+
+    def unpack_taken(
+        self,
+        ops: ArrayOps,
+        gathered: Any,
+        world: int,
+        dense: Any,
+        scale: Any,
+        positions: Tuple[Any, Any],
+    ) -> Any:
+        """:meth:`unpack` with the value and index :meth:`positions` as index
+        vectors: two gathers and one scatter-add, whatever the number of ranks
+        (no per-rank views, no copies of strided slices)."""
+        values_at, indices_at = positions
+        values = ops.take(ops.view_as(gathered, self.value_dtype.value), values_at)
+        indices = ops.take(gathered, indices_at)
+        shape = (world, self.total_capacity)
+        return ops.index_add_rows_(
+            dense, ops.reshape(indices, shape), ops.reshape(values, shape), scale
+        )
+
     def unpack(
         self, ops: ArrayOps, gathered: Any, world: int, dense: Any, scale: float, verify: bool
     ) -> Any:

@@ -261,6 +261,9 @@ class TFOps:
         op(resource=view.var.handle, indices=view.indices(_flat(idx)), updates=vals)
         return dst
 
+    def take(self, src, idx):
+        return tf.gather(_read(src), idx)
+
     def fill_at_(self, dst, idx, value):
         # A scalar update: one op, no tensor of ``len(idx)`` values.
         return self._scatter(dst, idx, _scalar_const(float(value), _dtype(dst)), "update")

@@ -38,7 +38,8 @@ class TorchOps:
         return x.narrow(dim, start, length)
 
     def reshape(self, x: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
-        return x.reshape(tuple(shape))
+        # view() where it can: one operation where reshape() issues two.
+        return x.view(tuple(shape)) if x.is_contiguous() else x.reshape(tuple(shape))
 
     def numel(self, x: torch.Tensor) -> int:
         return x.numel()
@@ -72,6 +73,9 @@ class TorchOps:
             return torch.index_select(src, 0, idx, out=out)
         return out.copy_(src.index_select(0, idx))
 
+    def take(self, src, idx):
+        return torch.index_select(src, 0, idx)
+
     def fill_at_(self, dst, idx, value):
         return dst.index_fill_(0, idx, value)
 
@@ -101,7 +105,7 @@ class TorchOps:
             alpha = scale  # folded into the scatter: no pass, no temporary
         if dst.device.type == "cpu":
             # The CPU kernel adds serially in index order: deterministic.
-            return dst.index_add_(0, idx.reshape(-1), vals.reshape(-1), alpha=alpha)
+            return dst.index_add_(0, _flat(idx), _flat(vals), alpha=alpha)
         # Elsewhere scatter-adds race; rows (ranks) have unique indices, so
         # adding one row at a time gives the same bits on every rank.
         for r in range(idx.shape[0]):
@@ -204,8 +208,11 @@ _CONSTS: dict = {}
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as 1-D; a tensor that already is one as it is (no operation)."""
-    return x if x.dim() == 1 else x.reshape(-1)
+    """``x`` as 1-D; a tensor that already is one as it is (no operation), a
+    contiguous one as a view (one operation)."""
+    if x.dim() == 1:
+        return x
+    return x.view(-1) if x.is_contiguous() else x.reshape(-1)
 
 
 def _const(value: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
