@@ -29,7 +29,8 @@ the link, and any layout it picks is one of the above kinds of messages.
 Old and new code side by side: ``--trees new=.,old=/path/to/checkout`` runs the
 same benchmark code against each tree's ``dlgs`` (first on ``sys.path``), interleaved in
 rounds. Steps: ``--warmup`` untimed (the first anchor of the dynamic controller
-included), ``--steps`` timed, ``--profiled`` profiled; anchor steps (every
+included; merging methods then run until their plan is final), ``--steps`` timed,
+``--profiled`` profiled; anchor steps (every
 ``anchor_every`` = 32 steps) fall outside the window with the defaults.
 
 Writes ``overhead.csv``, ``overhead.md`` and ``overhead.png``::
@@ -190,6 +191,16 @@ def measure(model_name: str, method: str, args) -> Dict[str, Any]:
         return time.perf_counter() - t
 
     for _ in range(args.warmup):
+        step()
+    if method in DLGS_METHODS and DLGS_METHODS[method][2] != "none":
+        # A merging strategy profiles, probes and plans first: measure it once its
+        # plan is final (the same step on every rank), from the step after.
+        for _ in range(100):
+            if engine.planner.settled:
+                break
+            step()
+        else:
+            raise RuntimeError(f"{method}: no final merge plan after {args.warmup + 100} steps")
         step()
     hooks, steps, iters = [], [], []
     for _ in range(args.steps):
