@@ -171,8 +171,9 @@ class ArrayOps(Protocol):
         when ``like`` lives there)."""
 
     def element(self, vec: T, j: int) -> T:
-        """A 0-d view of ``vec[j]``: reads as a 0-d tensor, and :meth:`assign_`
-        into it writes ``vec``."""
+        """A view of ``vec[j]``: reads as a 0-d tensor (as a 1-element one where
+        the framework has no 0-d views: TensorFlow variables), and
+        :meth:`assign_` into it writes ``vec``."""
 
     def assign_(self, dst: T, value: T | float) -> T:
         """``dst[...] = value`` in place where ``dst`` is a buffer, a view or a

@@ -291,6 +291,19 @@ class Engine:
         if self._exchange is not None and state:
             self._exchange.check_state_dict(state)
 
+    def split_checkpoint(
+        self, state: Dict[str, Any]
+    ) -> Tuple[Dict[str, Any], Optional[Dict[str, Any]]]:
+        """An optimizer checkpoint that carries this engine's state under
+        ``"dlgs"``: the rest, and that entry validated (:meth:`check_state_dict`;
+        None when absent). Validate first, load the optimizer's part, then
+        :meth:`load_state_dict` the entry: a bad entry changes nothing."""
+        rest = dict(state)
+        mine = rest.pop("dlgs", None)
+        if mine is not None:
+            self.check_state_dict(mine)
+        return rest, mine
+
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`. Collective once built (see
         :meth:`SparseExchange.load_state_dict`); before the build, kept and

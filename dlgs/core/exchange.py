@@ -795,9 +795,7 @@ class SparseExchange:
                 layout.check_gathered(ops, gathered, world, verify=not group.verified)
                 group.verified = True
                 ops.mul_(group.dense, 0.0)
-                layout.unpack_taken(
-                    ops, gathered, world, group.dense, self._out_scale, group.positions
-                )
+                layout.unpack(ops, gathered, world, group.dense, self._out_scale, group.positions)
                 # Members non-finite on some rank read NaN on every rank.
                 counts = ops.take(gathered, group.count_positions)
                 group.bad = ops.any_negative_rows(ops.reshape(counts, (world, len(group.members))))

@@ -141,12 +141,6 @@ class GroupLayout:
             ops.narrow(chunk, 0, 1 + i, 1),
         )
 
-    def pack(self, ops: ArrayOps, chunk: Any, i: int, source: Any, idx: Any, count: Any) -> Any:
-        """Write member ``i``'s message: the values ``source[idx]`` (in the wire
-        dtype), the indices shifted to the member's place in the dense buffer,
-        and its count word. Returns the values as written (for the residual)."""
-        return self.pack_into(ops, self.member_views(ops, chunk, i), i, source, idx, count)
-
     def pack_into(
         self,
         ops: ArrayOps,
@@ -156,42 +150,21 @@ class GroupLayout:
         idx: Any,
         count: Any,
     ) -> Any:
-        """:meth:`pack` into member ``i``'s :meth:`member_views`."""
+        """Write member ``i``'s message into its :meth:`member_views`: the values
+        ``source[idx]`` (in the wire dtype), the indices shifted to the member's
+        place in the dense buffer, and its count word (its selected count, or -1
+        when its accumulated gradient was non-finite on this rank). Returns the
+        values as written (for the residual)."""
         values, indices, word = views
         ops.gather_(source, idx, values)
         ops.add_offset_(indices, idx, self.dense_offset(i))
         ops.copy_(word, count)
         return values
 
-    def write_count(self, ops: ArrayOps, chunk: Any, i: int, count: Any) -> None:
-        """Member ``i``'s count word: its selected count, or -1 when its
-        accumulated gradient was non-finite on this rank."""
-        ops.copy_(ops.narrow(chunk, 0, 1 + i, 1), count)
-
-    def counts(self, ops: ArrayOps, gathered: Any, world: int) -> Any:
-        """The ``(world, members)`` count words of every rank's chunk."""
-        return self.row_counts(ops, self.rows(ops, gathered, world))
-
-    def row_counts(self, ops: ArrayOps, rows: Any) -> Any:
-        """:meth:`counts` of :meth:`rows`."""
-        return ops.narrow(rows, 1, 1, self.members)
-
-    def rows(self, ops: ArrayOps, gathered: Any, world: int) -> Any:
-        """The allgathered chunks as ``(world, chunk_words)``; a size that is not
-        ``world`` chunks proves the ranks disagree on the layout."""
-        got = ops.numel(gathered)
-        if got != world * self.chunk_words:
-            raise LayoutMismatchError(
-                f"allgather returned {got} words, expected {world} ranks x "
-                f"{self.chunk_words}: ranks disagree on the sparse layout (different "
-                "models, densities or options on different ranks)"
-            )
-        return ops.reshape(gathered, (world, self.chunk_words))
-
     def positions(self, world: int) -> Tuple[List[int], List[int], List[int]]:
         """Where every rank's values, indices and count words lie in the
         allgathered chunks: values in units of the value dtype, the others in
-        words; rank-major. Metadata for :meth:`unpack_taken`, made once per layout."""
+        words; rank-major. Metadata for :meth:`unpack`, made once per layout."""
         w, h, c = self.chunk_words, self.header_words, self.total_capacity
         per_word = 4 // _VALUE_BYTES[self.value_dtype]
         values = [per_word * (r * w + h) + j for r in range(world) for j in range(c)]
@@ -201,13 +174,20 @@ class GroupLayout:
         return values, indices, counts
 
     def check_gathered(self, ops: ArrayOps, gathered: Any, world: int, verify: bool) -> None:
-        """The gathered size (no device access) and, with ``verify``, every
-        rank's fingerprint (one host read: once per layout)."""
+        """The gathered size (no device access): anything but ``world`` chunks
+        proves the ranks disagree on the layout; with ``verify``, also every
+        rank's fingerprint (one host read: do it once per layout)."""
+        got = ops.numel(gathered)
+        if got != world * self.chunk_words:
+            raise LayoutMismatchError(
+                f"allgather returned {got} words, expected {world} ranks x "
+                f"{self.chunk_words}: ranks disagree on the sparse layout (different "
+                "models, densities or options on different ranks)"
+            )
         if not verify:
-            if ops.numel(gathered) != world * self.chunk_words:
-                self.rows(ops, gathered, world)  # raises, with the sizes
             return
-        prints = ops.to_host(ops.narrow(self.rows(ops, gathered, world), 1, 0, 1))
+        rows = ops.reshape(gathered, (world, self.chunk_words))
+        prints = ops.to_host(ops.narrow(rows, 1, 0, 1))
         bad = [r for r, (fp,) in enumerate(prints) if fp != self.fingerprint]
         if bad:
             raise LayoutMismatchError(
@@ -215,7 +195,7 @@ class GroupLayout:
                 "(different models, densities or options on different ranks)"
             )
 
-    def unpack_taken(
+    def unpack(
         self,
         ops: ArrayOps,
         gathered: Any,
@@ -224,9 +204,11 @@ class GroupLayout:
         scale: Any,
         positions: Tuple[Any, Any],
     ) -> Any:
-        """:meth:`unpack` with the value and index :meth:`positions` as index
-        vectors: two gathers and one scatter-add, whatever the number of ranks
-        (no per-rank views, no copies of strided slices)."""
+        """Scatter-add every rank's values (multiplied by ``scale``) into ``dense``
+        (``dense_size``, zeroed by the caller) at their indices; ``positions``
+        are the value and index :meth:`positions` as index vectors. Two gathers
+        and one scatter-add, whatever the number of ranks (no per-rank views, no
+        copies of strided slices). Call :meth:`check_gathered` first."""
         values_at, indices_at = positions
         values = ops.take(ops.view_as(gathered, self.value_dtype.value), values_at)
         indices = ops.take(gathered, indices_at)
@@ -234,32 +216,6 @@ class GroupLayout:
         return ops.index_add_rows_(
             dense, ops.reshape(indices, shape), ops.reshape(values, shape), scale
         )
-
-    def unpack(
-        self, ops: ArrayOps, gathered: Any, world: int, dense: Any, scale: float, verify: bool
-    ) -> Any:
-        """Scatter-add every rank's chunk into ``dense`` (``dense_size``, zeroed
-        by the caller) with each value multiplied by ``scale``.
-
-        ``verify`` reads the fingerprints on the host (one synchronisation):
-        do it once per layout, not every step.
-        """
-        return self.unpack_rows(ops, self.rows(ops, gathered, world), dense, scale, verify)
-
-    def unpack_rows(self, ops: ArrayOps, rows: Any, dense: Any, scale: float, verify: bool) -> Any:
-        """:meth:`unpack` of :meth:`rows`."""
-        if verify:
-            prints = ops.to_host(ops.narrow(rows, 1, 0, 1))
-            bad = [r for r, (fp,) in enumerate(prints) if fp != self.fingerprint]
-            if bad:
-                raise LayoutMismatchError(
-                    f"ranks {bad} sent a different sparse layout than this rank "
-                    "(different models, densities or options on different ranks)"
-                )
-        raw = ops.narrow(rows, 1, self.header_words, self.value_words)
-        values = ops.narrow(ops.view_as(raw, self.value_dtype.value), 1, 0, self.total_capacity)
-        indices = ops.narrow(rows, 1, self.header_words + self.value_words, self.total_capacity)
-        return ops.index_add_rows_(dense, indices, values, scale)
 
 
 @dataclass(frozen=True)

@@ -156,10 +156,8 @@ class Compression(CompressionAliases):
         def check(opt, state):
             # As the optimizer form: validate dlgs' part before anything loads,
             # apply it after the optimizer's own state has loaded.
-            state = dict(state)
-            dlgs_state = state.pop("dlgs", None)
+            state, dlgs_state = self._engine.split_checkpoint(state)
             if dlgs_state is not None:
-                self._engine.check_state_dict(dlgs_state)
                 pending.append(dlgs_state)
             return state
 

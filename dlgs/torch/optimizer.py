@@ -203,10 +203,8 @@ class _SparseOverrides:
         return state
 
     def load_state_dict(self, state_dict):
-        state = dict(state_dict)
-        dlgs_state = state.pop("dlgs", None)
-        if dlgs_state is not None:
-            self._dlgs_engine.check_state_dict(dlgs_state)  # fail before anything is loaded
+        # dlgs' part is validated before anything is loaded.
+        state, dlgs_state = self._dlgs_engine.split_checkpoint(state_dict)
         _DistributedOptimizer.load_state_dict(self, state)
         if dlgs_state is not None:
             self._dlgs_engine.load_state_dict(dlgs_state)
