@@ -73,8 +73,8 @@ class NumpyOps:
         out[...] = src[idx]
         return out
 
-    def take(self, src, idx):
-        return src[idx]
+    def take(self, src, idx, out=None):
+        return np.take(src, idx, out=out) if out is not None else src[idx]
 
     def fill_at_(self, dst, idx, value):
         dst[idx] = value
@@ -92,7 +92,7 @@ class NumpyOps:
         dst[...] = idx + offset
         return dst
 
-    def index_add_rows_(self, dst, idx, vals, scale):
+    def index_add_rows_(self, dst, idx, vals, scale, rows):
         vals = np.asarray(vals, np.float32) * np.float32(scale)
         np.add.at(dst, np.reshape(idx, -1), np.reshape(vals, -1))
         return dst
@@ -120,17 +120,18 @@ class NumpyOps:
     def reciprocal(self, x):
         return np.float32(1.0) / np.float32(x)
 
-    def amax(self, x):
-        return np.max(x)
+    def abs_sum(self, x):
+        with np.errstate(over="ignore"):
+            return np.float32(np.sum(np.abs(x), dtype=np.float32))
 
-    def isfinite(self, x):
-        return np.isfinite(x)
+    def below_inf(self, x):
+        return np.less(x, np.inf)
 
     def count_or_flag(self, count, ok):
         return np.where(ok, count, -1)
 
-    def any_negative_rows(self, x):
-        return (x < 0).any(axis=0)
+    def any_negative_rows(self, x, rows):
+        return (np.reshape(x, (rows, -1)) < 0).any(axis=0)
 
     def any_nonfinite(self, xs):
         return not all(np.isfinite(x).all() for x in xs)
@@ -148,26 +149,14 @@ class NumpyOps:
     def kth_largest(self, x, k):
         return np.partition(x, x.size - k)[x.size - k]
 
-    def mean(self, x):
-        return np.float32(np.mean(x))
-
     def strided(self, x, stride):
         return x[::stride]
-
-    def log(self, x):
-        return np.log(x)
-
-    def exp(self, x):
-        return np.exp(x)
 
     def clamp(self, x, low, high):
         return np.clip(x, np.float32(low), np.float32(high))
 
-    def where(self, cond, a, b):
-        return np.where(cond, a, b)
-
-    def to_float(self, x):
-        return np.float32(x)
+    def affine(self, x, a, b):
+        return np.float32(x * np.float32(a) + np.float32(b))
 
     def to_host(self, x):
         return np.asarray(x).tolist()

@@ -69,8 +69,10 @@ class ArrayOps(Protocol):
     def gather_(self, src: T, idx: T, out: T) -> T:
         """``out[i] = src[idx[i]]``."""
 
-    def take(self, src: T, idx: T) -> T:
-        """``src[idx]`` as a new 1-D tensor (``src`` 1-D, ``idx`` an index vector)."""
+    def take(self, src: T, idx: T, out: T | None = None) -> T:
+        """``src[idx]`` as a 1-D tensor (``src`` 1-D, ``idx`` an index vector),
+        written into ``out`` (a reused buffer of that size and dtype) where the
+        framework writes in place; use the return value."""
 
     def fill_at_(self, dst: T, idx: T, value: float) -> T:
         """``dst[idx] = value``."""
@@ -84,12 +86,12 @@ class ArrayOps(Protocol):
     def add_offset_(self, dst: T, idx: T, offset: int) -> T:
         """``dst[:] = idx + offset`` into an int32 ``dst``."""
 
-    def index_add_rows_(self, dst: T, idx: T, vals: T, scale: float) -> T:
-        """For each row r of the 2-D ``idx``/``vals``, in row order:
-        ``dst[idx[r, i]] += scale * vals[r, i]``. Indices are unique within a row
-        except a padding slot that only ever receives zeros. The result must be
-        bit-identical on every rank given identical inputs (no atomics racing on
-        one slot across rows)."""
+    def index_add_rows_(self, dst: T, idx: T, vals: T, scale: float, rows: int) -> T:
+        """``idx`` and ``vals`` are 1-D, ``rows`` rows of equal length back to
+        back; for each row r, in row order: ``dst[idx[r, i]] += scale *
+        vals[r, i]``. Indices are unique within a row except a padding slot that
+        only ever receives zeros. The result must be bit-identical on every rank
+        given identical inputs (no atomics racing on one slot across rows)."""
 
     def mul_(self, x: T, factor: float) -> T:
         """``x *= factor``; with ``factor == 0`` every element becomes 0, NaN and
@@ -109,18 +111,20 @@ class ArrayOps(Protocol):
     def reciprocal(self, x: T) -> T:
         """``1 / x`` of a 0-d tensor, as float32."""
 
-    def amax(self, x: T) -> T:
-        """Largest element of 1-D ``x``, 0-d; NaN if any element is NaN."""
+    def abs_sum(self, x: T) -> T:
+        """Sum of ``|x|`` over 1-D float ``x``, 0-d float32: NaN if any element
+        is NaN, infinite if any is (or if finite magnitudes overflow float32)."""
 
-    def isfinite(self, x: T) -> T:
-        """0-d bool: the 0-d ``x`` is neither NaN nor infinite."""
+    def below_inf(self, x: T) -> T:
+        """0-d bool: the 0-d ``x`` is below +infinity and not NaN (for a sum of
+        magnitudes: it is finite)."""
 
     def count_or_flag(self, count: T, ok: T) -> T:
         """``count`` where the 0-d bool ``ok`` holds, else -1 (0-d integer)."""
 
-    def any_negative_rows(self, x: T) -> T:
-        """For 2-D integer ``x``: 1-D bool, column ``j`` true if some row has
-        ``x[r, j] < 0``."""
+    def any_negative_rows(self, x: T, rows: int) -> T:
+        """For 1-D integer ``x`` holding ``rows`` rows of equal length back to
+        back: 1-D bool, column ``j`` true if some row has ``x[r, j] < 0``."""
 
     def any_nonfinite(self, xs: Sequence[T]) -> T:
         """0-d bool: some element of some tensor in ``xs`` is NaN or infinite
@@ -139,36 +143,29 @@ class ArrayOps(Protocol):
     def kth_largest(self, x: T, k: int) -> T:
         """The ``k``-th largest element of 1-D ``x`` (1-based), 0-d."""
 
-    def mean(self, x: T) -> T:
-        """Mean of 1-D float ``x`` as a 0-d tensor."""
-
     def strided(self, x: T, stride: int) -> T:
         """Every ``stride``-th element of 1-D ``x`` (a view where possible)."""
 
-    def log(self, x: T) -> T: ...
-
-    def exp(self, x: T) -> T: ...
-
     def clamp(self, x: T, low: float, high: float) -> T: ...
 
-    def where(self, cond: T, a: T, b: T) -> T: ...
-
-    def to_float(self, x: T) -> T:
-        """Integer 0-d tensor to float32."""
+    def affine(self, x: T, a: float, b: float) -> T:
+        """``a * x + b`` for a 0-d ``x`` and Python numbers (one operation: the
+        dynamic controller's threshold)."""
 
     def to_host(self, x: T) -> Any:
-        """The value as a Python number or nested list. Synchronises: use only
-        off the hot path (statistics, checkpoints, one-time checks)."""
+        """The value as a Python number or nested list. Synchronises: never per
+        layer on the hot path (an exchange reads once per step, at its end: the
+        non-finite verdict and the counts its controllers learn from)."""
 
     def stack(self, xs: Sequence[T]) -> T:
         """Stack 0-d tensors into 1-D."""
 
-    # -- controller state kept in vectors -------------------------------------
+    # -- per-layer results collected in one vector ------------------------------
     def state_vector(self, n: int, like: T) -> T:
-        """A float32 vector of ``n`` zeros for controller state, where the
-        controller's arithmetic is cheapest (``like``'s device; a framework whose
-        device ops cost more than its host arithmetic may keep it on the host
-        when ``like`` lives there)."""
+        """A float32 vector of ``n`` zeros into which layers write a result (their
+        selected counts) for one host read per step: on ``like``'s device, or
+        where reading it is cheapest (a framework whose device ops cost more
+        than host arithmetic may keep it on the host when ``like`` lives there)."""
 
     def element(self, vec: T, j: int) -> T:
         """A view of ``vec[j]``: reads as a 0-d tensor (as a 1-element one where

@@ -1,9 +1,8 @@
 """Per-layer threshold controllers.
 
 A controller turns a layer's accumulated gradient magnitudes ``|a|`` into a
-threshold ``theta`` so that about ``k`` elements satisfy ``|a| >= theta``. The
-state is a dict of 0-d tensors kept on the layer's device, so updating it never
-synchronises the host.
+threshold ``theta`` so that about ``k`` elements satisfy ``|a| >= theta``.
+Computing ``theta`` never synchronises the host.
 
 The dynamic controller is the method's core idea: no sort on the hot path. It
 keeps ``theta`` from the previous step and corrects it from how many elements
@@ -16,12 +15,19 @@ smoothed secant over successive steps and started at ``ln(1/density)`` (exact
 for an exponential tail, which is what SIDCo fits to gradients). Every
 ``anchor_every`` steps ``theta`` is reset to the exact top-k threshold, as
 Ok-Topk does every 32 iterations, which bounds drift.
+
+What the dynamic controller learns lives on the host: an exchange reads every
+layer's count once per step (with the step's non-finite verdict, which it reads
+anyway) and updates all layers in one NumPy pass, so the device sees one fused
+multiply-add per layer for the threshold and nothing for the learning.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Sequence, Tuple
+from typing import Any, Dict, Tuple
+
+import numpy as np
 
 from .backend import ArrayOps
 from .config import Controller, SparsityConfig
@@ -40,8 +46,6 @@ _ELASTICITY_RANGE = (1.0, 20.0)
 _ELASTICITY_SMOOTHING = 0.2
 _INTEGRAL_GAIN = 0.2
 _MAX_DRIFT = math.log(2.0)
-# Elements sampled (strided) to measure a layer's magnitude scale each step.
-_SCALE_SAMPLE = 65536
 
 
 class ThresholdController:
@@ -49,15 +53,15 @@ class ThresholdController:
 
     :meth:`threshold` may change only plain Python entries of the state (it runs
     during a step that may turn out non-finite, and the exchange restores those
-    from a copy); every tensor entry that learning changes is named in
-    :attr:`vector_keys` and changed only by :meth:`update` /
-    :meth:`update_many`, which the exchange runs once a step is known finite.
+    from a copy); the entries that learning changes are named in
+    :attr:`vector_keys`, live on the host, and are changed only by :meth:`update`
+    / :meth:`update_many`, which the exchange runs once a step is known finite.
     """
 
-    #: The state's tensor entries that :meth:`update` changes. An exchange keeps
-    #: each in one vector over all its sparse layers (a layer's entry is an
-    #: element view of it) and updates them with :meth:`update_many` in one
-    #: vectorised pass per step, not a dozen scalar operations per layer.
+    #: The state's host entries that :meth:`update` changes. An exchange keeps
+    #: each in one NumPy vector over all its sparse layers (a layer's entry is a
+    #: 0-d view of it) and updates them with :meth:`update_many` in one
+    #: vectorised host pass per step: no device operation at all.
     vector_keys: Tuple[str, ...] = ()
 
     def __init__(self, config: SparsityConfig):
@@ -67,29 +71,33 @@ class ThresholdController:
         """Fresh state for a layer (also after a density change)."""
         return {}
 
-    def threshold(self, ops: ArrayOps, state: State, absx: Any, k: int, step: int) -> Any:
-        """``theta`` for this step, given ``|a|`` in ``absx``; may read it."""
+    def threshold(
+        self, ops: ArrayOps, state: State, absx: Any, k: int, step: int, total: Any
+    ) -> Any:
+        """``theta`` for this step, given ``|a|`` in ``absx`` and its sum
+        ``total`` (0-d, on the device); may read ``absx``."""
         raise NotImplementedError
 
     def update(self, ops: ArrayOps, state: State, theta: Any, count: Any, k: int) -> None:
-        """Learn from the count that ``theta`` selected (device tensors only)."""
+        """Learn from the count that ``theta`` selected. Reads ``count`` on the
+        host where the controller learns (one read: outside an exchange only;
+        an exchange batches every layer's into :meth:`update_many`)."""
 
     def update_many(
         self,
-        ops: ArrayOps,
-        vectors: Dict[str, Any],
-        states: Sequence[State],
-        counts: Any,
-        k1: Any,
+        vectors: Dict[str, np.ndarray],
+        counts: np.ndarray,
+        k1: np.ndarray,
+        anchors: Dict[int, float],
     ) -> None:
-        """:meth:`update` for many layers at once: ``vectors[key]`` holds
-        :attr:`vector_keys` entries of every layer (``states[j][key]`` is element
-        ``j``), ``counts`` their selected counts (float32) and ``k1`` their
-        targets plus one."""
+        """:meth:`update` for many layers at once, on the host: ``vectors[key]``
+        holds the :attr:`vector_keys` entry of every layer, ``counts`` their
+        selected counts, ``k1`` their targets plus one and ``anchors`` the
+        factors that layers which anchored this step measured (by position)."""
 
 
 class _TopK(ThresholdController):
-    def threshold(self, ops, state, absx, k, step):
+    def threshold(self, ops, state, absx, k, step, total):
         return ops.clamp(ops.kth_largest(absx, k), _THETA_MIN, _THETA_MAX)
 
 
@@ -97,12 +105,12 @@ class _Fixed(ThresholdController):
     def init_state(self, ops, like, density):
         return {"theta": ops.scalar(float(self.config.threshold), like)}
 
-    def threshold(self, ops, state, absx, k, step):
+    def threshold(self, ops, state, absx, k, step, total):
         return state["theta"]
 
 
 class _DGC(ThresholdController):
-    def threshold(self, ops, state, absx, k, step):
+    def threshold(self, ops, state, absx, k, step, total):
         n = ops.numel(absx)
         stride = max(1, int(round(1.0 / self.config.sample_ratio)))
         sample = ops.strided(absx, stride)
@@ -112,102 +120,105 @@ class _DGC(ThresholdController):
 
 
 class _Dynamic(ThresholdController):
-    """theta = factor * scale, with scale = mean |a| of a strided sample of
-    this step's accumulated gradient and factor learnt from past counts.
+    """theta = factor * scale, with scale = mean |a| of this step's accumulated
+    gradient and factor learnt from past counts.
 
     The scale follows the batch-to-batch (and error-feedback) swings of the
-    gradient's magnitude at almost no cost; the factor, which only has to follow
-    the tail's *shape*, is what the feedback controller adapts.
+    gradient's magnitude at no extra cost (the exchange sums ``|a|`` anyway, to
+    check it is finite); the factor, which only has to follow the tail's
+    *shape*, is what the feedback controller adapts, on the host, once per step
+    for all layers. On the device a step costs one fused multiply-add per layer.
     """
-
-    def _scale(self, ops, absx):
-        n = ops.numel(absx)
-        return ops.clamp(
-            ops.mean(ops.strided(absx, max(1, n // _SCALE_SAMPLE))), _THETA_MIN, _THETA_MAX
-        )
 
     vector_keys = ("factor", "prev_factor", "prev_count", "elasticity", "drift")
 
     def init_state(self, ops, like, density):
         e0 = min(max(math.log(1.0 / density), _ELASTICITY_RANGE[0]), _ELASTICITY_RANGE[1])
         return {
-            "factor": ops.scalar(0.0, like),
-            "prev_factor": ops.scalar(0.0, like),
-            "prev_count": ops.scalar(0.0, like),
-            "elasticity": ops.scalar(e0, like),
-            "drift": ops.scalar(0.0, like),
+            "factor": 0.0,
+            "prev_factor": 0.0,
+            "prev_count": 0.0,
+            "elasticity": e0,
+            "drift": 0.0,
             # Steps since the last anchor; the first step always anchors.
             "since_anchor": -1,
         }
 
-    def threshold(self, ops, state, absx, k, step):
-        scale = self._scale(ops, absx)
+    def threshold(self, ops, state, absx, k, step, total):
+        n = ops.numel(absx)
         every = self.config.anchor_every
         since = state["since_anchor"]
         if since < 0 or (every and since + 1 >= every):
             exact = ops.clamp(ops.kth_largest(absx, k), _THETA_MIN, _THETA_MAX)
-            # The factor this implies; update() installs it, and clears the
-            # previous factor: the secant needs two factors applied to
-            # comparable inputs, and across an anchor it would mix the corrected
-            # and uncorrected one.
-            state["anchor"] = exact / scale
+            # The factor this implies (exact / mean); update() installs it, and
+            # clears the previous factor: the secant needs two factors applied
+            # to comparable inputs, and across an anchor it would mix the
+            # corrected and uncorrected one.
+            state["anchor"] = ops.mul(exact / ops.clamp(total, _THETA_MIN, math.inf), float(n))
             state["since_anchor"] = 0
-            # The exact value itself: (exact / scale) * scale can round up by
-            # an ulp and drop the k-th element.
+            # The exact value itself: factor * mean can round up by an ulp and
+            # drop the k-th element.
             return exact
         state["since_anchor"] = since + 1
-        return ops.clamp(state["factor"] * scale, _THETA_MIN, _THETA_MAX)
-
-    def _install_anchor(self, ops, state):
-        anchor = state.pop("anchor", None)
-        if anchor is not None:
-            state["factor"] = ops.assign_(state["factor"], anchor)
-            state["prev_factor"] = ops.assign_(state["prev_factor"], anchor * 0.0)
+        # theta = factor * (total / n), kept above zero (an all-zero layer
+        # selects nothing): one operation, the factor a host number.
+        return ops.affine(total, float(state["factor"]) / n, _THETA_MIN)
 
     def update(self, ops, state, theta, count, k):
-        self._install_anchor(ops, state)
-        new = self._advance(ops, *(state[key] for key in self.vector_keys), count, k + 1.0)
-        for key in _WRITE_ORDER:
-            state[key] = ops.assign_(state[key], new[key])
+        anchor = state.pop("anchor", None)
+        vectors = {key: np.array([float(state[key])]) for key in self.vector_keys}
+        self.update_many(
+            vectors,
+            np.array([float(ops.to_host(count))]),
+            np.array([k + 1.0]),
+            {0: float(ops.to_host(anchor))} if anchor is not None else {},
+        )
+        for key in self.vector_keys:
+            value = float(vectors[key][0])
+            if isinstance(state[key], np.ndarray):
+                state[key][...] = value  # a view of an exchange's vector
+            else:
+                state[key] = value
 
-    def update_many(self, ops, vectors, states, counts, k1):
-        for state in states:
-            self._install_anchor(ops, state)
-        new = self._advance(ops, *(vectors[key] for key in self.vector_keys), counts, k1)
+    def update_many(self, vectors, counts, k1, anchors):
+        factor, prev = vectors["factor"], vectors["prev_factor"]
+        for j, anchor in anchors.items():
+            factor[j] = min(max(anchor, _THETA_MIN), _THETA_MAX)
+            prev[j] = 0.0
+        new = _advance(*(vectors[key] for key in self.vector_keys), counts, k1)
         for key in _WRITE_ORDER:
-            ops.assign_(vectors[key], new[key])
+            vectors[key][...] = new[key]
 
-    @staticmethod
-    def _advance(ops, factor, prev, prev_count, e, drift, count, k1):
-        """The update, element-wise (one layer's 0-d state or vectors of many):
-        the new value of each of :attr:`vector_keys`. The new ``prev_factor`` is
-        the old ``factor`` itself, so it is written first (:data:`_WRITE_ORDER`)."""
-        c1 = ops.to_float(count) + 1.0
+
+def _advance(factor, prev, prev_count, e, drift, count, k1):
+    """The update, element-wise over NumPy vectors: the new value of each of
+    :attr:`_Dynamic.vector_keys`. The new ``prev_factor`` is the old ``factor``
+    itself, so it is written first (:data:`_WRITE_ORDER`)."""
+    with np.errstate(all="ignore"):  # masked below: 0/0 where no secant exists
+        c1 = np.asarray(count, np.float64) + 1.0
         # Secant estimate of the tail's elasticity from the last two steps.
         has_prev = prev > 0
-        dlog = ops.log(factor / ops.where(has_prev, prev, factor))
-        moved = has_prev & ((dlog > 1e-3) | (dlog < -1e-3))
-        safe = ops.where(moved, dlog, dlog * 0 + 1.0)
-        observed = ops.clamp(-ops.log(c1 / (prev_count + 1.0)) / safe, *_ELASTICITY_RANGE)
-        e = ops.where(moved, e + _ELASTICITY_SMOOTHING * (observed - e), e)
+        dlog = np.log(factor / np.where(has_prev, prev, factor))
+        moved = has_prev & (np.abs(dlog) > 1e-3)
+        safe = np.where(moved, dlog, 1.0)
+        observed = np.clip(-np.log(c1 / (prev_count + 1.0)) / safe, *_ELASTICITY_RANGE)
+        e = np.where(moved, e + _ELASTICITY_SMOOTHING * (observed - e), e)
         ratio = c1 / k1
         # Integral action on the *linear* error: it cancels the lag behind a
         # steady drift of the tail's shape, and it centres the mean of count/k
         # (what bandwidth sees) rather than its geometric mean.
-        drift = ops.clamp(
-            drift + _INTEGRAL_GAIN * ops.clamp(ratio - 1.0, -1.0, 3.0) / e,
-            -_MAX_DRIFT,
-            _MAX_DRIFT,
+        drift = np.clip(
+            drift + _INTEGRAL_GAIN * np.clip(ratio - 1.0, -1.0, 3.0) / e, -_MAX_DRIFT, _MAX_DRIFT
         )
-        step = ops.clamp(ops.log(ratio) / e + drift, -_MAX_STEP, _MAX_STEP)
-        new_factor = ops.clamp(factor * ops.exp(step), _THETA_MIN, _THETA_MAX)
-        return {
-            "prev_factor": factor,
-            "factor": new_factor,
-            "prev_count": c1 - 1.0,
-            "elasticity": e,
-            "drift": drift,
-        }
+        step = np.clip(np.log(ratio) / e + drift, -_MAX_STEP, _MAX_STEP)
+        new_factor = np.clip(factor * np.exp(step), _THETA_MIN, _THETA_MAX)
+    return {
+        "prev_factor": np.copy(factor),
+        "factor": new_factor,
+        "prev_count": c1 - 1.0,
+        "elasticity": e,
+        "drift": drift,
+    }
 
 
 # In-place writes: ``prev_factor`` takes the old ``factor`` before it changes.

@@ -26,6 +26,8 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
+import numpy as np
+
 from .backend import ArrayOps
 from .config import SparsityConfig, ValueDType
 from .consistency import RankMismatchError
@@ -93,9 +95,10 @@ def select(
 ) -> Tuple[Any, Any, Any]:
     """One layer's selection: ``|acc| >= theta`` with ``theta`` from the controller.
 
-    Four memory-bound passes (``|a|``, compare, count, compaction) and no sort
-    (except when the controller anchors). Updates the controller's state from
-    the count it selected.
+    Five memory-bound passes (``|a|``, its sum, compare, count, compaction) and
+    no sort (except when the controller anchors). Updates the controller's
+    state from the count it selected (the dynamic controller reads it on the
+    host: an exchange instead batches every layer's count into one read per step).
 
     Args:
         acc: the accumulated gradient (1-D, ``n`` elements).
@@ -115,18 +118,21 @@ def select(
 
 
 def _select(ops, controller, state, acc, k, capacity, step, scratch_abs, scratch_mask, update=True):
-    """:func:`select`, also returning ``|acc|`` (for the non-finite check).
-    ``update=False`` leaves the controller's update to the caller (an exchange
-    updates all its layers at once, at the end of a finite step)."""
+    """:func:`select`, also returning the sum of ``|acc|`` (NaN or infinite
+    exactly when some element is, or when finite magnitudes overflow float32:
+    the non-finite check). ``update=False`` leaves the controller's update to
+    the caller (an exchange updates all its layers at once, at the end of a
+    finite step)."""
     n = ops.numel(acc)
     absx = ops.abs_(acc, scratch_abs)
-    theta = controller.threshold(ops, state, absx, k, step)
+    total = ops.abs_sum(absx)
+    theta = controller.threshold(ops, state, absx, k, step, total)
     mask = ops.ge_(absx, theta, scratch_mask)
     count = ops.count_nonzero(mask)
     idx = ops.nonzero_static(mask, capacity, n)
     if update:
         controller.update(ops, state, theta, count, k)
-    return idx, count, theta, absx
+    return idx, count, theta, total
 
 
 class _Layer:
@@ -214,6 +220,7 @@ class _Group:
         "outputs",
         "positions",
         "count_positions",
+        "scratch",
     )
 
     def __init__(self, members: List[int], sparse: bool, name: str):
@@ -235,6 +242,8 @@ class _Group:
         # words, in the allgathered chunks (GroupLayout.positions).
         self.positions: Any = None
         self.count_positions: Any = None
+        # sparse: reused buffers for every rank's values, indices and count words.
+        self.scratch: Tuple[Any, Any, Any] = (None, None, None)
 
 
 Plan = Sequence[Tuple[Sequence[int], Optional[bool]]]
@@ -320,10 +329,13 @@ class SparseExchange:
         self._density: Optional[float] = None
         self._scratch_abs: Any = None
         self._scratch_mask: Any = None
-        # The controller's vector_keys state of every sparse layer, one vector
-        # per key (a layer's entries are element views): updated in one pass per
-        # finite step. With the counts this step selected and each target k + 1.
+        # The controller's vector_keys state of every sparse layer, one host
+        # vector per key (a layer's entries are 0-d views): updated in one pass
+        # per finite step, from the counts the step selected (a device vector,
+        # read once) and each target k + 1.
         self._bank: Optional[Dict[str, Any]] = None
+        self._bank_count: Any = None
+        self._bank_k1: Any = None
         self._bank_layers: List["_Layer"] = []
         self._submitted: set = set()
         self._dense_offsets: Dict[int, int] = {}
@@ -519,6 +531,11 @@ class SparseExchange:
                     ops.index_vector(at_indices, like),
                 )
                 group.count_positions = ops.index_vector(at_counts, like)
+                group.scratch = (
+                    ops.zeros(len(at_values), layout.value_dtype.value, like),
+                    ops.zeros(len(at_indices), "int32", like),
+                    ops.zeros(len(at_counts), "int32", like),
+                )
             elif len(members) > 1:
                 group.dense = ops.zeros(sum(plans[i].numel for i in members), "float32", like)
             offset = 0
@@ -546,27 +563,45 @@ class SparseExchange:
         )
 
     def _build_bank(self, like: Any) -> None:
-        """Move the sparse layers' controller state into one vector per key
-        (their values carried over), so a step updates every layer at once."""
+        """Move the sparse layers' controller state into one host vector per
+        key (their values carried over), so a step updates every layer at once."""
         keys = self.controller.vector_keys
         layers = [self.layers[i] for g in self.groups if g.sparse for i in g.members]
         for layer in self.layers:
             layer.slot, layer.count_slot = -1, None
         if not keys or not layers:
             self._bank, self._bank_layers = None, []
+            self._bank_count = self._bank_k1 = None
             return
         ops = self.ops
-        bank = {key: ops.state_vector(len(layers), like) for key in (*keys, "count", "k1")}
+        bank = {key: np.zeros(len(layers)) for key in keys}
+        self._bank_count = ops.state_vector(len(layers), like)
         for j, layer in enumerate(layers):
             layer.slot = j
-            layer.count_slot = ops.element(bank["count"], j)
+            layer.count_slot = ops.element(self._bank_count, j)
             for key in keys:
-                view = ops.element(bank[key], j)
-                ops.assign_(view, layer.ctrl[key])
-                layer.ctrl[key] = view
-            assert layer.plan is not None
-            ops.assign_(ops.element(bank["k1"], j), layer.plan.k + 1.0)
+                bank[key][j] = _host_number(ops, layer.ctrl[key])
+                layer.ctrl[key] = bank[key][j : j + 1].reshape(())  # a writable view
+        self._bank_k1 = np.array([_plan(layer).k + 1.0 for layer in layers])
         self._bank, self._bank_layers = bank, layers
+
+    def _update_bank(self) -> None:
+        """The controller's update of every sparse layer after a finite step:
+        one host read of the step's counts (and, on an anchor step, one of the
+        anchors), then host arithmetic; no device operation."""
+        assert self._bank is not None
+        ops = self.ops
+        counts = np.asarray(ops.to_host(self._bank_count), np.float64)
+        anchored = [
+            (j, layer.ctrl.pop("anchor"))
+            for j, layer in enumerate(self._bank_layers)
+            if "anchor" in layer.ctrl
+        ]
+        anchors: Dict[int, float] = {}
+        if anchored:
+            values = ops.to_host(ops.stack([a for _, a in anchored]))
+            anchors = {j: float(v) for (j, _), v in zip(anchored, np.ravel(values))}
+        self.controller.update_many(self._bank, counts, self._bank_k1, anchors)
 
     # -- the per-step path -----------------------------------------------------
     def _begin_step(self) -> None:
@@ -712,7 +747,7 @@ class SparseExchange:
             ops.add_into_(acc, res, grad, self._inv_scale)
         layer.ctrl_prev = dict(layer.ctrl)  # restored if the step is not finite
         bank = self._bank
-        idx, count, theta, absx = _select(
+        idx, count, theta, total = _select(
             ops,
             self.controller,
             layer.ctrl,
@@ -726,9 +761,9 @@ class SparseExchange:
         )
         if bank is not None:
             ops.assign_(layer.count_slot, count)
-        # One reduction tells whether |a| has a NaN or an infinity; the verdict
+        # The sum of |a| tells whether it has a NaN or an infinity; the verdict
         # travels as the member's count word (-1), so every rank learns it.
-        ok = ops.isfinite(ops.amax(absx))
+        ok = ops.below_inf(total)
         out_vals = layout.pack_into(
             ops,
             group.member_views[layer.member],
@@ -795,10 +830,18 @@ class SparseExchange:
                 layout.check_gathered(ops, gathered, world, verify=not group.verified)
                 group.verified = True
                 ops.mul_(group.dense, 0.0)
-                layout.unpack(ops, gathered, world, group.dense, self._out_scale, group.positions)
+                layout.unpack(
+                    ops,
+                    gathered,
+                    world,
+                    group.dense,
+                    self._out_scale,
+                    group.positions,
+                    group.scratch[:2],
+                )
                 # Members non-finite on some rank read NaN on every rank.
-                counts = ops.take(gathered, group.count_positions)
-                group.bad = ops.any_negative_rows(ops.reshape(counts, (world, len(group.members))))
+                counts = ops.take(gathered, group.count_positions, group.scratch[2])
+                group.bad = ops.any_negative_rows(counts, world)
                 ops.nan_at_(group.dense, group.first, group.bad)
                 self._flags.append(group.bad)
                 for i, view in zip(group.members, group.outputs):
@@ -831,10 +874,7 @@ class SparseExchange:
             finite = True
         submitted = sorted(self._submitted)
         if finite and self._bank is not None:
-            bank = self._bank
-            self.controller.update_many(
-                ops, bank, [layer.ctrl for layer in self._bank_layers], bank["count"], bank["k1"]
-            )
+            self._update_bank()
         for i in submitted:
             layer = self.layers[i]
             sparse = self.is_sparse(layer)
@@ -977,11 +1017,9 @@ class SparseExchange:
             layers[layer.name] = {
                 "residual": layer.residual,
                 "velocity": layer.velocity,
-                # Copies: a layer's entries may be views of the shared vectors.
+                # Numbers: a layer's entries may be views of the shared vectors.
                 "controller": {
-                    key: v
-                    if isinstance(v, (int, float))
-                    else self.ops.copy_(self.ops.scalar(0.0, v), v)
+                    key: v if isinstance(v, int) else _host_number(self.ops, v)
                     for key, v in layer.ctrl.items()
                 },
                 "k": layer.plan.k if layer.plan is not None else None,
@@ -1153,11 +1191,16 @@ class SparseExchange:
             fresh = self.controller.init_state(ops, like, self.density)
             ctrl = entry.get("controller") or {}
             if not restart and entry.get("k") == plan.k and set(ctrl) == set(fresh):
+                # Each entry in the kind of its fresh value: Python numbers (the
+                # dynamic controller's host state, also from checkpoints that
+                # held device scalars) or device scalars (the fixed threshold).
                 layer.ctrl = {
                     key: (
-                        ops.copy_(ops.scalar(0.0, like), v)
-                        if not isinstance(v, (int, float))
-                        else v
+                        int(_host_number(ops, v))
+                        if isinstance(fresh[key], int)
+                        else _host_number(ops, v)
+                        if isinstance(fresh[key], float)
+                        else ops.scalar(_host_number(ops, v), like)
                     )
                     for key, v in ctrl.items()
                 }
@@ -1214,6 +1257,19 @@ class StepHook(Protocol):
     """
 
     def __call__(self, exchange: "SparseExchange", record: StepRecord) -> None: ...
+
+
+def _plan(layer: _Layer) -> LayerPlan:
+    assert layer.plan is not None  # set by the layout
+    return layer.plan
+
+
+def _host_number(ops: ArrayOps, value: Any) -> float:
+    """A controller entry as a Python float: a number, a NumPy scalar or view,
+    or a framework scalar (read on the host: checkpoints and layouts only)."""
+    if isinstance(value, (int, float, np.ndarray, np.generic)):
+        return float(value)  # type: ignore[arg-type]  # 0-d arrays convert
+    return float(np.ravel(ops.to_host(value))[0])
 
 
 def _hook_key(hook: Any) -> str:

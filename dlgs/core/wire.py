@@ -203,19 +203,18 @@ class GroupLayout:
         dense: Any,
         scale: Any,
         positions: Tuple[Any, Any],
+        scratch: Tuple[Any, Any] = (None, None),
     ) -> Any:
         """Scatter-add every rank's values (multiplied by ``scale``) into ``dense``
         (``dense_size``, zeroed by the caller) at their indices; ``positions``
-        are the value and index :meth:`positions` as index vectors. Two gathers
-        and one scatter-add, whatever the number of ranks (no per-rank views, no
-        copies of strided slices). Call :meth:`check_gathered` first."""
+        are the value and index :meth:`positions` as index vectors, ``scratch``
+        optional reused buffers for the gathered values and indices. Two
+        gathers and one scatter-add, whatever the number of ranks (no per-rank
+        views, no copies of strided slices). Call :meth:`check_gathered` first."""
         values_at, indices_at = positions
-        values = ops.take(ops.view_as(gathered, self.value_dtype.value), values_at)
-        indices = ops.take(gathered, indices_at)
-        shape = (world, self.total_capacity)
-        return ops.index_add_rows_(
-            dense, ops.reshape(indices, shape), ops.reshape(values, shape), scale
-        )
+        values = ops.take(ops.view_as(gathered, self.value_dtype.value), values_at, scratch[0])
+        indices = ops.take(gathered, indices_at, scratch[1])
+        return ops.index_add_rows_(dense, indices, values, scale, world)
 
 
 @dataclass(frozen=True)

@@ -261,8 +261,8 @@ class TFOps:
         op(resource=view.var.handle, indices=view.indices(_flat(idx)), updates=vals)
         return dst
 
-    def take(self, src, idx):
-        return tf.gather(_read(src), idx)
+    def take(self, src, idx, out=None):
+        return tf.gather(_read(src), idx)  # a new tensor: cheaper than a variable's update
 
     def fill_at_(self, dst, idx, value):
         # A scalar update: one op, no tensor of ``len(idx)`` values.
@@ -277,7 +277,7 @@ class TFOps:
     def add_offset_(self, dst, idx, offset):
         return self._update(dst, _vec(idx, tf.int32) + offset)
 
-    def index_add_rows_(self, dst, idx, vals, scale):
+    def index_add_rows_(self, dst, idx, vals, scale, rows):
         idx, vals = _read(idx), tf.cast(_read(vals), tf.float32)
         if not _is_np(scale) or scale != 1.0:
             vals = vals * scale
@@ -288,9 +288,9 @@ class TFOps:
         # them in any order. Indices are unique within a row, so adding one row
         # at a time is deterministic. With two rows the order cannot matter
         # (0 + a + b == 0 + b + a exactly), so one op does.
-        rows = int(idx.shape[0]) if idx.shape.rank == 2 else 1
         if rows <= 2:
             return self._scatter(dst, tf.reshape(idx, [-1]), tf.reshape(vals, [-1]), "add")
+        idx, vals = tf.reshape(idx, _ivec(rows, -1)), tf.reshape(vals, _ivec(rows, -1))
         for r in range(rows):
             self._scatter(dst, idx[r], vals[r], "add")
         return dst
@@ -319,12 +319,12 @@ class TFOps:
             return np.float32(1.0) / np.float32(x)
         return tf.math.reciprocal(tf.cast(x, tf.float32))
 
-    def amax(self, x):
+    def abs_sum(self, x):
         x = _read(x)
-        return _maybe_host(tf.reduce_max(x), x)  # propagates NaN
+        return _maybe_host(tf.reduce_sum(tf.abs(x)), x)  # propagates NaN and inf
 
-    def isfinite(self, x):
-        return np.isfinite(x) if _is_np(x) else tf.math.is_finite(x)
+    def below_inf(self, x):
+        return np.less(x, np.inf) if _is_np(x) else tf.less(x, _scalar_const(np.inf, x.dtype))
 
     def count_or_flag(self, count, ok):
         if _is_np(ok) and _is_np(count):
@@ -332,8 +332,8 @@ class TFOps:
         count = tf.convert_to_tensor(count)
         return tf.where(ok, count, tf.constant(-1, count.dtype))
 
-    def any_negative_rows(self, x):
-        return tf.reduce_any(_read(x) < 0, axis=0)
+    def any_negative_rows(self, x, rows):
+        return tf.reduce_any(tf.reshape(_read(x), _ivec(rows, -1)) < 0, axis=0)
 
     def any_nonfinite(self, xs):
         finite = [tf.reduce_all(tf.math.is_finite(_read(x))) for x in xs]
@@ -351,30 +351,21 @@ class TFOps:
         return self._scatter(dst, idx, marks, "add")
 
     # -- threshold arithmetic on 0-d tensors ---------------------------------
-    # On the CPU the controllers' 0-d arithmetic (about 25 operations per
-    # layer per step) runs in NumPy: the values already live in host memory,
-    # so reading them synchronises nothing, and a NumPy scalar operation costs
+    # On the CPU the controllers' 0-d arithmetic (the threshold, an anchor's
+    # factor) runs in NumPy: the values already live in host memory, so
+    # reading them synchronises nothing, and a NumPy scalar operation costs
     # about 1 us against about 50 us for an eager TensorFlow op. On a GPU they
-    # stay device tensors (no host synchronisation on the hot path).
+    # stay device tensors (no host synchronisation on the hot path). The
+    # dynamic controller learns on the host anyway, once per step (core).
     def kth_largest(self, x, k):
         x = _read(x)
         return _maybe_host(tf.reduce_min(tf.math.top_k(x, k, sorted=False).values), x)
-
-    def mean(self, x):
-        x = _read(x)
-        return _maybe_host(tf.reduce_mean(x), x)
 
     def strided(self, x, stride):
         x = _read(x)
         if stride == 1:
             return x
         return tf.strided_slice(x, [0], [int(x.shape[0])], [stride])
-
-    def log(self, x):
-        return np.log(x) if _is_np(x) else tf.math.log(x)
-
-    def exp(self, x):
-        return np.exp(x) if _is_np(x) else tf.math.exp(x)
 
     def clamp(self, x, low, high):
         return (
@@ -383,15 +374,10 @@ class TFOps:
             else (tf.clip_by_value(x, low, high))
         )
 
-    def where(self, cond, a, b):
-        if _is_np(cond) and _is_np(a) and _is_np(b):
-            return np.where(cond, a, b)
-        return tf.where(cond, a, b)
-
-    def to_float(self, x):
+    def affine(self, x, a, b):
         if _is_np(x):
-            return np.float32(x)
-        return _maybe_host(tf.cast(x, tf.float32), x)
+            return np.float32(x * np.float32(a) + np.float32(b))
+        return x * a + b
 
     def to_host(self, x: Any) -> Any:
         if _is_np(x):

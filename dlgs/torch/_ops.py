@@ -65,19 +65,18 @@ class TorchOps:
     def nonzero_static(self, mask, size, fill):
         return torch.nonzero_static(mask, size=size, fill_value=fill).view(-1)
 
-    def mean(self, x):
-        return x.mean()
-
     def gather_(self, src, idx, out):
         if out.dtype == src.dtype:
             return torch.index_select(src, 0, idx, out=out)
         return out.copy_(src.index_select(0, idx))
 
-    def take(self, src, idx):
+    def take(self, src, idx, out=None):
+        if out is not None and out.dtype == src.dtype:
+            return torch.index_select(src, 0, idx, out=out)
         return torch.index_select(src, 0, idx)
 
     def fill_at_(self, dst, idx, value):
-        return dst.index_fill_(0, idx, value)
+        return dst.scatter_(0, idx, value)  # two operations where index_fill_ issues three
 
     def sub_at_(self, dst, idx, vals):
         return dst.index_add_(0, idx, vals, alpha=-1)
@@ -89,13 +88,13 @@ class TorchOps:
         )
 
     def add_offset_(self, dst, idx, offset):
-        return (
-            torch.add(idx, offset, out=dst)
-            if dst.dtype == idx.dtype
-            else dst.copy_(idx).add_(offset)
-        )
+        if not offset:
+            return dst.copy_(idx)
+        # A cached 0-d offset of dst's dtype: a Python int would cost a cast
+        # (four more operations), an int64 sum a temporary.
+        return dst.copy_(idx).add_(_const(offset, dst.dtype, dst.device))
 
-    def index_add_rows_(self, dst, idx, vals, scale):
+    def index_add_rows_(self, dst, idx, vals, scale, rows):
         if vals.dtype != torch.float32:
             vals = vals.to(torch.float32)
         alpha = 1.0
@@ -105,10 +104,11 @@ class TorchOps:
             alpha = scale  # folded into the scatter: no pass, no temporary
         if dst.device.type == "cpu":
             # The CPU kernel adds serially in index order: deterministic.
-            return dst.index_add_(0, _flat(idx), _flat(vals), alpha=alpha)
+            return dst.index_add_(0, idx, vals, alpha=alpha)
         # Elsewhere scatter-adds race; rows (ranks) have unique indices, so
         # adding one row at a time gives the same bits on every rank.
-        for r in range(idx.shape[0]):
+        idx, vals = idx.view(rows, -1), vals.view(rows, -1)
+        for r in range(rows):
             dst.index_add_(0, idx[r], vals[r], alpha=alpha)
         return dst
 
@@ -133,23 +133,27 @@ class TorchOps:
     def reciprocal(self, x):
         return torch.reciprocal(x.to(torch.float32))
 
-    def amax(self, x):
-        return torch.amax(x)
+    def abs_sum(self, x):
+        # One reduction, no temporary (x.abs().sum() would make one).
+        return torch.linalg.vector_norm(x, 1)
 
-    def isfinite(self, x):
-        return torch.isfinite(x)
+    def below_inf(self, x):
+        # A Python inf would become a tensor (four more operations) every call.
+        return torch.lt(x, _const(math.inf, x.dtype, x.device))
 
     def count_or_flag(self, count, ok):
         return torch.where(ok, count, _const(-1, count.dtype, count.device))
 
-    def any_negative_rows(self, x):
-        return (x < 0).any(0)
+    def any_negative_rows(self, x, rows):
+        return torch.lt(x, _const(0, x.dtype, x.device)).view(rows, -1).any(0)
 
     def any_nonfinite(self, xs):
         # The max-norm propagates NaN and cannot overflow (a sum could); NaN < inf
         # is false, so one comparison covers both.
         norms = torch._foreach_norm([x if x.dim() == 1 else x.reshape(-1) for x in xs], math.inf)
-        return ~(torch.stack(norms) < math.inf).all()
+        return ~torch.lt(
+            torch.stack(norms), _const(math.inf, norms[0].dtype, norms[0].device)
+        ).all()
 
     def any_true(self, flags):
         if len(flags) == 1:
@@ -171,20 +175,11 @@ class TorchOps:
     def strided(self, x, stride):
         return x[::stride]
 
-    def log(self, x):
-        return torch.log(x)
-
-    def exp(self, x):
-        return torch.exp(x)
-
     def clamp(self, x, low, high):
         return torch.clamp(x, low, high)
 
-    def where(self, cond, a, b):
-        return torch.where(cond, a, b)
-
-    def to_float(self, x):
-        return x.to(torch.float32)
+    def affine(self, x, a, b):
+        return torch.add(_const(float(b), x.dtype, x.device), x, alpha=a)
 
     def to_host(self, x: torch.Tensor) -> Any:
         return x.tolist()
