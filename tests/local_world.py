@@ -76,6 +76,12 @@ class NumpyOps:
     def take(self, src, idx, out=None):
         return np.take(src, idx, out=out) if out is not None else src[idx]
 
+    def concat(self, xs):
+        return np.concatenate(list(xs))
+
+    def add_indices(self, idx, offsets, out):
+        return np.add(idx, offsets, out=out) if out is not None else idx + offsets
+
     def fill_at_(self, dst, idx, value):
         dst[idx] = value
         return dst
@@ -140,7 +146,7 @@ class NumpyOps:
         return any(bool(np.any(f)) for f in flags)
 
     def index_vector(self, values, like):
-        return np.asarray(list(values), np.int64)
+        return np.asarray(values, np.int64)
 
     def nan_at_(self, dst, idx, flags):
         dst[idx] += np.where(flags, np.float32(np.nan), np.float32(0))

@@ -70,6 +70,46 @@ def test_at_most_k_nonzeros_per_rank_are_reconstructed_exactly():
             assert np.array_equal(got, want)
 
 
+@pytest.mark.parametrize("value_dtype", ["float32", "float16"])
+def test_several_messages_from_three_ranks_are_unpacked_together_exactly(value_dtype):
+    """All sparse messages of a step are unpacked at once (wire.UnpackPlan): a
+    merged message beside two sent alone, three ranks, integer values (exact in
+    float16 and in any order of addition), summed without averaging."""
+    sizes = [("a", 3000), ("b", 1500), ("c", 2500), ("d", 40), ("e", 1200)]
+
+    def grads(rank, step):
+        g = np.random.default_rng(100 * step + rank)
+        out = []
+        for _, n in sizes:
+            x = np.zeros(n, np.float32)
+            if n >= 1024:  # at most k non-zeros: all of them are sent
+                k = math.ceil(0.05 * n)
+                x[g.choice(n, k, replace=False)] = g.integers(1, 9, k) * g.choice([-1, 1], k)
+            else:
+                x[:] = g.integers(-8, 9, n)
+            out.append(x)
+        return out
+
+    def make(rank, comm):
+        cfg = SparsityConfig(
+            density=0.05, min_sparse_size=1024, controller="topk", value_dtype=value_dtype
+        )
+        ex = SparseExchange(OPS, comm, cfg, sizes, average=False)
+        ex.set_groups([[0, 2]])
+        return ex
+
+    def record(rank, ex, out):
+        assert [g.members for g in ex.groups if g.sparse] == [[0, 2], [1], [4]]
+        return [np.array(out[i]) for i in range(len(sizes))]
+
+    recs = run_steps(LocalWorld(3, average=False), make, grads, 3, record)
+    for s in range(3):
+        expect = [sum(parts) for parts in zip(*(grads(r, s) for r in range(3)))]
+        for rank in range(3):
+            for i, (got, want) in enumerate(zip(recs[rank][s], expect)):
+                assert np.array_equal(got, want), (s, rank, sizes[i][0])
+
+
 def _sent(ex):
     """This rank's last sent values per sparse layer, decoded from its send buffer."""
     sent = {}

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol, Sequence
 
+import numpy as np
+
 __all__ = ["ArrayOps"]
 
 T = Any
@@ -73,6 +75,15 @@ class ArrayOps(Protocol):
         """``src[idx]`` as a 1-D tensor (``src`` 1-D, ``idx`` an index vector),
         written into ``out`` (a reused buffer of that size and dtype) where the
         framework writes in place; use the return value."""
+
+    def concat(self, xs: Sequence[T]) -> T:
+        """The 1-D tensors ``xs`` back to back, as one new 1-D tensor."""
+
+    def add_indices(self, idx: T, offsets: T, out: T | None) -> T:
+        """``idx + offsets`` (1-D integer vectors of one length) as an index
+        vector for :meth:`index_add_rows_`, written into ``out`` (a buffer of
+        ``offsets``' dtype) where the framework writes in place; use the
+        return value."""
 
     def fill_at_(self, dst: T, idx: T, value: float) -> T:
         """``dst[idx] = value``."""
@@ -133,8 +144,10 @@ class ArrayOps(Protocol):
     def any_true(self, flags: Sequence[T]) -> T:
         """0-d bool: some element of some bool tensor in ``flags`` is true."""
 
-    def index_vector(self, values: Sequence[int], like: T) -> T:
-        """A 1-D int64 tensor holding ``values`` on ``like``'s device (set-up only)."""
+    def index_vector(self, values: Sequence[int] | np.ndarray, like: T) -> T:
+        """A 1-D integer tensor (int64 where the framework indexes with it)
+        holding ``values`` (a sequence or a NumPy vector) on ``like``'s device
+        (set-up only)."""
 
     def nan_at_(self, dst: T, idx: T, flags: T) -> T:
         """``dst[idx[j]] = NaN`` where the bool ``flags[j]`` is true (no host read)."""

@@ -32,7 +32,7 @@ from .backend import ArrayOps
 from .config import SparsityConfig, ValueDType
 from .consistency import RankMismatchError
 from .controller import ThresholdController, make_controller
-from .wire import GroupLayout, LayerPlan, plan_layers
+from .wire import GroupLayout, LayerPlan, UnpackPlan, plan_layers, unpack
 
 __all__ = [
     "Collectives",
@@ -214,13 +214,8 @@ class _Group:
         "handle",
         "verified",
         "name",
-        "first",
-        "bad",
         "member_views",
         "outputs",
-        "positions",
-        "count_positions",
-        "scratch",
     )
 
     def __init__(self, members: List[int], sparse: bool, name: str):
@@ -229,21 +224,46 @@ class _Group:
         self.name = name
         self.layout: Optional[GroupLayout] = None
         self.chunk: Any = None  # sparse: int32 send buffer
-        self.dense: Any = None  # sparse: receive buffer; dense (>1 member): send buffer
+        # sparse: its part of the step's receive buffer (_Unpack.dense); dense
+        # (> 1 member): send buffer.
+        self.dense: Any = None
         self.ready = 0
         self.handle: Any = None
         self.verified = False
-        self.first: Any = None  # sparse: each member's first slot in ``dense`` (int64)
-        self.bad: Any = None  # sparse: per member, non-finite on some rank this step
         # sparse: per member, its (values, indices, count word) views of ``chunk``.
         self.member_views: List[Tuple[Any, Any, Any]] = []
         self.outputs: List[Any] = []  # sparse: each member's view of ``dense``
-        # sparse: index vectors of every rank's values and indices, and count
-        # words, in the allgathered chunks (GroupLayout.positions).
-        self.positions: Any = None
-        self.count_positions: Any = None
-        # sparse: reused buffers for every rank's values, indices and count words.
-        self.scratch: Tuple[Any, Any, Any] = (None, None, None)
+
+
+class _Unpack:
+    """The step's sparse messages, unpacked together (:class:`UnpackPlan`): one
+    receive buffer, the plan's index vectors on the device, reused scratch."""
+
+    __slots__ = ("plan", "dense", "at", "scratch", "firsts", "members", "bad")
+
+    def __init__(self, ops: ArrayOps, plan: UnpackPlan, value_dtype: ValueDType, like: Any):
+        self.plan = plan
+        self.dense = ops.zeros(plan.dense_size, "float32", like)
+        offsets = plan.offsets
+        # Shifted indices in the wire's int32 where the buffer allows (one
+        # operation; a wider sum is a cast more).
+        wide = "int64" if plan.dense_size > MAX_MESSAGE_ELEMENTS else "int32"
+        self.at = (
+            ops.index_vector(plan.values, like),
+            ops.index_vector(plan.indices, like),
+            ops.cast(ops.index_vector(offsets, like), wide) if offsets is not None else None,
+            ops.index_vector(plan.counts, like),
+        )
+        n = len(plan.indices)
+        self.scratch = (
+            ops.zeros(n, value_dtype.value, like),
+            ops.zeros(n, "int32", like),
+            ops.zeros(n, wide, like) if offsets is not None else None,
+            ops.zeros(len(plan.counts), "int32", like),
+        )
+        self.firsts = ops.index_vector(plan.firsts, like)
+        self.members: List[int] = []  # layer indices, in the order of ``firsts``
+        self.bad: Any = None  # per member: non-finite on some rank this step
 
 
 Plan = Sequence[Tuple[Sequence[int], Optional[bool]]]
@@ -336,6 +356,7 @@ class SparseExchange:
         self._bank: Optional[Dict[str, Any]] = None
         self._bank_count: Any = None
         self._bank_k1: Any = None
+        self._unpack: Optional[_Unpack] = None
         self._bank_layers: List["_Layer"] = []
         self._submitted: set = set()
         self._dense_offsets: Dict[int, int] = {}
@@ -514,28 +535,9 @@ class SparseExchange:
                 )
                 group.layout = layout
                 group.chunk = layout.new_chunk(ops, like)
-                group.dense = ops.zeros(layout.dense_size, "float32", like)
-                group.first = ops.index_vector(
-                    [layout.dense_offset(m) for m in range(len(members))], like
-                )
                 group.member_views = [
                     layout.member_views(ops, group.chunk, m) for m in range(len(members))
                 ]
-                group.outputs = [
-                    ops.narrow(group.dense, 0, layout.dense_offset(m), plans[i].numel)
-                    for m, i in enumerate(members)
-                ]
-                at_values, at_indices, at_counts = layout.positions(self.comm.size)
-                group.positions = (
-                    ops.index_vector(at_values, like),
-                    ops.index_vector(at_indices, like),
-                )
-                group.count_positions = ops.index_vector(at_counts, like)
-                group.scratch = (
-                    ops.zeros(len(at_values), layout.value_dtype.value, like),
-                    ops.zeros(len(at_indices), "int32", like),
-                    ops.zeros(len(at_counts), "int32", like),
-                )
             elif len(members) > 1:
                 group.dense = ops.zeros(sum(plans[i].numel for i in members), "float32", like)
             offset = 0
@@ -548,6 +550,7 @@ class SparseExchange:
                     offset += plans[i].numel
             self.groups.append(group)
         self._modes = tuple(i in sparse_layers for i in range(len(self.layers)))
+        self._build_unpack(like)
         self._build_bank(like)
         biggest = max((plans[i].numel for i in sparse_layers), default=0)
         if biggest and (self._scratch_abs is None or ops.numel(self._scratch_abs) < biggest):
@@ -561,6 +564,28 @@ class SparseExchange:
             len(self.groups),
             sum(1 for g in self.groups if g.sparse),
         )
+
+    def _build_unpack(self, like: Any) -> None:
+        """One receive buffer for every sparse message, each message's part and
+        each member's output a view of it, and the positions to unpack them all
+        at once."""
+        ops = self.ops
+        sparse = [g for g in self.groups if g.sparse]
+        if not sparse:
+            self._unpack = None
+            return
+        layouts = [g.layout for g in sparse]
+        plan = UnpackPlan.of(layouts, self.comm.size)  # type: ignore[arg-type]
+        unpack = _Unpack(ops, plan, self.config.value_dtype, like)
+        for group, layout, base in zip(sparse, layouts, plan.bases):
+            assert layout is not None
+            group.dense = ops.narrow(unpack.dense, 0, base, layout.dense_size)
+            group.outputs = [
+                ops.narrow(unpack.dense, 0, base + layout.dense_offset(m), n)
+                for m, n in enumerate(layout.sizes)
+            ]
+            unpack.members += group.members
+        self._unpack = unpack
 
     def _build_bank(self, like: Any) -> None:
         """Move the sparse layers' controller state into one host vector per
@@ -807,6 +832,7 @@ class SparseExchange:
             raise RuntimeError(f"wait() before every layer was submitted; missing {names}")
         ops = self.ops
         out: Dict[int, Any] = {}
+        gathered: List[Any] = []
         for group in self.groups:
             if not group.sparse:
                 if self.dense_external:
@@ -825,32 +851,42 @@ class SparseExchange:
             else:
                 layout = group.layout
                 assert layout is not None
-                world = self.comm.size
-                gathered = self.comm.synchronize(group.handle)
-                layout.check_gathered(ops, gathered, world, verify=not group.verified)
+                words = self.comm.synchronize(group.handle)
+                layout.check_gathered(ops, words, self.comm.size, verify=not group.verified)
                 group.verified = True
-                ops.mul_(group.dense, 0.0)
-                layout.unpack(
-                    ops,
-                    gathered,
-                    world,
-                    group.dense,
-                    self._out_scale,
-                    group.positions,
-                    group.scratch[:2],
-                )
-                # Members non-finite on some rank read NaN on every rank.
-                counts = ops.take(gathered, group.count_positions, group.scratch[2])
-                group.bad = ops.any_negative_rows(counts, world)
-                ops.nan_at_(group.dense, group.first, group.bad)
-                self._flags.append(group.bad)
+                gathered.append(words)
                 for i, view in zip(group.members, group.outputs):
                     out[i] = view
             group.ready = 0
             group.handle = None
+        if gathered:
+            self._unpack_sparse(gathered)
         if finish:
             self.finish()
         return out
+
+    def _unpack_sparse(self, gathered: List[Any]) -> None:
+        """Every sparse message of the step at once: one concatenation of their
+        outputs, two gathers, one scatter-add that also averages, and the
+        non-finite flags; a fixed number of operations per step."""
+        ops = self.ops
+        u = self._unpack
+        assert u is not None
+        words = gathered[0] if len(gathered) == 1 else ops.concat(gathered)
+        ops.mul_(u.dense, 0.0)
+        u.bad = unpack(
+            ops,
+            words,
+            self.comm.size,
+            self.config.value_dtype,
+            u.dense,
+            self._out_scale,
+            u.at,
+            u.scratch,
+        )
+        # Members non-finite on some rank read NaN on every rank.
+        ops.nan_at_(u.dense, u.firsts, u.bad)
+        self._flags.append(u.bad)
 
     def finish(self, external: Sequence[Tuple[int, Any]] = ()) -> bool:
         """End the step: keep its new residuals, velocities and controller
@@ -924,10 +960,10 @@ class SparseExchange:
             return
         ops = self.ops
         names = []
-        for group in self.groups:
-            if group.sparse and group.bad is not None:
-                bad = ops.to_host(group.bad)
-                names += [self.layers[i].name for i, b in zip(group.members, bad) if b]
+        u = self._unpack
+        if u is not None and u.bad is not None:
+            bad = ops.to_host(u.bad)
+            names += [self.layers[i].name for i, b in zip(u.members, bad) if b]
         dense = list(self._dense_out.items()) + list(external)
         for i, t in dense:
             if ops.to_host(ops.any_nonfinite([t])):

@@ -8,8 +8,11 @@ with ``C = sum(cap_i)``. Member ``i`` owns values and indices
 ``[o_i, o_i + cap_i)`` with ``o_i = sum(cap_j, j < i)``. Each index already
 includes the member's offset in the group's *dense* buffer, which has one extra
 "padding slot" per member (``dense_offset_i + n_i``): unused capacity points
-there with value 0, so unpacking is one scatter-add per group and never needs
-the number of selected values on the host. A count of -1 says the member's
+there with value 0, so unpacking never needs the number of selected values on
+the host. A step's sparse messages are unpacked together (:class:`UnpackPlan`):
+their outputs concatenated, two gathers and one scatter-add into one dense
+buffer where each message's part starts at its base, whatever the number of
+messages. A count of -1 says the member's
 gradient was non-finite on that rank (every receiver then marks the layer
 non-finite).
 
@@ -25,12 +28,21 @@ from __future__ import annotations
 import math
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, List, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
+
+import numpy as np
 
 from .backend import ArrayOps
 from .config import SparsityConfig, ValueDType
 
-__all__ = ["GroupLayout", "LayoutMismatchError", "member_bytes", "value_bytes"]
+__all__ = [
+    "GroupLayout",
+    "LayoutMismatchError",
+    "UnpackPlan",
+    "member_bytes",
+    "unpack",
+    "value_bytes",
+]
 
 
 class LayoutMismatchError(RuntimeError):
@@ -161,18 +173,6 @@ class GroupLayout:
         ops.copy_(word, count)
         return values
 
-    def positions(self, world: int) -> Tuple[List[int], List[int], List[int]]:
-        """Where every rank's values, indices and count words lie in the
-        allgathered chunks: values in units of the value dtype, the others in
-        words; rank-major. Metadata for :meth:`unpack`, made once per layout."""
-        w, h, c = self.chunk_words, self.header_words, self.total_capacity
-        per_word = 4 // _VALUE_BYTES[self.value_dtype]
-        values = [per_word * (r * w + h) + j for r in range(world) for j in range(c)]
-        first = h + self.value_words
-        indices = [r * w + first + j for r in range(world) for j in range(c)]
-        counts = [r * w + 1 + m for r in range(world) for m in range(self.members)]
-        return values, indices, counts
-
     def check_gathered(self, ops: ArrayOps, gathered: Any, world: int, verify: bool) -> None:
         """The gathered size (no device access): anything but ``world`` chunks
         proves the ranks disagree on the layout; with ``verify``, also every
@@ -195,26 +195,94 @@ class GroupLayout:
                 "(different models, densities or options on different ranks)"
             )
 
-    def unpack(
-        self,
-        ops: ArrayOps,
-        gathered: Any,
-        world: int,
-        dense: Any,
-        scale: Any,
-        positions: Tuple[Any, Any],
-        scratch: Tuple[Any, Any] = (None, None),
-    ) -> Any:
-        """Scatter-add every rank's values (multiplied by ``scale``) into ``dense``
-        (``dense_size``, zeroed by the caller) at their indices; ``positions``
-        are the value and index :meth:`positions` as index vectors, ``scratch``
-        optional reused buffers for the gathered values and indices. Two
-        gathers and one scatter-add, whatever the number of ranks (no per-rank
-        views, no copies of strided slices). Call :meth:`check_gathered` first."""
-        values_at, indices_at = positions
-        values = ops.take(ops.view_as(gathered, self.value_dtype.value), values_at, scratch[0])
-        indices = ops.take(gathered, indices_at, scratch[1])
-        return ops.index_add_rows_(dense, indices, values, scale, world)
+
+@dataclass(frozen=True)
+class UnpackPlan:
+    """Where every rank's values, indices and count words of a step's sparse
+    messages lie once their allgathered outputs are concatenated in message
+    order, and where each message lands in one dense buffer for all of them.
+    Pure metadata (NumPy int64 vectors), made once per layout.
+
+    All vectors are rank-major: rank 0's entries of every message, then rank
+    1's, and so on; so :func:`unpack` adds rank by rank where it must
+    (:meth:`~dlgs.core.backend.ArrayOps.index_add_rows_`), and within one rank's
+    row every index is unique (messages occupy disjoint parts of the buffer)
+    except the padding slots, which only receive zeros.
+    """
+
+    #: Positions of the values, in units of the wire value dtype.
+    values: np.ndarray
+    #: Positions of the indices, in words.
+    indices: np.ndarray
+    #: Each index's message base in the dense buffer (None: one message, base 0).
+    offsets: Optional[np.ndarray]
+    #: Positions of the count words, in words: row r holds every member's.
+    counts: np.ndarray
+    #: Each member's first slot in the dense buffer (message order).
+    firsts: np.ndarray
+    #: Each message's base in the dense buffer.
+    bases: Tuple[int, ...]
+    dense_size: int
+
+    @classmethod
+    def of(cls, layouts: Sequence[GroupLayout], world: int) -> "UnpackPlan":
+        if len({lay.value_dtype for lay in layouts}) != 1:
+            raise ValueError("the messages of one unpack must share a value dtype")
+        per_word = 4 // _VALUE_BYTES[layouts[0].value_dtype]
+        word_bases = np.cumsum([0] + [world * lay.chunk_words for lay in layouts])
+        bases = [int(b) for b in np.cumsum([0] + [lay.dense_size for lay in layouts])]
+        values, indices, offsets, counts = [], [], [], []
+        for r in range(world):
+            for lay, words, base in zip(layouts, word_bases, bases):
+                start = int(words) + r * lay.chunk_words
+                slots = np.arange(lay.total_capacity, dtype=np.int64)
+                values.append(per_word * (start + lay.header_words) + slots)
+                indices.append(start + lay.header_words + lay.value_words + slots)
+                offsets.append(np.full(lay.total_capacity, base, np.int64))
+                counts.append(start + 1 + np.arange(lay.members, dtype=np.int64))
+        firsts = [
+            base + lay.dense_offset(m)
+            for lay, base in zip(layouts, bases)
+            for m in range(lay.members)
+        ]
+        return cls(
+            values=np.concatenate(values),
+            indices=np.concatenate(indices),
+            offsets=np.concatenate(offsets) if len(layouts) > 1 else None,
+            counts=np.concatenate(counts),
+            firsts=np.asarray(firsts, np.int64),
+            bases=tuple(bases[:-1]),
+            dense_size=bases[-1],
+        )
+
+
+def unpack(
+    ops: ArrayOps,
+    words: Any,
+    world: int,
+    value_dtype: ValueDType,
+    dense: Any,
+    scale: Any,
+    at: Tuple[Any, Any, Any, Any],
+    scratch: Tuple[Any, Any, Any, Any],
+) -> Any:
+    """Scatter-add every rank's values (multiplied by ``scale``) of a step's
+    sparse messages into ``dense`` (:attr:`UnpackPlan.dense_size`, zeroed by the
+    caller), ``words`` being their allgathered outputs concatenated in message
+    order. ``at``: the plan's values, indices, offsets (or None) and counts as
+    index vectors; ``scratch``: reused buffers for what is gathered from
+    ``words`` (values, indices, shifted indices, counts). Returns each member's
+    flag (1-D bool, message order): non-finite on some rank. A fixed number of
+    operations whatever the numbers of messages and ranks. Call
+    :meth:`GroupLayout.check_gathered` on each output first."""
+    values_at, indices_at, offsets, counts_at = at
+    values = ops.take(ops.view_as(words, value_dtype.value), values_at, scratch[0])
+    indices = ops.take(words, indices_at, scratch[1])
+    if offsets is not None:
+        indices = ops.add_indices(indices, offsets, scratch[2])
+    ops.index_add_rows_(dense, indices, values, scale, world)
+    counts = ops.take(words, counts_at, scratch[3])
+    return ops.any_negative_rows(counts, world)
 
 
 @dataclass(frozen=True)

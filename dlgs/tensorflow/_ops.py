@@ -264,6 +264,12 @@ class TFOps:
     def take(self, src, idx, out=None):
         return tf.gather(_read(src), idx)  # a new tensor: cheaper than a variable's update
 
+    def concat(self, xs):
+        return tf.concat([_read(x) for x in xs], 0)
+
+    def add_indices(self, idx, offsets, out):
+        return _read(idx) + tf.cast(offsets, idx.dtype)  # a new tensor, as take()
+
     def fill_at_(self, dst, idx, value):
         # A scalar update: one op, no tensor of ``len(idx)`` values.
         return self._scatter(dst, idx, _scalar_const(float(value), _dtype(dst)), "update")
@@ -343,8 +349,15 @@ class TFOps:
         return tf.reduce_any(tf.concat([tf.reshape(tf.cast(f, tf.bool), [-1]) for f in flags], 0))
 
     def index_vector(self, values, like):
+        values = np.asarray(values, np.int64)
+        if values.size and values.max() > np.iinfo(np.int32).max:
+            raise ValueError(
+                "the TensorFlow adapter indexes dlgs' receive buffer with int32: the sparse "
+                f"layers hold {int(values.max())} elements in all, more than 2**31 - 1 "
+                "(raise min_sparse_size so that the largest layers are sent dense)"
+            )
         with tf.device(_device(like)):
-            return tf.constant(list(values), tf.int32)
+            return tf.constant(values.astype(np.int32), tf.int32)
 
     def nan_at_(self, dst, idx, flags):
         marks = tf.where(flags, tf.constant(np.nan, tf.float32), tf.constant(0.0, tf.float32))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 __all__ = ["TorchOps", "OPS"]
@@ -74,6 +75,12 @@ class TorchOps:
         if out is not None and out.dtype == src.dtype:
             return torch.index_select(src, 0, idx, out=out)
         return torch.index_select(src, 0, idx)
+
+    def concat(self, xs):
+        return torch.cat(list(xs))
+
+    def add_indices(self, idx, offsets, out):
+        return torch.add(idx, offsets, out=out)
 
     def fill_at_(self, dst, idx, value):
         return dst.scatter_(0, idx, value)  # two operations where index_fill_ issues three
@@ -161,7 +168,8 @@ class TorchOps:
         return torch.cat([f if f.dim() == 1 else f.reshape(1) for f in flags]).any()
 
     def index_vector(self, values, like):
-        return torch.tensor(list(values), dtype=torch.int64, device=like.device)
+        host = torch.from_numpy(np.asarray(values, dtype=np.int64))
+        return host.to(like.device) if like.device.type != "cpu" else host
 
     def nan_at_(self, dst, idx, flags):
         marks = torch.where(
