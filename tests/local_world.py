@@ -167,18 +167,6 @@ class NumpyOps:
     def to_host(self, x):
         return np.asarray(x).tolist()
 
-    def state_vector(self, n, like):
-        return np.zeros(n, np.float32)
-
-    def element(self, vec, j):
-        return vec[j : j + 1].reshape(())
-
-    def assign_(self, dst, value):
-        if isinstance(dst, np.ndarray):
-            np.copyto(dst, value, casting="unsafe")
-            return dst
-        return np.float32(value)
-
     def stack(self, xs):
         return np.stack(xs)
 

@@ -172,20 +172,3 @@ class ArrayOps(Protocol):
 
     def stack(self, xs: Sequence[T]) -> T:
         """Stack 0-d tensors into 1-D."""
-
-    # -- per-layer results collected in one vector ------------------------------
-    def state_vector(self, n: int, like: T) -> T:
-        """A float32 vector of ``n`` zeros into which layers write a result (their
-        selected counts) for one host read per step: on ``like``'s device, or
-        where reading it is cheapest (a framework whose device ops cost more
-        than host arithmetic may keep it on the host when ``like`` lives there)."""
-
-    def element(self, vec: T, j: int) -> T:
-        """A view of ``vec[j]``: reads as a 0-d tensor (as a 1-element one where
-        the framework has no 0-d views: TensorFlow variables), and
-        :meth:`assign_` into it writes ``vec``."""
-
-    def assign_(self, dst: T, value: T | float) -> T:
-        """``dst[...] = value`` in place where ``dst`` is a buffer, a view or a
-        state vector (value conversion to its dtype); returns ``dst``, or for an
-        immutable ``dst`` the value to use instead."""

@@ -161,8 +161,6 @@ class _Layer:
         "group",
         "member",
         "views",
-        "slot",
-        "count_slot",
     )
 
     def __init__(self, name: str, numel: int):
@@ -188,8 +186,6 @@ class _Layer:
         # (buffer, view of its first ``numel`` elements). Holding the buffer
         # keeps its id from being reused while the entry exists.
         self.views: Dict[int, Tuple[Any, Any]] = {}
-        self.slot = -1  # position in the exchange's controller vectors, or -1
-        self.count_slot: Any = None  # the element of those vectors' count it writes
 
     def head(self, ops: ArrayOps, buf: Any) -> Any:
         """The first ``numel`` elements of ``buf`` (a cached view)."""
@@ -239,7 +235,7 @@ class _Unpack:
     """The step's sparse messages, unpacked together (:class:`UnpackPlan`): one
     receive buffer, the plan's index vectors on the device, reused scratch."""
 
-    __slots__ = ("plan", "dense", "at", "scratch", "firsts", "members", "bad")
+    __slots__ = ("plan", "dense", "at", "scratch", "firsts", "members", "bad", "counts")
 
     def __init__(self, ops: ArrayOps, plan: UnpackPlan, value_dtype: ValueDType, like: Any):
         self.plan = plan
@@ -264,6 +260,7 @@ class _Unpack:
         self.firsts = ops.index_vector(plan.firsts, like)
         self.members: List[int] = []  # layer indices, in the order of ``firsts``
         self.bad: Any = None  # per member: non-finite on some rank this step
+        self.counts: Any = None  # every rank's count words this step, rank-major
 
 
 Plan = Sequence[Tuple[Sequence[int], Optional[bool]]]
@@ -354,7 +351,6 @@ class SparseExchange:
         # per finite step, from the counts the step selected (a device vector,
         # read once) and each target k + 1.
         self._bank: Optional[Dict[str, Any]] = None
-        self._bank_count: Any = None
         self._bank_k1: Any = None
         self._unpack: Optional[_Unpack] = None
         self._bank_layers: List["_Layer"] = []
@@ -591,19 +587,14 @@ class SparseExchange:
         """Move the sparse layers' controller state into one host vector per
         key (their values carried over), so a step updates every layer at once."""
         keys = self.controller.vector_keys
+        # The unpack's member order: the step's count words arrive in it.
         layers = [self.layers[i] for g in self.groups if g.sparse for i in g.members]
-        for layer in self.layers:
-            layer.slot, layer.count_slot = -1, None
         if not keys or not layers:
-            self._bank, self._bank_layers = None, []
-            self._bank_count = self._bank_k1 = None
+            self._bank, self._bank_layers, self._bank_k1 = None, [], None
             return
         ops = self.ops
         bank = {key: np.zeros(len(layers)) for key in keys}
-        self._bank_count = ops.state_vector(len(layers), like)
         for j, layer in enumerate(layers):
-            layer.slot = j
-            layer.count_slot = ops.element(self._bank_count, j)
             for key in keys:
                 bank[key][j] = _host_number(ops, layer.ctrl[key])
                 layer.ctrl[key] = bank[key][j : j + 1].reshape(())  # a writable view
@@ -612,11 +603,13 @@ class SparseExchange:
 
     def _update_bank(self) -> None:
         """The controller's update of every sparse layer after a finite step:
-        one host read of the step's counts (and, on an anchor step, one of the
-        anchors), then host arithmetic; no device operation."""
-        assert self._bank is not None
+        one host read of the count words the step gathered (this rank's row is
+        what its layers selected; and, on an anchor step, one of the anchors),
+        then host arithmetic; no device operation."""
+        assert self._bank is not None and self._unpack is not None
         ops = self.ops
-        counts = np.asarray(ops.to_host(self._bank_count), np.float64)
+        words = np.asarray(ops.to_host(self._unpack.counts), np.float64)
+        counts = words.reshape(self.comm.size, -1)[self.comm.rank]
         anchored = [
             (j, layer.ctrl.pop("anchor"))
             for j, layer in enumerate(self._bank_layers)
@@ -784,8 +777,6 @@ class SparseExchange:
             layer.head(ops, self._scratch_mask),
             update=bank is None,
         )
-        if bank is not None:
-            ops.assign_(layer.count_slot, count)
         # The sum of |a| tells whether it has a NaN or an infinity; the verdict
         # travels as the member's count word (-1), so every rank learns it.
         ok = ops.below_inf(total)
@@ -874,7 +865,7 @@ class SparseExchange:
         assert u is not None
         words = gathered[0] if len(gathered) == 1 else ops.concat(gathered)
         ops.mul_(u.dense, 0.0)
-        u.bad = unpack(
+        u.counts, u.bad = unpack(
             ops,
             words,
             self.comm.size,

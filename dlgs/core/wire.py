@@ -271,8 +271,9 @@ def unpack(
     caller), ``words`` being their allgathered outputs concatenated in message
     order. ``at``: the plan's values, indices, offsets (or None) and counts as
     index vectors; ``scratch``: reused buffers for what is gathered from
-    ``words`` (values, indices, shifted indices, counts). Returns each member's
-    flag (1-D bool, message order): non-finite on some rank. A fixed number of
+    ``words`` (values, indices, shifted indices, counts). Returns every rank's
+    count words (rank-major, members in message order) and each member's flag
+    (1-D bool): non-finite on some rank. A fixed number of
     operations whatever the numbers of messages and ranks. Call
     :meth:`GroupLayout.check_gathered` on each output first."""
     values_at, indices_at, offsets, counts_at = at
@@ -282,7 +283,7 @@ def unpack(
         indices = ops.add_indices(indices, offsets, scratch[2])
     ops.index_add_rows_(dense, indices, values, scale, world)
     counts = ops.take(words, counts_at, scratch[3])
-    return ops.any_negative_rows(counts, world)
+    return counts, ops.any_negative_rows(counts, world)
 
 
 @dataclass(frozen=True)

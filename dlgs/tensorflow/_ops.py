@@ -397,25 +397,6 @@ class TFOps:
             return np.asarray(x).tolist()
         return _read(x).numpy().tolist()
 
-    def state_vector(self, n, like):
-        if _on_host(like):
-            return np.zeros(n, np.float32)  # NumPy arithmetic, as for the 0-d state
-        return self.zeros(n, "float32", like)
-
-    def element(self, vec, j):
-        if isinstance(vec, np.ndarray):
-            return vec[j : j + 1].reshape(())  # a writable 0-d view
-        return self.narrow(vec, 0, j, 1)
-
-    def assign_(self, dst, value):
-        if isinstance(dst, np.ndarray):
-            np.copyto(dst, _host(value), casting="unsafe")
-            return dst
-        if _as_view(dst) is not None:
-            _as_view(dst).write(value)
-            return dst
-        return value
-
     def stack(self, xs):
         if all(_is_np(x) for x in xs):
             return np.stack(xs)

@@ -195,17 +195,6 @@ class TorchOps:
     def stack(self, xs):
         return torch.stack(list(xs))
 
-    def state_vector(self, n, like):
-        return torch.zeros(n, dtype=torch.float32, device=like.device)
-
-    def element(self, vec, j):
-        return vec.select(0, j)
-
-    def assign_(self, dst, value):
-        if isinstance(value, torch.Tensor):
-            return dst.copy_(value)
-        return dst.fill_(value)
-
 
 _CONSTS: dict = {}
 
