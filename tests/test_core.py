@@ -199,6 +199,6 @@ def test_an_anchor_step_uses_the_exact_kth_largest():
         absx = np.abs(rng.standard_normal(512).astype(np.float32) * rng.uniform(1e-3, 1e3))
         state = ctrl.init_state(OPS, absx, 0.05)
         for step in range(2):
-            theta = ctrl.threshold(OPS, state, absx, 26, step, OPS.abs_sum(absx))
+            theta = ctrl.threshold(OPS, state, absx, 26, step, OPS.total(absx))
             assert theta == OPS.kth_largest(absx, 26), (trial, step)
             ctrl.update(OPS, state, theta, int(np.count_nonzero(absx >= theta)), 26)

@@ -122,9 +122,10 @@ class ArrayOps(Protocol):
     def reciprocal(self, x: T) -> T:
         """``1 / x`` of a 0-d tensor, as float32."""
 
-    def abs_sum(self, x: T) -> T:
-        """Sum of ``|x|`` over 1-D float ``x``, 0-d float32: NaN if any element
-        is NaN, infinite if any is (or if finite magnitudes overflow float32)."""
+    def total(self, x: T) -> T:
+        """Sum of 1-D float ``x`` (the core passes magnitudes), 0-d float32:
+        NaN if any element is NaN, infinite if any is (or if the sum overflows
+        float32)."""
 
     def below_inf(self, x: T) -> T:
         """0-d bool: the 0-d ``x`` is below +infinity and not NaN (for a sum of

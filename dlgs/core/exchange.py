@@ -125,7 +125,7 @@ def _select(ops, controller, state, acc, k, capacity, step, scratch_abs, scratch
     finite step)."""
     n = ops.numel(acc)
     absx = ops.abs_(acc, scratch_abs)
-    total = ops.abs_sum(absx)
+    total = ops.total(absx)
     theta = controller.threshold(ops, state, absx, k, step, total)
     mask = ops.ge_(absx, theta, scratch_mask)
     count = ops.count_nonzero(mask)

@@ -325,9 +325,9 @@ class TFOps:
             return np.float32(1.0) / np.float32(x)
         return tf.math.reciprocal(tf.cast(x, tf.float32))
 
-    def abs_sum(self, x):
+    def total(self, x):
         x = _read(x)
-        return _maybe_host(tf.reduce_sum(tf.abs(x)), x)  # propagates NaN and inf
+        return _maybe_host(tf.reduce_sum(x), x)  # propagates NaN and inf
 
     def below_inf(self, x):
         return np.less(x, np.inf) if _is_np(x) else tf.less(x, _scalar_const(np.inf, x.dtype))

@@ -140,9 +140,9 @@ class TorchOps:
     def reciprocal(self, x):
         return torch.reciprocal(x.to(torch.float32))
 
-    def abs_sum(self, x):
-        # One reduction, no temporary (x.abs().sum() would make one).
-        return torch.linalg.vector_norm(x, 1)
+    def total(self, x):
+        # Not linalg.vector_norm(x, 1): one event fewer, but 15x slower on the CPU.
+        return x.sum()
 
     def below_inf(self, x):
         # A Python inf would become a tensor (four more operations) every call.
