@@ -348,8 +348,8 @@ class SparseExchange:
         self._scratch_mask: Any = None
         # The controller's vector_keys state of every sparse layer, one host
         # vector per key (a layer's entries are 0-d views): updated in one pass
-        # per finite step, from the counts the step selected (a device vector,
-        # read once) and each target k + 1.
+        # per finite step, from the count words the step gathered (read once,
+        # with the non-finite verdict) and each target k + 1.
         self._bank: Optional[Dict[str, Any]] = None
         self._bank_k1: Any = None
         self._unpack: Optional[_Unpack] = None
