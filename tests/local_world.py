@@ -24,6 +24,8 @@ _DT["bool"] = np.bool_
 class NumpyOps:
     """ArrayOps on NumPy arrays (in place where the protocol allows)."""
 
+    reuses_outputs = True
+
     def zeros(self, n, dtype, like):
         return np.zeros(n, _DT[dtype])
 

@@ -26,6 +26,11 @@ T = Any
 class ArrayOps(Protocol):
     """Element-wise and reduction primitives, device-agnostic, no host sync."""
 
+    #: Whether an ``out`` buffer is written in place (:meth:`take`,
+    #: :meth:`add_indices`); a framework that returns new tensors instead says
+    #: False, and the core then allocates no such buffers for it.
+    reuses_outputs: bool
+
     # -- creation and views -------------------------------------------------
     def zeros(self, n: int, dtype: str, like: T) -> T:
         """1-D zeros of ``n`` elements, ``dtype`` in {float32, float16, int32, bool},

@@ -174,11 +174,7 @@ class _Dynamic(ThresholdController):
             {0: float(ops.to_host(anchor))} if anchor is not None else {},
         )
         for key in self.vector_keys:
-            value = float(vectors[key][0])
-            if isinstance(state[key], np.ndarray):
-                state[key][...] = value  # a view of an exchange's vector
-            else:
-                state[key] = value
+            state[key] = float(vectors[key][0])
 
     def update_many(self, vectors, counts, k1, anchors):
         factor, prev = vectors["factor"], vectors["prev_factor"]

@@ -220,25 +220,23 @@ class _Group:
         self.name = name
         self.layout: Optional[GroupLayout] = None
         self.chunk: Any = None  # sparse: int32 send buffer
-        # sparse: its part of the step's receive buffer (_Unpack.dense); dense
-        # (> 1 member): send buffer.
-        self.dense: Any = None
+        self.dense: Any = None  # dense with > 1 member: the send buffer
         self.ready = 0
         self.handle: Any = None
         self.verified = False
         # sparse: per member, its (values, indices, count word) views of ``chunk``.
         self.member_views: List[Tuple[Any, Any, Any]] = []
-        self.outputs: List[Any] = []  # sparse: each member's view of ``dense``
+        # sparse: each member's view of the step's receive buffer (_Unpack.dense).
+        self.outputs: List[Any] = []
 
 
 class _Unpack:
     """The step's sparse messages, unpacked together (:class:`UnpackPlan`): one
     receive buffer, the plan's index vectors on the device, reused scratch."""
 
-    __slots__ = ("plan", "dense", "at", "scratch", "firsts", "members", "bad", "counts")
+    __slots__ = ("dense", "at", "scratch", "firsts", "members", "bad", "counts")
 
     def __init__(self, ops: ArrayOps, plan: UnpackPlan, value_dtype: ValueDType, like: Any):
-        self.plan = plan
         self.dense = ops.zeros(plan.dense_size, "float32", like)
         offsets = plan.offsets
         # Shifted indices in the wire's int32 where the buffer allows (one
@@ -251,12 +249,14 @@ class _Unpack:
             ops.index_vector(plan.counts, like),
         )
         n = len(plan.indices)
-        self.scratch = (
-            ops.zeros(n, value_dtype.value, like),
-            ops.zeros(n, "int32", like),
-            ops.zeros(n, wide, like) if offsets is not None else None,
-            ops.zeros(len(plan.counts), "int32", like),
-        )
+        self.scratch: Tuple[Any, Any, Any, Any] = (None, None, None, None)
+        if ops.reuses_outputs:
+            self.scratch = (
+                ops.zeros(n, value_dtype.value, like),
+                ops.zeros(n, "int32", like),
+                ops.zeros(n, wide, like) if offsets is not None else None,
+                ops.zeros(len(plan.counts), "int32", like),
+            )
         self.firsts = ops.index_vector(plan.firsts, like)
         self.members: List[int] = []  # layer indices, in the order of ``firsts``
         self.bad: Any = None  # per member: non-finite on some rank this step
@@ -562,9 +562,8 @@ class SparseExchange:
         )
 
     def _build_unpack(self, like: Any) -> None:
-        """One receive buffer for every sparse message, each message's part and
-        each member's output a view of it, and the positions to unpack them all
-        at once."""
+        """One receive buffer for every sparse message, each member's output a
+        view of it, and the positions to unpack them all at once."""
         ops = self.ops
         sparse = [g for g in self.groups if g.sparse]
         if not sparse:
@@ -575,7 +574,6 @@ class SparseExchange:
         unpack = _Unpack(ops, plan, self.config.value_dtype, like)
         for group, layout, base in zip(sparse, layouts, plan.bases):
             assert layout is not None
-            group.dense = ops.narrow(unpack.dense, 0, base, layout.dense_size)
             group.outputs = [
                 ops.narrow(unpack.dense, 0, base + layout.dense_offset(m), n)
                 for m, n in enumerate(layout.sizes)
@@ -1221,16 +1219,7 @@ class SparseExchange:
                 # Each entry in the kind of its fresh value: Python numbers (the
                 # dynamic controller's host state, also from checkpoints that
                 # held device scalars) or device scalars (the fixed threshold).
-                layer.ctrl = {
-                    key: (
-                        int(_host_number(ops, v))
-                        if isinstance(fresh[key], int)
-                        else _host_number(ops, v)
-                        if isinstance(fresh[key], float)
-                        else ops.scalar(_host_number(ops, v), like)
-                    )
-                    for key, v in ctrl.items()
-                }
+                layer.ctrl = {key: _restored(ops, fresh[key], v, like) for key, v in ctrl.items()}
             else:
                 layer.ctrl = fresh
         self._build_bank(like)
@@ -1289,6 +1278,14 @@ class StepHook(Protocol):
 def _plan(layer: _Layer) -> LayerPlan:
     assert layer.plan is not None  # set by the layout
     return layer.plan
+
+
+def _restored(ops: ArrayOps, fresh: Any, saved: Any, like: Any) -> Any:
+    """A saved controller entry in the kind of its fresh value."""
+    number = _host_number(ops, saved)
+    if isinstance(fresh, int):
+        return int(number)
+    return number if isinstance(fresh, float) else ops.scalar(number, like)
 
 
 def _host_number(ops: ArrayOps, value: Any) -> float:

@@ -148,6 +148,9 @@ def _vec(x: Any, dtype: tf.DType) -> tf.Tensor:
 class TFOps:
     """Array primitives for the core, on TensorFlow tensors and variables."""
 
+    # take() and add_indices() return new tensors: cheaper than a variable's update.
+    reuses_outputs = False
+
     def zeros(self, n: int, dtype: str, like: Any) -> tf.Variable:
         with tf.device(_device(like)):
             return tf.Variable(tf.zeros([n], _DTYPES[dtype]), trainable=False)
@@ -262,13 +265,13 @@ class TFOps:
         return dst
 
     def take(self, src, idx, out=None):
-        return tf.gather(_read(src), idx)  # a new tensor: cheaper than a variable's update
+        return tf.gather(_read(src), idx)
 
     def concat(self, xs):
         return tf.concat([_read(x) for x in xs], 0)
 
     def add_indices(self, idx, offsets, out):
-        return _read(idx) + tf.cast(offsets, idx.dtype)  # a new tensor, as take()
+        return _read(idx) + tf.cast(offsets, idx.dtype)
 
     def fill_at_(self, dst, idx, value):
         # A scalar update: one op, no tensor of ``len(idx)`` values.
@@ -352,9 +355,10 @@ class TFOps:
         values = np.asarray(values, np.int64)
         if values.size and values.max() > np.iinfo(np.int32).max:
             raise ValueError(
-                "the TensorFlow adapter indexes dlgs' receive buffer with int32: the sparse "
-                f"layers hold {int(values.max())} elements in all, more than 2**31 - 1 "
-                "(raise min_sparse_size so that the largest layers are sent dense)"
+                "the TensorFlow adapter indexes with int32, and dlgs needs index "
+                f"{int(values.max())} here (all ranks' sparse messages together, or the "
+                "receive buffer of every sparse layer, exceed 2**31 - 1 elements): raise "
+                "min_sparse_size so that the largest layers are sent dense"
             )
         with tf.device(_device(like)):
             return tf.constant(values.astype(np.int32), tf.int32)

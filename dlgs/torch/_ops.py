@@ -26,6 +26,8 @@ _DTYPES = {
 class TorchOps:
     """Array primitives for the core, on torch tensors."""
 
+    reuses_outputs = True
+
     def zeros(self, n: int, dtype: str, like: torch.Tensor) -> torch.Tensor:
         return torch.zeros(n, dtype=_DTYPES[dtype], device=like.device)
 
