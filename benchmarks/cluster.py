@@ -32,7 +32,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 __all__ = ["Cluster", "parse_rate", "main"]
 
@@ -174,41 +174,66 @@ class Cluster:
         """Achieved TCP throughput from worker 1 to worker 0, in bit/s."""
         if self.workers < 2:
             return float("nan")
-        port = 47011
-        server = subprocess.Popen(
-            [
-                "ip",
-                "netns",
-                "exec",
-                self.namespaces[0],
-                sys.executable,
-                "-c",
-                _SINK,
-                self.addresses[0],
-                str(port),
-            ],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        time.sleep(0.5)
+        return self._measure([(1, 0)], seconds)[0]
+
+    def measure_aggregate(self, seconds: float = 2.0) -> List[float]:
+        """Achieved TCP throughput of every link of a ring at once (worker ``i``
+        sends to worker ``i + 1``, as a ring collective's steps do), in bit/s per
+        link. Their sum is what the bridge carries with every worker busy: the
+        bridge and the veths are software, so it is bounded by this machine's
+        cores, not by the links' caps, once the workers are many."""
+        if self.workers < 2:
+            return []
+        n = self.workers
+        return self._measure([(i, (i + 1) % n) for i in range(n)], seconds)
+
+    def _measure(self, pairs: Sequence[Tuple[int, int]], seconds: float) -> List[float]:
+        """Bit/s received on each ``(sender, receiver)`` pair, all sending at once."""
+        sinks = []
         try:
-            _sh(
-                "ip",
-                "netns",
-                "exec",
-                self.namespaces[1],
-                sys.executable,
-                "-c",
-                _SOURCE,
-                self.addresses[0],
-                str(port),
-                str(seconds),
-            )
-            out, _ = server.communicate(timeout=seconds + 30)
+            for k, (_, dst) in enumerate(pairs):
+                sinks.append(
+                    subprocess.Popen(
+                        [
+                            "ip",
+                            "netns",
+                            "exec",
+                            self.namespaces[dst],
+                            sys.executable,
+                            "-c",
+                            _SINK,
+                            self.addresses[dst],
+                            str(47011 + k),
+                        ],
+                        stdout=subprocess.PIPE,
+                        text=True,
+                    )
+                )
+            time.sleep(0.5 + 0.05 * len(pairs))  # every sink listening
+            sources = [
+                subprocess.Popen(
+                    [
+                        "ip",
+                        "netns",
+                        "exec",
+                        self.namespaces[src],
+                        sys.executable,
+                        "-c",
+                        _SOURCE,
+                        self.addresses[dst],
+                        str(47011 + k),
+                        str(seconds),
+                    ]
+                )
+                for k, (src, dst) in enumerate(pairs)
+            ]
+            for p in sources:
+                p.wait(timeout=seconds + 60)
+            return [float(s.communicate(timeout=seconds + 60)[0].strip()) for s in sinks]
         finally:
-            if server.poll() is None:
-                server.kill()
-        return float(out.strip())
+            for s in sinks:
+                if s.poll() is None:
+                    s.kill()
 
     # -- running ------------------------------------------------------------------
     def run(
@@ -376,6 +401,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 measured = cluster.measure_bandwidth()
                 logger.info("achieved TCP bandwidth worker 1 -> 0: %.1f Mbit/s", measured / 1e6)
                 env["DLGS_MEASURED_BPS"] = f"{measured:.0f}"
+                if args.workers > 2:
+                    links = cluster.measure_aggregate()
+                    logger.info(
+                        "achieved TCP bandwidth, all %d links of a ring at once: %.1f Mbit/s in "
+                        "all, %.1f-%.1f Mbit/s per link",
+                        len(links),
+                        sum(links) / 1e6,
+                        min(links) / 1e6,
+                        max(links) / 1e6,
+                    )
+                    env["DLGS_AGGREGATE_BPS"] = f"{sum(links):.0f}"
+                    env["DLGS_RING_LINK_MIN_BPS"] = f"{min(links):.0f}"
             return cluster.run(command, env=env, timeout=args.timeout)
     except KeyboardInterrupt as err:
         logger.warning("stopped (%s); the cluster was torn down", err or "Ctrl-C")

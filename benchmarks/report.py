@@ -19,9 +19,13 @@ import platform
 import shlex
 import statistics
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from dlgs.core.catalog import DEFAULT_COMPUTE_FLOPS
+from dlgs.core.planner import plan_strategy
+from dlgs.core.profile import build_spec
 
 __all__ = [
     "FRAMEWORKS",
@@ -93,6 +97,8 @@ class MethodTimes:
     #: The dp guard's verdict on the first plan ("kept" / "layer-wise"), "" if none ran.
     guard: str = ""
     rounds: int = 1
+    #: Only on the ``dlgs`` method: :func:`predicted_tails` of its last round.
+    predicted_tails: Dict[str, float] = field(default_factory=dict)
 
     def merge(self, other: "MethodTimes") -> None:
         """Pool another round's steps into this one. Bytes are averaged over
@@ -115,6 +121,47 @@ class MethodTimes:
         self.sparsify += other.sparsify
         self.messages = other.messages
         self.guard = other.guard
+        self.predicted_tails = other.predicted_tails or self.predicted_tails
+
+
+def predicted_tails(planner: Any, exchange: Any) -> Dict[str, float]:
+    """What dlgs's planner predicts each method adds to a step, in seconds:
+    the predicted end of its last message minus the back-propagation it hides
+    behind, from the profile the dp planner measured in this run (its layers'
+    backward times, selection and packing costs and the collectives it probed).
+
+    ``dlgs``: the plan in force (the guard's fallback included); ``topk``,
+    ``dgc``, ``dlgs-none``: layer-wise with the same per-layer rule;
+    ``topk-buckets``: the ``buckets`` strategy; ``dense`` / ``fp16``: every
+    layer allreduced on its own with 4 / 2 bytes per element (Horovod's tensor
+    fusion is not modelled). Empty before the planner has a plan.
+    """
+    profile, plan = planner.profile, planner.plan
+    if profile is None or plan is None:
+        return {}
+    spec, eligible = build_spec(profile, exchange.config, exchange.density)
+    dense = [False] * len(spec.layers)
+    half = replace(
+        spec, layers=tuple(replace(x, dense_bytes=x.dense_bytes // 2) for x in spec.layers)
+    )
+    layerwise = plan_strategy(spec, "none", eligible=eligible)
+    plans = {
+        "dense": plan_strategy(spec, "none", eligible=dense),
+        "fp16": plan_strategy(half, "none", eligible=dense),
+        "topk": layerwise,
+        "dgc": layerwise,
+        "dlgs-none": layerwise,
+        "topk-buckets": plan_strategy(
+            spec,
+            "buckets",
+            eligible=eligible,
+            bucket_elements=planner.bucket_elements,
+            numel=[x.numel for x in profile.layers],
+        ),
+        "dlgs": plan,
+    }
+    backward = sum(x.backward for x in spec.layers)
+    return {m: max(p.end - backward, 0.0) for m, p in plans.items()}
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -139,6 +186,7 @@ def summarise(
     label: str,
     framework: str = "torch",
     load: Tuple[float, float] = (float("nan"), float("nan")),
+    compute: str = "real",
 ) -> List[Dict[str, Any]]:
     """One CSV row per method from every rank's times (``per_rank[r][m]``).
 
@@ -147,7 +195,8 @@ def summarise(
     so a per-step maximum over ranks would pair unrelated noise and overstate
     the compute bound; the slowest rank's median does not. ``load``: rank 0's
     host's 1-minute load average at the start and the end (a shared machine
-    shows here).
+    shows here). ``compute``: ``"real"``, or the emulation's label
+    (``benchmarks/emulate.py``), recorded in every row.
     """
     workers = len(per_rank)
     env = {k: os.environ.get(k, "") for k in ENV_HINTS}
@@ -162,6 +211,7 @@ def summarise(
                 "label": label,
                 "framework": framework,
                 "model": model,
+                "compute": compute,
                 "method": mine.method,
                 "workers": workers,
                 "density": density if mine.method in SPARSE_METHODS else "",
@@ -180,13 +230,20 @@ def summarise(
                 "sparsify_s": _median_or_blank(slowest.sparsify),
                 "efficiency_vs_nocomm": "",
                 "speedup_vs_dense": "",
+                "predicted_step_s": "",
+                "prediction_error": "",
                 "load_start": round(load[0], 2),
                 "load_end": round(load[1], 2),
                 **env,
             }
         )
     by = {r["method"]: r["median_step_s"] for r in rows}
+    tails = next((t.predicted_tails for t in per_rank[0] if t.predicted_tails), {})
     for r in rows:
+        if "no-comm" in by and r["method"] in tails:
+            # The planner predicts what communication adds to the compute bound.
+            r["predicted_step_s"] = by["no-comm"] + tails[r["method"]]
+            r["prediction_error"] = r["predicted_step_s"] / r["median_step_s"] - 1
         if "no-comm" in by:
             r["efficiency_vs_nocomm"] = by["no-comm"] / r["median_step_s"]
         if "dense" in by:
@@ -218,6 +275,21 @@ def _fmt(value: Any, scale: float = 1.0, spec: str = ".2f", suffix: str = "") ->
     return "—" if value == "" or value is None else f"{float(value) * scale:{spec}}{suffix}"
 
 
+#: What the Markdown says about an emulated-compute run.
+EMULATED = (
+    "every layer's forward and backward computation is a wait on an emulated device "
+    "clock (benchmarks/emulate.py), not real compute; dlgs, Horovod and the network "
+    "run for real, on gradients drawn from a Student-t fitted to real ones. The "
+    "no-comm bound is the emulated compute plus what each step's host work adds."
+)
+
+
+def is_emulated(row: Dict[str, Any]) -> bool:
+    """Whether a row was measured with emulated compute (rows from before the
+    ``compute`` column are real)."""
+    return str(row.get("compute") or "real") != "real"
+
+
 def framework_of(row: Dict[str, Any]) -> str:
     """A row's framework; rows from before the column existed are torch's."""
     return str(row.get("framework") or "torch")
@@ -247,8 +319,10 @@ def format_markdown(
     r0 = rows[0]
     hints = ", ".join(f"{k}={r0[k]}" for k in r0 if k.isupper() and r0[k] != "") or "none"
     framework = framework_of(r0)
+    emulated = is_emulated(r0)
     lines = [
         f"# Training throughput: {r0['model']}"
+        + (" (emulated compute)" if emulated else "")
         + ("" if framework == "torch" else f" ({FRAMEWORKS.get(framework, framework)})")
         + f", {r0['workers']} workers"
         + (f" ({r0['label']})" if r0["label"] else ""),
@@ -262,9 +336,11 @@ def format_markdown(
         "",
         timing,
         "",
+        *([f"**Emulated compute** ({r0['compute']}): {EMULATED}", ""] if emulated else []),
         "| method | step ms [p10–p90] | samples/s | wire MB/step | messages | backward ms "
-        "| sparsify ms | step wait ms | efficiency vs no-comm | speed-up vs dense |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| sparsify ms | step wait ms | efficiency vs no-comm | speed-up vs dense "
+        "| predicted ms (error) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
@@ -276,11 +352,20 @@ def format_markdown(
             f"| {_fmt(r['backward_s'], 1e3, '.1f')} | {_fmt(r.get('sparsify_s'), 1e3, '.1f')} "
             f"| {_fmt(r['step_wait_s'], 1e3, '.1f')} "
             f"| {_fmt(r['efficiency_vs_nocomm'], 100, '.0f', '%')} "
-            f"| {_fmt(r['speedup_vs_dense'], 1, '.2f', 'x')} |"
+            f"| {_fmt(r['speedup_vs_dense'], 1, '.2f', 'x')} "
+            f"| {_predicted(r)} |"
         )
     if note:
         lines += ["", f"Note: {note}"]
     return "\n".join(lines) + "\n"
+
+
+def _predicted(row: Dict[str, Any]) -> str:
+    if row.get("predicted_step_s") in ("", None):
+        return "—"
+    return (
+        f"{float(row['predicted_step_s']) * 1e3:.1f} ({100 * float(row['prediction_error']):+.0f}%)"
+    )
 
 
 def plot(rows: Sequence[Dict[str, Any]], path: Path) -> None:
@@ -292,7 +377,8 @@ def plot(rows: Sequence[Dict[str, Any]], path: Path) -> None:
 
     suites: Dict[Tuple[str, str, str, str], List[Dict[str, Any]]] = {}
     for r in rows:
-        key = (framework_of(r), str(r["model"]), str(r["label"]), str(r["workers"]))
+        model = str(r["model"]) + (" (emulated compute)" if is_emulated(r) else "")
+        key = (framework_of(r), model, str(r["label"]), str(r["workers"]))
         suites.setdefault(key, []).append(r)
     colours = {m: f"C{i}" for i, m in enumerate(METHODS)}
     fig, axes = plt.subplots(
@@ -359,19 +445,24 @@ def write_outputs(
     sample: str,
     timing: str,
     load_start: float,
+    model: Optional[str] = None,
+    compute: str = "real",
 ) -> str:
     """Rank 0's outputs from every rank's ``vars(MethodTimes)`` (``gathered[rank]``):
     ``train.csv`` (appended with ``--append``), a ``train.md`` section and
-    ``train.png`` redrawn from every row. Returns the Markdown section."""
+    ``train.png`` redrawn from every row. Returns the Markdown section.
+    ``model`` replaces ``args.model`` in the rows (an emulated model's name);
+    ``compute`` is :func:`summarise`'s."""
     per_rank = [[MethodTimes(**t) for t in ts] for ts in gathered]
     rows = summarise(
         per_rank,
         framework=args.framework,
-        model=args.model,
+        model=model or args.model,
         batch=batch,
         density=args.density,
         label=args.label,
         load=(load_start, os.getloadavg()[0]),
+        compute=compute,
     )
     args.out.mkdir(parents=True, exist_ok=True)
     everything = write_csv(rows, args.out / "train.csv", args.append)
@@ -419,6 +510,17 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite float > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
     return value
 
 
@@ -587,6 +689,31 @@ def parse_args(argv: Optional[Sequence[str]] = None, description: str = "") -> a
         "backward / step-wait breakdown)",
     )
     parser.add_argument(
+        "--emulate",
+        default=None,
+        metavar="SOURCE",
+        help="torch only: emulated compute (benchmarks/emulate.py): every layer's computation "
+        "becomes a wait of its duration, everything else runs for real; SOURCE is "
+        "catalog:MODEL (resnet50, vgg16, bert-base, ptb-lstm; replaces --model), 'measured' "
+        "(--model, timed on this machine) or a saved dlgs Profile JSON. Frees the cores for "
+        "communication, so that many workers measure the network; trades the compute's "
+        "realism (and the host work's cost relative to it) for that",
+    )
+    parser.add_argument(
+        "--emulate-speed",
+        type=positive_float,
+        default=None,
+        help="with --emulate: divide every duration by this (an accelerator that many times "
+        "faster than the source) (default: 1)",
+    )
+    parser.add_argument(
+        "--emulate-flops",
+        type=positive_float,
+        default=None,
+        help="with --emulate catalog:MODEL: sustained FLOP/s of one worker "
+        f"(default: {DEFAULT_COMPUTE_FLOPS:g}, about a V100)",
+    )
+    parser.add_argument(
         "--label", default=None, help="suite label (default: $DLGS_BANDWIDTH, else $DLGS_CLUSTER)"
     )
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/train"))
@@ -601,6 +728,14 @@ def parse_args(argv: Optional[Sequence[str]] = None, description: str = "") -> a
             f"argument --model: {args.model!r} is not implemented for --framework "
             f"{args.framework}; choose from {', '.join(MODELS[args.framework])}"
         )
+    if args.emulate is None:
+        for option in ("emulate_speed", "emulate_flops"):
+            if getattr(args, option) is not None:
+                parser.error(f"argument --{option.replace('_', '-')}: only with --emulate")
+    elif args.framework != "torch":
+        parser.error("argument --emulate: only with --framework torch")
+    elif args.emulate_flops is not None and not args.emulate.startswith("catalog:"):
+        parser.error("argument --emulate-flops: only with --emulate catalog:MODEL")
     if args.framework == "tensorflow":
         args.tf_mode = args.tf_mode or "function"
     elif args.tf_mode is not None:

@@ -21,7 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import dlgs.torch
+from dlgs.core.catalog import DEFAULT_COMPUTE_FLOPS
 
+from .emulate import EmulatedNet, Emulation, emulation_from, measure_layers
 from .models import LSTMLM, VGG16, BertSmall, ResNet20
 from .report import (
     LR,
@@ -29,6 +31,7 @@ from .report import (
     MethodTimes,
     guard_verdict,
     is_merging,
+    predicted_tails,
     run_rounds,
     settle_steps,
     setup_rank_logging,
@@ -52,7 +55,11 @@ TIMING = (
     "Wire: bytes one rank contributes per step (dense/fp16: 4/2 bytes per parameter; "
     "dlgs: `.dlgs.exchange.wire_bytes()`, every message at capacity with its header, dense "
     "layers at 4 bytes; with `--rounds`, the mean over rounds, as each round plans "
-    "anew). Efficiency: no-comm median / method median."
+    "anew). Efficiency: no-comm median / method median. Predicted: the no-comm median "
+    "plus what dlgs's planner predicts the method's communication adds beyond "
+    "back-propagation, from the profile the `dlgs` method measured (its plan in force; "
+    "layer-wise or bucketed plans for the others; dense and fp16 as layer-wise allreduces, "
+    "Horovod's tensor fusion not modelled), and its error against the measured median."
 )
 
 
@@ -148,7 +155,8 @@ def run_method(
     """
     torch.manual_seed(0)
     model = spec.build()
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    if not isinstance(model, EmulatedNet):  # its parameters start as zeros on every rank
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     opt = build_optimizer(method, model, density, profile_steps)
     x, y = data
     out = MethodTimes(method)
@@ -184,6 +192,8 @@ def run_method(
         out.wire_bytes = opt.dlgs.exchange.wire_bytes()
         out.messages = len(opt.dlgs.exchange.groups)
         out.guard = guard_verdict(opt.dlgs.planner)
+        if method == "dlgs":
+            out.predicted_tails = predicted_tails(opt.dlgs.planner, opt.dlgs.exchange)
         if SPARSE_METHODS[method][1] != "none":
             logger.debug("%s: plan in force\n%s", method, opt.dlgs.planner.plan.describe())
     return out
@@ -200,6 +210,10 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> None:
     spec = MODELS[args.model]
     batch = args.batch or spec.batch
     data = spec.make_batch(batch, torch.Generator().manual_seed(1000 + rank))
+    emulation = None
+    if args.emulate is not None:
+        emulation = _emulation(args, spec, batch, data, rank)
+        spec, batch, data = _emulated_spec(emulation, rank)
     load_start = os.getloadavg()[0]
 
     def one(method: str, round_: int, warmup: int, bar: Any) -> MethodTimes:
@@ -230,5 +244,57 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> None:
         sample=spec.sample,
         timing=TIMING,
         load_start=load_start,
+        model=emulation.name if emulation is not None else None,
+        compute=emulation.label if emulation is not None else "real",
     )
     print(section)
+
+
+def _emulation(
+    args: argparse.Namespace, spec: ModelSpec, batch: int, data: Batch, rank: int
+) -> Emulation:
+    """Rank 0's :class:`Emulation` for ``--emulate``, the same on every rank
+    (a measured profile is measured once, on rank 0, and broadcast)."""
+    emulation = None
+    if rank == 0:
+
+        def measure() -> Tuple[str, int, Any]:
+            torch.manual_seed(0)
+            return args.model, batch, measure_layers(spec.build(), data, spec.loss)
+
+        emulation = emulation_from(
+            args.emulate,
+            speed=args.emulate_speed or 1.0,
+            batch=args.batch,
+            flops=args.emulate_flops or DEFAULT_COMPUTE_FLOPS,
+            measure=measure,
+        ).to_dict()
+    emulation = hvd.broadcast_object(emulation, root_rank=0, name="benchmarks.train.emulation")
+    out = Emulation.from_dict(emulation)
+    if rank == 0:
+        logger.info(
+            "%s: %d tensors, %.1f M parameters, %s",
+            out.name,
+            len(out.layers),
+            sum(x.numel for x in out.layers) / 1e6,
+            out.label,
+        )
+    return out
+
+
+def _emulated_spec(emulation: Emulation, rank: int) -> Tuple[ModelSpec, int, Batch]:
+    """The :class:`ModelSpec`, batch and input of an emulated model. Its
+    gradient draws are made once per process and shared by every method's net."""
+    first = EmulatedNet(emulation, rank)
+    draws = first.draws
+
+    def build() -> nn.Module:
+        return EmulatedNet(emulation, rank, draws=draws)
+
+    spec = ModelSpec(
+        build, emulation.batch, lambda b, g: _NO_DATA, lambda out, y: out, "emulated sample"
+    )
+    return spec, emulation.batch, _NO_DATA
+
+
+_NO_DATA: Batch = (torch.zeros(()), torch.zeros(()))

@@ -61,12 +61,61 @@ def test_train_benchmark_writes_rows(tmp_path):
     assert 0 < float(rows["dlgs-none"]["sparsify_s"]) < float(rows["dlgs-none"]["backward_s"])
     assert rows["dense"]["sparsify_s"] == ""
     assert float(rows["no-comm"]["efficiency_vs_nocomm"]) == pytest.approx(1.0)
+    # The dlgs method's planner predicts every method's step from its profile:
+    # the no-comm bound plus a communication tail >= 0.
+    for m in ("dense", "dlgs-none", "dlgs"):
+        predicted = float(rows[m]["predicted_step_s"])
+        assert predicted >= float(rows["no-comm"]["median_step_s"])
+        assert float(rows[m]["prediction_error"]) == pytest.approx(
+            predicted / float(rows[m]["median_step_s"]) - 1
+        )
+    assert rows["no-comm"]["predicted_step_s"] == ""
     assert float(rows["dense"]["speedup_vs_dense"]) == pytest.approx(1.0)
     md = (tmp_path / "train.md").read_text()
     assert md.count("| dlgs |") == 1
     assert "# Training throughput: resnet20, 2 workers" in md and "torch 2." in md
     assert (tmp_path / "train.png").stat().st_size > 0
     assert "| method |" in proc.stdout
+
+
+def test_emulated_compute_runs_the_real_exchange_and_says_so(tmp_path):
+    # The PTB LSTM's catalog structure (11 tensors, 4.65 M parameters) on a
+    # device 100x faster than the default: a few ms per step of waits.
+    methods = ["no-comm", "dense", "dlgs-none"]
+    horovodrun(
+        "gloo",
+        2,
+        [
+            "-m",
+            "benchmarks.train",
+            "--emulate",
+            "catalog:ptb-lstm",
+            "--emulate-speed",
+            "100",
+            "--methods",
+            ",".join(methods),
+            "--steps",
+            "3",
+            "--warmup",
+            "2",
+            "--out",
+            tmp_path,
+        ],
+        timeout=180,
+    )
+    with open(tmp_path / "train.csv", newline="") as f:
+        rows = {r["method"]: r for r in csv.DictReader(f)}
+    assert list(rows) == methods
+    for r in rows.values():
+        assert r["model"] == "ptb-lstm" and r["batch"] == "20"
+        assert r["compute"].startswith("emulated compute: catalog:ptb-lstm at 10 TFLOP/s / 100")
+    assert int(rows["dense"]["wire_bytes_per_step"]) == 4 * 4_653_200
+    # dlgs selected from the drawn gradients: its layers went sparse.
+    assert int(rows["dlgs-none"]["wire_bytes_per_step"]) < 4 * 4_653_200 / 10
+    assert float(rows["dlgs-none"]["sparsify_s"]) > 0
+    md = (tmp_path / "train.md").read_text()
+    assert "# Training throughput: ptb-lstm (emulated compute), 2 workers" in md
+    assert "**Emulated compute**" in md
 
 
 @pytest.mark.parametrize(
@@ -78,6 +127,10 @@ def test_train_benchmark_writes_rows(tmp_path):
         (["--framework", "tensorflow", "--model", "bert-small"], "--model"),
         (["--framework", "jax"], "--framework"),
         (["--tf-mode", "eager"], "--tf-mode"),
+        (["--emulate-speed", "2"], "--emulate-speed"),
+        (["--emulate", "catalog:vgg16", "--emulate-speed", "0"], "--emulate-speed"),
+        (["--emulate", "measured", "--emulate-flops", "1e12"], "--emulate-flops"),
+        (["--emulate", "catalog:vgg16", "--framework", "tensorflow"], "--emulate"),
     ],
 )
 def test_bad_arguments_name_the_option(args, option):
