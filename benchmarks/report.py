@@ -599,7 +599,8 @@ def run_rounds(
     with bar, logging_redirect_tqdm():
         for round_ in range(args.rounds):
             for method in args.methods:
-                bar.set_description(f"{args.model} {method}")
+                name = args.emulate.split(":")[-1] if getattr(args, "emulate", None) else args.model
+                bar.set_description(f"{name} {method}")
                 barrier()
                 got = one(
                     method, round_, warmup_steps(method, args.warmup, args.profile_steps), bar
