@@ -12,35 +12,36 @@ from conftest import ROOT, horovodrun
 pytestmark = pytest.mark.parallel
 
 
+def _train(tmp_path, *args, timeout):
+    """``benchmarks.train ARGS --out tmp_path`` on 2 Gloo ranks: the process
+    and the CSV's rows by method."""
+    proc = horovodrun(
+        "gloo", 2, ["-m", "benchmarks.train", *args, "--out", tmp_path], timeout=timeout
+    )
+    with open(tmp_path / "train.csv", newline="") as f:
+        return proc, {r["method"]: r for r in csv.DictReader(f)}
+
+
 def test_train_benchmark_writes_rows(tmp_path):
     # --warmup 1: dlgs must still warm up until its refined plan is in force
     # (2 x --profile-steps + 3 steps), or run_method raises.
     methods = ["dense", "dlgs-none", "dlgs", "no-comm"]
-    proc = horovodrun(
-        "gloo",
-        2,
-        [
-            "-m",
-            "benchmarks.train",
-            "--model",
-            "resnet20",
-            "--methods",
-            ",".join(methods),
-            "--steps",
-            "3",
-            "--warmup",
-            "1",
-            "--profile-steps",
-            "1",
-            "--batch",
-            "8",
-            "--out",
-            tmp_path,
-        ],
+    proc, rows = _train(
+        tmp_path,
+        "--model",
+        "resnet20",
+        "--methods",
+        ",".join(methods),
+        "--steps",
+        "3",
+        "--warmup",
+        "1",
+        "--profile-steps",
+        "1",
+        "--batch",
+        "8",
         timeout=120,
     )
-    with open(tmp_path / "train.csv", newline="") as f:
-        rows = {r["method"]: r for r in csv.DictReader(f)}
     assert list(rows) == methods
     for r in rows.values():
         assert r["model"] == "resnet20" and r["workers"] == "2" and r["batch"] == "8"
@@ -82,29 +83,20 @@ def test_emulated_compute_runs_the_real_exchange_and_says_so(tmp_path):
     # The PTB LSTM's catalog structure (11 tensors, 4.65 M parameters) on a
     # device 100x faster than the default: a few ms per step of waits.
     methods = ["no-comm", "dense", "dlgs-none"]
-    horovodrun(
-        "gloo",
-        2,
-        [
-            "-m",
-            "benchmarks.train",
-            "--emulate",
-            "catalog:ptb-lstm",
-            "--emulate-speed",
-            "100",
-            "--methods",
-            ",".join(methods),
-            "--steps",
-            "3",
-            "--warmup",
-            "2",
-            "--out",
-            tmp_path,
-        ],
+    _, rows = _train(
+        tmp_path,
+        "--emulate",
+        "catalog:ptb-lstm",
+        "--emulate-speed",
+        "100",
+        "--methods",
+        ",".join(methods),
+        "--steps",
+        "3",
+        "--warmup",
+        "2",
         timeout=180,
     )
-    with open(tmp_path / "train.csv", newline="") as f:
-        rows = {r["method"]: r for r in csv.DictReader(f)}
     assert list(rows) == methods
     for r in rows.values():
         assert r["model"] == "ptb-lstm" and r["batch"] == "20"
