@@ -28,7 +28,8 @@ also measures what the bridge carries with every link of a ring busy; the
 report lists it per cell, and judges dlgs (dp) against the merge goals::
 
     python -m benchmarks.suite --models catalog:resnet50,catalog:bert-base \\
-        --workers 2,4,8,16 --bandwidths 100mbit --out benchmarks/results/emulated
+        --workers 2,4,8,16 --bandwidths 100mbit --emulate-speed 0.02 \\
+        --out benchmarks/results/emulated
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from typing import Dict, List, Optional, Sequence
 from dlgs.core.catalog import MODELS as CATALOG
 from dlgs.core.catalog import catalog_model
 
-from .report import FRAMEWORKS, MODELS, framework_of, is_emulated
+from .report import FRAMEWORKS, MODELS, framework_of, is_emulated, positive_float, positive_int
 
 __all__ = ["main"]
 
@@ -355,11 +356,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     )
     parser.add_argument(
         "--emulate-speed",
-        type=float,
+        type=positive_float,
         default=1.0,
         help="emulated models: divide every layer's duration by this",
     )
-    parser.add_argument("--rounds", type=int, default=1, help="benchmarks.train --rounds")
+    parser.add_argument("--rounds", type=positive_int, default=1, help="benchmarks.train --rounds")
     parser.add_argument("--workers", default="2,4")
     parser.add_argument("--methods", default=METHODS)
     parser.add_argument(
