@@ -152,7 +152,8 @@ def test_merge_config_validates_once_naming_the_option():
     from dlgs import MergeConfig
 
     cfg = MergeConfig()
-    assert (cfg.strategy, cfg.profile_steps, cfg.drift_window) == ("dp", 5, 50)
+    assert (cfg.strategy, cfg.profile_steps, cfg.drift_window) == ("dp", 8, 50)
+    assert cfg.profile_budget == 0.01
     with pytest.raises(ValueError, match="merge must be one of"):
         MergeConfig("fastest")
     with pytest.raises(ValueError, match="profile_steps must be an int >= 1"):
@@ -161,6 +162,9 @@ def test_merge_config_validates_once_naming_the_option():
         MergeConfig(bucket_elements=8192.0)
     with pytest.raises(ValueError, match="drift_tolerance must be a finite float > 0"):
         MergeConfig(drift_tolerance=float("inf"))
+    for bad in (0, 1.5, float("nan")):
+        with pytest.raises(ValueError, match=r"profile_budget must be a finite float in \(0, 1\]"):
+            MergeConfig(profile_budget=bad)
     with pytest.raises(Exception):
         cfg.strategy = "none"  # frozen
 

@@ -177,8 +177,10 @@ class MergeConfig:
             layers in buckets of ``bucket_elements`` elements (OMGS-SGD);
             ``"greedy"``: the MG-WFBP / OMGS merge rule. Given as ``merge=``.
         profile_steps: steps timed before planning, and again under the first
-            plan before it is refined. More gives steadier medians; the final
-            plan starts later.
+            plan before it is refined; also the guard's samples on each side.
+            More gives steadier medians and a guard that rejects smaller real
+            differences; the final plan starts later (``2 * profile_steps + 3``
+            steps).
         bucket_elements: elements per bucket for ``"buckets"``.
         max_group: most layers in one message for ``"dp"`` (None: any). Bounds
             planning time on models with hundreds of layers but forbids the
@@ -190,18 +192,29 @@ class MergeConfig:
         refine: time ``profile_steps`` steps under a fresh plan and plan once
             more from them (the first profile cannot see how the plan's own
             messages slow back-propagation).
-        guard: ``"dp"`` with ``refine``: keep a plan only if its timed steps
-            ended no later than the layer-wise ones; else send layer by layer.
+        guard: ``"dp"`` with ``refine``: drop a plan for layer-wise sending
+            if its timed steps ended later than the layer-wise ones by more
+            than the noise of both samples (medians, a margin of twice the
+            standard error of their difference estimated from the median
+            absolute deviations, at least 2%); a difference within the noise
+            keeps the plan.
+        profile_budget: the share of the run that profiling may cost after the
+            first profile: a re-profile (after drift) waits until the planner's
+            host time so far is below this fraction of the elapsed time, and
+            probes never spend more bytes than sparse sending has saved against
+            dense float32 so far (re-profiles keep the fitted collectives when
+            it has not). Smaller re-plans less often after drift.
     """
 
     strategy: str = "dp"
-    profile_steps: int = 5
+    profile_steps: int = 8
     bucket_elements: int = 8192
     max_group: Optional[int] = None
     drift_tolerance: float = 0.25
     drift_window: int = 50
     refine: bool = True
     guard: bool = True
+    profile_budget: float = 0.01
 
     def __post_init__(self) -> None:
         if not isinstance(self.strategy, str):
@@ -216,6 +229,7 @@ class MergeConfig:
         check_int("max_group", self.max_group, 1, none_ok=True)
         check_float("drift_tolerance", self.drift_tolerance, low=0, low_open=True)
         check_int("drift_window", self.drift_window, 0)
+        check_float("profile_budget", self.profile_budget, low=0, high=1, low_open=True)
         for name in ("refine", "guard"):
             value = getattr(self, name)
             if not isinstance(value, bool):

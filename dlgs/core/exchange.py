@@ -342,6 +342,8 @@ class SparseExchange:
         self._index = {name: i for i, name in enumerate(names)}
         self._plan: Optional[List[Tuple[List[int], Optional[bool]]]] = None
         self.groups: List[_Group] = []
+        self._wire_bytes: Optional[int] = None  # wire_bytes() of the layout in force
+        self._dense_bytes = 4 * sum(layer.numel for layer in self.layers)
         self.step = 0
         self._density: Optional[float] = None
         self._scratch_abs: Any = None
@@ -515,6 +517,7 @@ class SparseExchange:
                 if layer.velocity_next is None:
                     layer.velocity_next = ops.zeros(layer.numel + 1, "float32", like)
         self.groups = []
+        self._wire_bytes = None
         for gi, (members, mode) in enumerate(groups):
             kind = "sparse" if mode else "dense"
             name = (
@@ -986,8 +989,16 @@ class SparseExchange:
         """Bytes this rank contributes per step under the layout in force, over
         all its messages (sparse ones at capacity, with their fingerprint
         word; dense layers as float32, before any Horovod compression). No
-        device read."""
-        return sum(self.message_bytes(g) for g in self.groups)
+        device read; computed once per layout."""
+        if self._wire_bytes is None:
+            self._wire_bytes = sum(self.message_bytes(g) for g in self.groups)
+        return self._wire_bytes
+
+    def dense_bytes(self) -> int:
+        """Bytes per step of a dense float32 exchange of every layer (what
+        Horovod's allreduce moves without compression): the reference for
+        :meth:`wire_bytes`."""
+        return self._dense_bytes
 
     def stats(self) -> List[Dict[str, Any]]:
         """Per-layer numbers of the last step (synchronises; not for the hot path).

@@ -7,7 +7,11 @@
    takes, on the compute stream, with the adapter's clock;
 2. it then times probe allgathers and allreduces of several sizes on the job's
    real ranks and network and fits ``alpha + beta * bytes`` to each (MG-WFBP's
-   model), and times copies for the packing cost;
+   model), and times copies for the packing cost. Probes pay for themselves:
+   they spend at most the bytes that sparse sending has saved against dense
+   so far (the first ones wait until it has; a re-profile that cannot pay
+   keeps the collectives it fitted), and re-profiling after drift waits until
+   the planner's time is under ``profile_budget`` of the run;
 3. rank 0's :class:`~dlgs.core.profile.Profile` is broadcast, so every rank
    plans from the same numbers; the planner is a pure function, so every rank
    derives the same plan, which the exchange applies from the next step;
@@ -25,7 +29,10 @@ import hashlib
 import inspect
 import json
 import logging
+import math
+import pickle
 import statistics
+import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ._checks import check_int
@@ -34,7 +41,7 @@ from .exchange import StepRecord, StepTrace
 from .planner import CostModel, Plan, fit_cost_model, plan_strategy
 from .profile import LayerProfile, Profile, build_spec
 
-__all__ = ["OnlinePlanner", "MERGE_STRATEGIES"]
+__all__ = ["OnlinePlanner", "MERGE_STRATEGIES", "guard_verdict"]
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +49,11 @@ logger = logging.getLogger(__name__)
 # Probe message sizes (bytes of one rank's chunk / of the allreduced buffer):
 # from 4 KiB up to the model's dense size, at most 4 MiB, so that the fitted
 # slope covers the messages the plan will send.
-_PROBE_MIN, _PROBE_MAX = 4 << 10, 4 << 20
+_PROBE_MIN, _PROBE_MAX = 1 << 10, 4 << 20
+#: Probes are sized for runs of this many steps or more: one profile's probes
+#: cost at most ``profile_budget`` of the bytes that this many steps of the
+#: layout in force send.
+_HORIZON_STEPS = 1000
 
 
 class OnlinePlanner:
@@ -71,30 +82,36 @@ class OnlinePlanner:
             The first profile runs before any plan, so it cannot see how the
             plan's own messages slow back-propagation (Horovod's thread and
             the network stack share the cores); ``False`` skips this.
-        guard: ``dp`` with ``refine`` only: keep the plan only if the steps
-            timed under it ended no later (median, first gradient to the end
-            of the exchange's wait) than the layer-wise steps profiled before
-            it; otherwise send layer by layer. The cost model cannot see every
-            cost of a plan's messages (on shared CPU cores their copies and
-            Horovod's thread slow back-propagation), the measurement can.
-            Rank 0's verdict is broadcast, so every rank keeps the same plan.
+        guard: ``dp`` with ``refine`` only: drop the plan for layer-wise
+            sending if the steps timed under it ended later (first gradient to
+            the end of the exchange's wait) than the layer-wise steps profiled
+            before it by more than the noise of both samples
+            (:func:`guard_verdict`). The cost model cannot see every cost of a
+            plan's messages (on shared CPU cores their copies and Horovod's
+            thread slow back-propagation), the measurement can. Rank 0's
+            verdict is broadcast, so every rank keeps the same plan.
+        profile_budget: share of the run's host time that re-profiling after
+            drift may bring the planner's own time to (it waits until the
+            planner is under it); probes spend at most the bytes that sparse
+            sending has saved against dense float32 so far.
     """
 
     def __init__(
         self,
         strategy: str = "dp",
         *,
-        profile_steps: int = 5,
+        profile_steps: int = 8,
         skip_steps: int = 1,
         bucket_elements: int = 8192,
         max_group: Optional[int] = None,
-        probe_reps: int = 3,
+        probe_reps: int = 2,
         profile: Optional[Profile] = None,
         record: bool = False,
         drift_tolerance: float = 0.25,
         drift_window: int = 50,
         refine: bool = True,
         guard: bool = True,
+        profile_budget: float = 0.01,
     ):
         #: The merge options, validated once (:class:`~dlgs.core.config.MergeConfig`).
         self.config = MergeConfig(
@@ -106,6 +123,7 @@ class OnlinePlanner:
             drift_window,
             refine,
             guard,
+            profile_budget,
         )
         check_int("skip_steps", skip_steps, 0)
         check_int("probe_reps", probe_reps, 1)
@@ -117,15 +135,15 @@ class OnlinePlanner:
         self.probe_reps = probe_reps
         self.refine = refine
         self.guard = guard
-        #: The last guard's verdict, ``{"layerwise": s, "plan": s, "kept": bool}``:
-        #: the median seconds from the first gradient to the end of the wait of
-        #: the profiled layer-wise steps and of the steps timed under the plan,
-        #: and whether the plan was kept (rank 0's, the same on every rank);
-        #: None until a guard has run. Saved in checkpoints.
+        self.profile_budget = float(profile_budget)
+        #: The last guard's verdict (:func:`guard_verdict`: its inputs, the
+        #: medians, the noise margin and whether the plan was kept; rank 0's,
+        #: the same on every rank); None until a guard has run. Saved in
+        #: checkpoints.
         self.guard_result: Optional[Dict[str, Any]] = None
         self._fallback = False  # the guard rejected the plan: layer-wise in force
         self._layerwise_in_force = True  # what the profiled steps ran under
-        self._before: Optional[float] = None  # their median measured end
+        self._before: Optional[List[float]] = None  # their measured ends
         self._refining = False  # timing steps under a fresh plan
         self._refine_armed = False
         self._plan_step = 0  # ex.step when the current plan was made
@@ -133,6 +151,11 @@ class OnlinePlanner:
         self.drift_window = drift_window
         self._ratios: List[float] = []
         self._baseline: Optional[float] = None
+        self._drifted = 0  # consecutive drift windows beyond the tolerance, signed
+        self._vote: Optional[Tuple[Any, Any]] = None  # (comm, handle) of a drift vote
+        self._started: Optional[float] = None  # perf_counter() at the first step seen
+        self._collectives: Optional[Profile] = None  # the last profile with probes
+        self._waiting = False  # logged that the first probes wait for their bytes
         #: How many plans have been made (1 + re-plans after drift or restart).
         self.plans_made = 0
         if profile is not None and not isinstance(profile, Profile):
@@ -150,12 +173,53 @@ class OnlinePlanner:
         self.order: List[int] = []
         self._traces: List[StepTrace] = []
         self._density: Optional[float] = None  # density the current plan is for
+        #: What planning has cost this rank so far, and what sparse steps saved:
+        #: ``seconds`` (host time inside this hook: probes, broadcasts,
+        #: planning, bookkeeping), ``bytes`` (this rank's part of the probe
+        #: collectives and the planner's broadcasts, counted like
+        #: ``exchange.wire_bytes()``), ``probes`` (probe collectives issued),
+        #: ``profiles`` (profiles measured), ``broadcasts`` (broadcasts and
+        #: drift votes), ``probe_bytes`` (part of ``bytes``), ``probe_seconds``
+        #: and ``broadcast_seconds`` (parts of ``seconds``), and
+        #: ``saved_bytes`` (over the steps seen, dense float32 bytes minus the
+        #: exchange's ``wire_bytes()``: what the probes may spend).
+        self.cost: Dict[str, Any] = {
+            "seconds": 0.0,
+            "bytes": 0,
+            "probes": 0,
+            "profiles": 0,
+            "broadcasts": 0,
+            "saved_bytes": 0,
+            "probe_bytes": 0,
+            "probe_seconds": 0.0,
+            "broadcast_seconds": 0.0,
+        }
 
     # -- step hook -------------------------------------------------------------
     def __call__(self, ex, record: StepRecord) -> None:
         """Called by the exchange after each step (``ex.step`` steps are done)."""
         if self.strategy == "none" and not self.record:
             return  # layer-wise needs no profile unless predictions are wanted
+        t0 = time.perf_counter()
+        if self._started is None:
+            self._started = t0
+        self.cost["saved_bytes"] += ex.dense_bytes() - ex.wire_bytes()
+        try:
+            self._step(ex, record)
+        finally:
+            self.cost["seconds"] += time.perf_counter() - t0
+
+    def _broadcast(self, ex, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank, counted in :attr:`cost`."""
+        t0 = time.perf_counter()
+        out = ex.comm.broadcast_object(obj)
+        self.cost["broadcast_seconds"] += time.perf_counter() - t0
+        self.cost["broadcasts"] += 1
+        # Rank 0's object, the same on every rank: every rank counts the same.
+        self.cost["bytes"] += len(pickle.dumps(out)) + 8  # payload and its length
+        return out
+
+    def _step(self, ex, record: StepRecord) -> None:
         if self.profile is not None:
             if self.plan is None:
                 self._replan(ex)
@@ -182,8 +246,20 @@ class OnlinePlanner:
         if record.trace is not None:
             self._traces.append(record.trace)
         if len(self._traces) >= self.profile_steps:
+            if self._collectives is None and not self._probe_sizes(ex):
+                # The first probes wait until sparse sending has saved their bytes.
+                if not self._waiting:
+                    self._waiting = True
+                    _log(
+                        ex,
+                        "dlgs: %d step(s) profiled; the probes wait until sparse sending has "
+                        "saved the bytes they cost (%.3g MB per step saved so far)",
+                        len(self._traces),
+                        self.cost["saved_bytes"] / max(1, ex.step) / 1e6,
+                    )
+                return
             self.profile = self._measure(ex)
-            self._before = _measured_end(self._traces) if self._layerwise_in_force else None
+            self._before = _ends(self._traces) if self._layerwise_in_force else None
             self._traces = []
             self._fallback = False  # a fresh profile: the strategy's plan first
             self._replan(ex)
@@ -212,22 +288,21 @@ class OnlinePlanner:
     def _judge(self, ex) -> bool:
         """The guard: whether the plan timed in refinement may stay (rank 0's
         verdict, broadcast to every rank)."""
-        if not (self.guard and self.strategy == "dp" and self._before is not None):
+        if not (self.guard and self.strategy == "dp" and self._before):
             return True
-        during = _measured_end(self._traces)
-        verdict = {
-            "layerwise": self._before,
-            "plan": during,
-            "kept": during is None or during <= self._before,
-        }
-        self.guard_result = verdict = ex.comm.broadcast_object(verdict)
+        verdict = guard_verdict(self._before, _ends(self._traces))
+        self.guard_result = verdict = self._broadcast(ex, verdict)
         if not verdict["kept"]:
             _log(
                 ex,
-                "dlgs: the plan's steps ended at %.3g ms against %.3g ms layer by layer: "
+                "dlgs: the plan's steps ended at %.3g ms (median of %d) against %.3g ms "
+                "layer by layer (median of %d), beyond the noise margin of %.3g ms: "
                 "sending layer by layer",
                 verdict["plan"] * 1e3,
+                len(verdict["plan_steps"]),
                 verdict["layerwise"] * 1e3,
+                len(verdict["layerwise_steps"]),
+                verdict["margin"] * 1e3,
             )
         return bool(verdict["kept"])
 
@@ -236,9 +311,25 @@ class OnlinePlanner:
 
         The ratio of measured (first gradient to end of wait) to predicted end
         is calibrated over the first ``drift_window`` steps after a plan; when
-        a later window's median moves by more than ``drift_tolerance``, rank
-        0's verdict is broadcast and every rank profiles again.
+        two windows in a row have medians beyond ``drift_tolerance`` from it
+        (in the same direction) and the planner is within ``profile_budget``
+        of the elapsed time, rank 0 votes to profile again. Every rank sends
+        its vote with a 1-element asynchronous allgather at the window's end
+        and reads rank 0's one step later, so the vote never blocks a step,
+        and every rank profiles again at the same step.
         """
+        if self._vote is not None:
+            comm, handle = self._vote
+            self._vote = None
+            if int(ex.ops.to_host(comm.synchronize(handle))[0]):
+                _log(
+                    ex,
+                    "dlgs: step time drifted from the plan's calibration for two windows "
+                    "(at step %d): profiling again",
+                    ex.step,
+                )
+                self.restart()
+                return
         if not self.drift_window or self.strategy == "none" or record.seconds is None:
             return
         assert self.plan is not None
@@ -251,15 +342,33 @@ class OnlinePlanner:
             self._baseline = ratio
             return
         drift = ratio / self._baseline - 1.0
-        if ex.comm.broadcast_object(abs(drift) > self.drift_tolerance):
-            _log(
-                ex,
-                "dlgs: step time drifted %+.0f%% from the plan's calibration at step %d: "
-                "profiling again",
+        # One window beyond the tolerance is often noise (a busy host); two in
+        # a row in the same direction are a drift.
+        if abs(drift) <= self.drift_tolerance:
+            self._drifted = 0
+        elif self._drifted * drift > 0:
+            self._drifted += 1 if drift > 0 else -1
+        else:
+            self._drifted = 1 if drift > 0 else -1
+        assert self._started is not None
+        elapsed = time.perf_counter() - self._started
+        affordable = self.cost["seconds"] <= self.profile_budget * elapsed
+        vote = abs(self._drifted) >= 2 and affordable
+        if abs(self._drifted) >= 2:
+            logger.debug(
+                "dlgs: drift %+.0f%% at step %d; profiling has cost %.3g s of %.3g s "
+                "(profile_budget %g): %s",
                 drift * 100,
                 ex.step,
+                self.cost["seconds"],
+                elapsed,
+                self.profile_budget,
+                "voting to profile again" if vote else "re-profiling later",
             )
-            self.restart()
+        flag = ex.ops.index_vector([int(vote)], ex.like)
+        self._vote = (ex.comm, ex.comm.allgather_async(flag, f"{ex.prefix}.drift_vote"))
+        self.cost["broadcasts"] += 1
+        self.cost["bytes"] += 8
 
     def options(self) -> Dict[str, Any]:
         """Every constructor option, as plain data every rank must agree on.
@@ -329,7 +438,12 @@ class OnlinePlanner:
         self._traces = []
         self._ratios = []
         self._baseline = None
+        self._drifted = 0
         self._refining = False
+        if self._vote is not None:  # every rank has the same vote pending
+            comm, handle = self._vote
+            self._vote = None
+            comm.synchronize(handle)
 
     def on_density(self, ex, density: float) -> Optional[List[Tuple[List[int], bool]]]:
         """The density changed (the exchange is re-laying out for it): the plan
@@ -362,11 +476,24 @@ class OnlinePlanner:
             if ex.is_sparse(ex.layers[i]):
                 sizes.append(ex.layers[i].numel)
                 times.append(statistics.median(t.done[i] - t.arrive[i] for t in self._traces))
-        if under is None:
+        probes = self._probe_sizes(ex) if under is None else []
+        if probes:
             sparsify = _fit_or_flat(sizes, times)
             pack = self._probe_copy(ex)
-            allgather = self._probe(ex, "allgather")
-            allreduce = self._probe(ex, "allreduce")
+            allgather = self._probe(ex, "allgather", probes)
+            allreduce = self._probe(ex, "allreduce", probes)
+        elif under is None:
+            # A re-profile the saved bytes cannot pay probes for: the
+            # collectives stay as last fitted, compute is measured again.
+            last = self._collectives
+            assert last is not None
+            _log(
+                ex,
+                "dlgs: re-profiling without probes (they would cost more than sparse "
+                "sending has saved): the collectives stay as fitted",
+            )
+            sparsify = _fit_or_flat(sizes, times) if times else last.sparsify
+            pack, allgather, allreduce = last.pack, last.allgather, last.allreduce
         else:
             sparsify = _fit_or_flat(sizes, times) if times else under.sparsify
             pack, allgather, allreduce = under.pack, under.allgather, under.allreduce
@@ -381,7 +508,10 @@ class OnlinePlanner:
             allgather=allgather,
             allreduce=allreduce,
         )
-        shared = Profile.from_dict(ex.comm.broadcast_object(local.to_dict()))
+        self.cost["profiles"] += 1
+        shared = Profile.from_dict(self._broadcast(ex, local.to_dict()))
+        if under is None:
+            self._collectives = shared
         _log(
             ex,
             "dlgs profile (rank 0's, %d ranks): allgather %.3g ms + %.3g ns/B, allreduce %.3g ms "
@@ -397,16 +527,34 @@ class OnlinePlanner:
         )
         return shared
 
-    def _probe(self, ex, kind: str) -> CostModel:
+    def _probe_sizes(self, ex) -> List[int]:
+        """The probe sizes (bytes) this profile can afford: the smallest rung of
+        :func:`_probe_ladder`, the largest one affordable and one between them,
+        where both kinds of probe at each size, ``probe_reps + 1`` times each,
+        cost no more than (a) what sparse sending has saved against dense so
+        far, less what planning has spent (so dlgs never sends more than dense
+        Horovod would), and (b) ``profile_budget`` of the bytes
+        :data:`_HORIZON_STEPS` steps of the layout in force send. Empty if not
+        even the two smallest rungs fit. The same on every rank (the ledger
+        counts layouts and broadcast results, which every rank shares)."""
+        budget = min(
+            self.cost["saved_bytes"] - self.cost["bytes"],
+            self.profile_budget * _HORIZON_STEPS * ex.wire_bytes(),
+        )
+        ladder = _probe_ladder(ex)
+        calls = 2 * (self.probe_reps + 1)
+        for top in range(len(ladder) - 1, 0, -1):
+            sizes = sorted({ladder[0], ladder[top // 2], ladder[top]})
+            if calls * sum(sizes) <= budget:
+                return sizes
+        return []
+
+    def _probe(self, ex, kind: str, probes: Sequence[int]) -> CostModel:
         ops, comm, clock = ex.ops, ex.comm, ex.clock
         like = ex.like
         sizes, times = [], []
-        top = min(_PROBE_MAX, max(_PROBE_MIN * 16, 4 * sum(layer.numel for layer in ex.layers)))
-        probes, nbytes = [], _PROBE_MIN
-        while nbytes < top:
-            probes.append(nbytes)
-            nbytes *= 4
-        for nbytes in probes + [top]:
+        start = time.perf_counter()
+        for nbytes in probes:
             words = nbytes // 4
             buf = ops.zeros(words, "int32" if kind == "allgather" else "float32", like)
             name = f"{ex.prefix}.probe.{kind}.{nbytes}"
@@ -418,9 +566,13 @@ class OnlinePlanner:
                 else:
                     comm.synchronize(comm.allreduce_async(buf, name))
                 samples.append(clock() - t0)
+            self.cost["probes"] += self.probe_reps + 1
+            self.cost["bytes"] += (self.probe_reps + 1) * words * 4
+            self.cost["probe_bytes"] += (self.probe_reps + 1) * words * 4
             sizes.append(float(nbytes))
             # The minimum: other work on the machine only ever adds time.
             times.append(min(samples[1:]))
+        self.cost["probe_seconds"] += time.perf_counter() - start
         model = fit_cost_model(sizes, times)
         if model.beta == 0.0:
             _log(
@@ -521,10 +673,70 @@ def _log(ex, msg: str, *args: Any, level: int = logging.INFO) -> None:
     logger.log(level if ex.comm.rank <= 0 else logging.DEBUG, msg, *args)
 
 
-def _measured_end(traces: Sequence[StepTrace]) -> Optional[float]:
-    """Median time from a traced step's first gradient to the end of its wait."""
-    ends = [t.end for t in traces if t.end is not None]
-    return statistics.median(ends) if ends else None
+def _ends(traces: Sequence[StepTrace]) -> List[float]:
+    """Seconds from each traced step's first gradient to the end of its wait."""
+    return [t.end for t in traces if t.end is not None]
+
+
+def _probe_ladder(ex) -> List[int]:
+    """Probe sizes in bytes, multiples of 4: by factors of 4 up to the
+    model's dense size (at most :data:`_PROBE_MAX`), that size last, from
+    :data:`_PROBE_MIN` (or a 64th of the dense size for a model under 64
+    KiB, at least 256 B, so that a small model's probes stay small)."""
+    top = min(_PROBE_MAX, max(1024, ex.dense_bytes()))
+    nbytes = min(_PROBE_MIN, max(256, top // 64 // 4 * 4))
+    sizes = []
+    while nbytes < top:
+        sizes.append(nbytes)
+        nbytes *= 4
+    return sizes + [top]
+
+
+#: Standard error of a median of normal samples: 1.2533 sigma / sqrt(n); sigma
+#: from the median absolute deviation: 1.4826 MAD.
+_MEDIAN_SE = 1.2533 * 1.4826
+
+
+def guard_verdict(
+    layerwise: Sequence[float], plan: Sequence[float], z: float = 2.0, floor: float = 0.02
+) -> Dict[str, Any]:
+    """Whether a plan's timed steps justify keeping it against layer-wise ones.
+
+    The plan is dropped only if the median of ``plan`` exceeds the median of
+    ``layerwise`` by more than a noise margin: ``z`` standard errors of the
+    difference of the two medians (each estimated from its median absolute
+    deviation, robust to a few outlying steps), and at least ``floor`` of the
+    layer-wise median. Within the margin the measurement cannot tell them
+    apart and the plan, which the cost model chose, stays.
+
+    Returns:
+        The verdict with its inputs, as plain data: ``layerwise`` and ``plan``
+        (medians, s), ``layerwise_steps`` and ``plan_steps`` (the samples),
+        ``margin`` (s) and ``kept``.
+    """
+    a, b = list(layerwise), list(plan)
+    if not a or not b:
+        return {
+            "layerwise": None,
+            "plan": None,
+            "layerwise_steps": a,
+            "plan_steps": b,
+            "margin": 0.0,
+            "kept": True,
+        }
+    ma, mb = statistics.median(a), statistics.median(b)
+    mad_a = statistics.median(abs(x - ma) for x in a)
+    mad_b = statistics.median(abs(x - mb) for x in b)
+    se = _MEDIAN_SE * math.sqrt(mad_a**2 / len(a) + mad_b**2 / len(b))
+    margin = max(floor * ma, z * se)
+    return {
+        "layerwise": ma,
+        "plan": mb,
+        "layerwise_steps": a,
+        "plan_steps": b,
+        "margin": margin,
+        "kept": mb <= ma + margin,
+    }
 
 
 def _fit_or_flat(sizes: Sequence[float], times: Sequence[float]) -> CostModel:

@@ -337,27 +337,31 @@ def _dp_mlp(seed: int, hidden: int, **options):
 @scenario
 def drift_replans():
     """A step that gets much slower after planning (a 64x larger batch) makes
-    every rank profile again and re-plan, together."""
-    model, opt = _dp_mlp(10, 256, drift_window=3, drift_tolerance=0.5)
-    planner = opt.dlgs.planner
-    steps, made_before = 0, None
-    for s in range(40):
-        n = 16 if made_before is None else 1024
-        opt.zero_grad()
-        x, y = batch(s, n)
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
-        steps += 1
-        if made_before is None and planner.ready and planner._baseline is not None:
-            made_before = planner.plans_made  # calibrated: now slow the step down
-        if made_before is not None and planner.plans_made > made_before:
-            break
-    return {
-        "plans_made": planner.plans_made,
-        "made_before": made_before,
-        "steps": steps,
-        "digest": digest(model),
-    }
+    every rank profile again and re-plan, together; with a profile_budget the
+    planner has already spent, the re-profile waits."""
+    out = {}
+    for label, budget in (("free", 1.0), ("spent", 0.002)):
+        model, opt = _dp_mlp(10, 256, drift_window=3, drift_tolerance=0.5, profile_budget=budget)
+        planner = opt.dlgs.planner
+        steps, made_before = 0, None
+        for s in range(40):
+            n = 16 if made_before is None else 1024
+            opt.zero_grad()
+            x, y = batch(s, n)
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            steps += 1
+            if made_before is None and planner.ready and planner._baseline is not None:
+                made_before = planner.plans_made  # calibrated: now slow the step down
+            if made_before is not None and planner.plans_made > made_before:
+                break
+        out[label] = {
+            "plans_made": planner.plans_made,
+            "made_before": made_before,
+            "steps": steps,
+            "digest": digest(model),
+        }
+    return out
 
 
 @scenario

@@ -1,0 +1,131 @@
+"""Profiling pays for itself (``dlgs/core/profiler.py``), with no framework:
+the planner's byte ledger and probe sizes on ranks as threads
+(``tests/local_world.py``), and the guard's statistic."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from local_world import OPS, LocalWorld
+
+from dlgs.core import SparseExchange, SparsityConfig
+from dlgs.core.profiler import OnlinePlanner, _probe_ladder, guard_verdict
+
+# Backward order; 82,186 elements, 328,744 dense bytes per step.
+SIZES = [("w1", 65536), ("b1", 256), ("w2", 16384), ("b2", 10)]
+
+
+def _exchange(comm, planner, sizes=SIZES, density=0.01):
+    cfg = SparsityConfig(density=density, min_sparse_size=1024)
+    ex = SparseExchange(OPS, comm, cfg, sizes)
+    ex.step_hooks.append(planner)
+    return ex
+
+
+def _steps(ex, rank, steps, planner, at_step=None):
+    rng = np.random.default_rng(rank)
+    ledger = []
+    for s in range(steps):
+        if at_step is not None:
+            at_step(s)
+        for i, layer in enumerate(ex.layers):
+            ex.submit(i, rng.standard_normal(layer.numel).astype(np.float32))
+        ex.wait()
+        cost = planner.cost
+        ledger.append((s, cost["bytes"], cost["saved_bytes"], cost["probes"]))
+    return ledger
+
+
+@pytest.mark.parametrize(
+    "sizes, density, waits",
+    [
+        (SIZES, 0.01, False),
+        # 4,096 elements at density 0.4: a step saves about 3 KB against dense,
+        # less than the smallest probes (256 + 1,024 B, both kinds, 3 calls each).
+        ([("w", 4096)], 0.4, True),
+    ],
+)
+def test_probes_never_spend_more_than_sparse_sending_saved(sizes, density, waits):
+    def body(rank, comm):
+        planner = OnlinePlanner("dp", profile_steps=1)
+        ex = _exchange(comm, planner, sizes, density)
+        ledger = _steps(ex, rank, 12, planner)
+        return ledger, planner.plans_made, planner.cost["probe_bytes"], ex.wire_bytes()
+
+    results = LocalWorld(2).run(body)
+    assert results[0] == results[1], "ranks' ledgers differ (their probes could too)"
+    ledger, plans, probe_bytes, wire = results[0]
+    assert plans >= 1 and ledger[-1][3] > 0, "no profile was measured"
+    for step, spent, saved, _ in ledger:
+        assert spent <= saved, f"step {step}: planning spent {spent} B, sparse steps saved {saved}"
+    # At most profile_budget (1%) of what 1,000 steps of the layout send.
+    assert probe_bytes <= 0.01 * 1000 * wire
+    # One step skipped, one profiled: without waiting, the probes follow step 1.
+    first = next(s for s, _, _, probes in ledger if probes)
+    assert (first > 1) is waits, ledger[:4]
+
+
+def test_a_reprofile_the_savings_cannot_pay_keeps_the_fitted_collectives():
+    def body(rank, comm):
+        planner = OnlinePlanner("dp", profile_steps=1, refine=False)
+        ex = _exchange(comm, planner)
+        seen = {}
+
+        def at_step(s):
+            if s == 6:  # every rank, between the same two steps
+                seen["before"] = (planner.profile, planner.cost["probes"], planner.plans_made)
+                planner.restart()
+                planner.cost["saved_bytes"] = planner.cost["bytes"]  # nothing left to spend
+
+        _steps(ex, rank, 10, planner, at_step)
+        return seen["before"], planner.profile, planner.cost["probes"], planner.plans_made
+
+    results = LocalWorld(2).run(body)
+    (profile, probes, plans), after, probes_after, plans_after = results[0]
+    assert plans_after > plans, "no re-plan after restart()"
+    assert probes_after == probes, "the re-profile probed without the bytes to pay for it"
+    assert (after.allgather, after.allreduce) == (profile.allgather, profile.allreduce)
+    assert results[1][2:] == results[0][2:]
+
+
+def test_probe_ladder_scales_down_for_a_small_model():
+    def body(rank, comm):
+        big = _exchange(comm, OnlinePlanner("dp"))
+        small = _exchange(comm, OnlinePlanner("dp"), [("w", 4096), ("b", 64)])
+        return _probe_ladder(big), _probe_ladder(small)
+
+    big, small = LocalWorld(1).run(body)[0]
+    assert big == [1024, 4096, 16384, 65536, 262144, 328744]
+    # 16,640 dense bytes: from a 64th of it (rounded to a word), not from 4 KiB.
+    assert small == [260, 1040, 4160, 16640]
+    assert all(s % 4 == 0 for s in big + small)
+
+
+def test_guard_keeps_a_plan_whose_difference_is_within_the_noise():
+    layerwise = [10.0, 12.0, 9.0, 11.0, 15.0, 10.5, 9.5, 11.5]
+    plan = [x + 0.6 for x in layerwise]  # 5% slower, samples spread by ~10%
+    v = guard_verdict(layerwise, plan)
+    assert v["kept"] and v["plan"] > v["layerwise"]
+    assert v["margin"] > v["plan"] - v["layerwise"]
+    # Its inputs are recorded.
+    assert v["layerwise_steps"] == layerwise and v["plan_steps"] == plan
+
+
+def test_guard_drops_a_plan_that_is_slower_beyond_the_noise():
+    layerwise = [10.0, 10.1, 9.9, 10.05, 9.95, 10.0, 10.2, 9.8]
+    plan = [x * 1.3 for x in layerwise]
+    v = guard_verdict(layerwise, plan)
+    assert not v["kept"]
+    # One outlying step does not move the medians' verdict.
+    assert guard_verdict(layerwise, [*plan[:-1], 1.0])["kept"] is False
+    assert guard_verdict([*layerwise[:-1], 100.0], layerwise)["kept"] is True
+
+
+@pytest.mark.parametrize("slower, kept", [(1.01, True), (1.03, False)])
+def test_guard_margin_is_at_least_two_percent(slower, kept):
+    # Identical steps on each side (no spread): only the 2% floor remains.
+    assert guard_verdict([1.0] * 3, [slower] * 3)["kept"] is kept
+
+
+def test_guard_without_samples_keeps_the_plan():
+    assert guard_verdict([], [1.0])["kept"] and guard_verdict([1.0], [])["kept"]
