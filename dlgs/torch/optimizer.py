@@ -249,7 +249,7 @@ def DistributedOptimizer(
             profiling), ``"all"``, ``"buckets"`` or ``"greedy"``; or a ready
             :class:`dlgs.MergeConfig`. Its other fields (``profile_steps``,
             ``bucket_elements``, ``max_group``, ``drift_tolerance``,
-            ``drift_window``, ``refine``, ``guard``) are keyword options,
+            ``drift_window``, ``refine``, ``guard``, ``profile_budget``) are keyword options,
             documented once in :class:`dlgs.MergeConfig`. See docs/planning.md.
         log_every: log per-layer statistics to the ``dlgs.torch`` logger every
             this many steps (0: never). Each log synchronises the device once.
