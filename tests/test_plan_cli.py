@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 import textwrap
+from dataclasses import replace
 
 import pytest
 
@@ -300,6 +301,10 @@ BAD_PROFILES = [
     (lambda d: _set(d, "sparsify", "beta", "fast"), "sparsify.beta"),
     (lambda d: _set(d, "pack", None), "pack"),
     (lambda d: _set(d, "allgather", {"alpha": 0, "beta": 0}), "allgather.alpha"),
+    (
+        lambda d: _set(d, "allreduce", {"alpha": 1e-3, "beta": 0, "batched": -1}),
+        "allreduce.batched",
+    ),
     (lambda d: _set(d, "version", 7), "version"),
 ]
 
@@ -325,6 +330,13 @@ def test_profile_round_trips_in_process_and_through_json(tmp_path):
     assert Profile.from_dict(prof.to_dict()) == prof
     prof.save(tmp_path / "p.json")
     assert Profile.load(tmp_path / "p.json") == prof
+    # A measured latency in a batch is kept; a profile saved without one loads.
+    batched = replace(prof, allgather=replace(prof.allgather, batched=2e-4))
+    assert Profile.from_dict(json.loads(json.dumps(batched.to_dict()))) == batched
+    d = json.loads(json.dumps(prof.to_dict()))
+    for key in ("sparsify", "pack", "allgather", "allreduce"):
+        del d[key]["batched"]
+    assert Profile.from_dict(d) == prof
 
 
 @pytest.mark.parametrize("spoil, field", BAD_PROFILES, ids=[f for _, f in BAD_PROFILES])

@@ -224,3 +224,52 @@ def test_dp_sends_ineligible_layers_only_dense():
 
         dfs(0, 0.0, 0.0)
         assert math.isclose(plan.end, best, rel_tol=1e-12, abs_tol=1e-15)
+
+
+def _queued_spec(backward):
+    """Dense 100-byte messages, alpha 10 ms, 1 ms in a batch, bytes free."""
+    layers = tuple(LayerCost(f"l{i}", b, 8, 100, 0.0) for i, b in enumerate(backward))
+    cost = CostModel(10e-3, 0.0, batched=1e-3)
+    return PlanSpec(layers, allgather=cost, allreduce=cost)
+
+
+def test_simulate_batches_messages_queued_when_their_batch_formed():
+    layerwise = [(i, i, False) for i in range(3)]
+    # All three ready at once: the first forms a batch, the other two join it.
+    plan = simulate(_queued_spec([0.0, 0.0, 0.0]), layerwise)
+    assert [round(g.end * 1e3, 9) for g in plan.groups] == [10.0, 11.0, 12.0]
+    # The second is ready after the batch formed (5 ms > 0): a new batch at 10 ms,
+    # which the third (ready at 5 ms) joins.
+    plan = simulate(_queued_spec([0.0, 5e-3, 0.0]), layerwise)
+    assert [round(g.start * 1e3, 9) for g in plan.groups] == [0.0, 10.0, 20.0]
+    assert round(plan.end * 1e3, 9) == 21.0
+    # Without batching (or without a measured batched latency) every message pays alpha.
+    assert round(simulate(_queued_spec([0.0] * 3), layerwise, batching=False).end, 9) == 0.03
+    unbatched = PlanSpec(_queued_spec([0.0] * 3).layers, CostModel(10e-3, 0.0), CostModel(10e-3, 0))
+    assert round(simulate(unbatched, layerwise).end, 9) == 0.03
+
+
+def test_cost_model_batched_latency_is_validated():
+    assert CostModel(1e-3, 1e-9).in_batch(1000) == pytest.approx(1e-3 + 1e-6)
+    assert CostModel(1e-3, 1e-9, batched=1e-4).in_batch(1000) == pytest.approx(1e-4 + 1e-6)
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="batched must be a finite float >= 0"):
+            CostModel(1e-3, 0.0, batched=bad)
+
+
+def test_dp_with_batching_never_worse_than_layer_wise_or_one_message():
+    rng = random.Random(11)
+    for _ in range(40):
+        base = random_spec(rng, rng.randint(2, 30))
+        spec = PlanSpec(
+            base.layers,
+            allgather=CostModel(base.allgather.alpha, base.allgather.beta, rng.uniform(0, 1e-4)),
+            allreduce=CostModel(base.allreduce.alpha, base.allreduce.beta, rng.uniform(0, 1e-4)),
+        )
+        dp = plan_dp(spec)
+        # Its times are the batched prediction of its own partition.
+        again = simulate(spec, [(g.first, g.last, g.sparse) for g in dp.groups])
+        assert dp.end == pytest.approx(again.end)
+        for name in ("none", "all"):
+            assert dp.end <= plan_strategy(spec, name).end + 1e-12, name
+        assert dp.end <= simulate(spec, [(i, i, False) for i in range(len(spec.layers))]).end

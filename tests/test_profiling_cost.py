@@ -130,3 +130,15 @@ def test_guard_margin_is_at_least_two_percent(slower, kept):
 
 def test_guard_without_samples_keeps_the_plan():
     assert guard_verdict([], [1.0])["kept"] and guard_verdict([1.0], [])["kept"]
+
+
+def test_the_profile_measures_the_latency_of_a_collective_in_a_batch():
+    def body(rank, comm):
+        planner = OnlinePlanner("dp", profile_steps=1)
+        _steps(_exchange(comm, planner), rank, 6, planner)
+        return planner.profile
+
+    p0, p1 = LocalWorld(2).run(body)
+    assert p0 == p1, "ranks plan from different profiles"
+    for cost in (p0.allgather, p0.allreduce):
+        assert cost.batched is not None and 0.0 <= cost.batched <= cost.alpha, cost

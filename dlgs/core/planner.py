@@ -28,6 +28,14 @@ needed: the DP keeps, for every prefix, the Pareto set of ``(c, f)`` and is
 exact under the model (tests compare it with brute force over every partition
 and every mode). The iteration's communication ends at ``f`` after group L.
 
+Horovod negotiates every request queued when one of its cycles starts at
+once, so a message that waited behind the previous one costs less than
+``alpha`` (``CostModel.batched``, measured by probing several collectives at
+once). :func:`simulate` predicts with that; the DP's search does not (its
+states would have to carry when each batch was formed) and stays exact under
+per-message ``alpha``, which never under-charges a plan; its result is then
+the better, under the full model, of its plan and the layer-wise ones.
+
 The core stays free of any deep-learning framework; the DP uses numpy (a
 dependency of both torch and TensorFlow) to extend whole Pareto sets at once,
 which makes 1,000-layer models plannable in about 0.1 s (see
@@ -58,19 +66,35 @@ __all__ = [
 
 @dataclass(frozen=True)
 class CostModel:
-    """Time of one collective: ``alpha + beta * nbytes`` seconds."""
+    """Time of one collective: ``alpha + beta * nbytes`` seconds.
+
+    ``batched``: the latency of a collective that joins a batch Horovod has
+    already formed (its background thread negotiates every request that is
+    queued when a cycle starts, once, then runs them one after another, or
+    fused), in seconds; ``None`` (the default) when unknown, which charges
+    every collective ``alpha``. Measured by probing several collectives at
+    once (:class:`~dlgs.core.profiler.OnlinePlanner`).
+    """
 
     alpha: float
     beta: float
+    batched: Optional[float] = None
 
     def __post_init__(self) -> None:
-        for name in ("alpha", "beta"):
+        for name in ("alpha", "beta", "batched"):
             v = getattr(self, name)
+            if v is None and name == "batched":
+                continue
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"{name} must be a finite float >= 0, got {v!r}")
 
     def __call__(self, nbytes: float) -> float:
         return self.alpha + self.beta * nbytes
+
+    def in_batch(self, nbytes: float) -> float:
+        """Time of a collective of ``nbytes`` that joins a batch already formed."""
+        latency = self.alpha if self.batched is None else self.batched
+        return latency + self.beta * nbytes
 
 
 def fit_cost_model(sizes: Sequence[float], times: Sequence[float]) -> CostModel:
@@ -207,10 +231,21 @@ Partition = Sequence[Tuple[int, int, bool]]
 
 
 def simulate(
-    spec: PlanSpec, partition: Partition, strategy: str = "custom", *, exact: bool = True
+    spec: PlanSpec,
+    partition: Partition,
+    strategy: str = "custom",
+    *,
+    exact: bool = True,
+    batching: bool = True,
 ) -> Plan:
     """Predicted timeline of a given partition ``[(first, last, sparse), ...]``
-    covering layers ``0..L-1`` in order."""
+    covering layers ``0..L-1`` in order.
+
+    With ``batching`` (and a cost model that knows ``batched``), a message
+    that was ready when the batch in flight was formed -- it waited behind
+    the previous message -- joins that batch: Horovod negotiates it in the
+    same cycle, so it costs ``CostModel.in_batch`` instead of ``alpha``.
+    ``batching=False`` charges every message ``alpha`` (the DP's model)."""
     expect = 0
     for first, last, _ in partition:
         if first != expect or last < first:
@@ -221,11 +256,17 @@ def simulate(
     if expect != len(spec.layers):
         raise ValueError(f"partition must cover 0..{len(spec.layers) - 1} in order: {partition}")
     c = f = 0.0
+    formed = -math.inf  # when the batch in flight was formed
     groups = []
     for first, last, sparse in partition:
         compute, link, nbytes = spec.group_cost(first, last, sparse)
         c += compute
-        start = max(f, c)
+        model = spec.allgather if sparse else spec.allreduce
+        if batching and model.batched is not None and c <= formed:
+            start = f  # queued when the batch was formed: negotiated with it
+            link = model.in_batch(nbytes)
+        else:
+            start = formed = max(f, c)
         f = start + link
         groups.append(PlanGroup(first, last, sparse, nbytes, c, start, f))
     return Plan(tuple(groups), strategy, exact)
@@ -285,7 +326,11 @@ def plan_dp(
     ag, ar = spec.allgather, spec.allreduce
     header = float(spec.sparse_header_bytes)
 
-    simple = [simulate(spec, part, "dp", exact=False) for part in _layerwise(spec, ok)]
+    # The search charges every message alpha (batching=False): its states
+    # (compute clock, link clock) would not carry when a batch was formed.
+    simple = [
+        simulate(spec, part, "dp", exact=False, batching=False) for part in _layerwise(spec, ok)
+    ]
     # (With a hair of slack so that rounding never prunes the bound's own states.)
     bound = min(p.end for p in simple) * (1 + 1e-12)
     # Least link time still needed after prefix j: every remaining layer in its
@@ -338,13 +383,15 @@ def plan_dp(
             bound = min(
                 bound, _one_message_end(spec, keep, c, f, j + 1, back, sprs, pack, sb, db, barred)
             )
-    if start[L] == start[L + 1]:  # everything was pruned: a layer-wise plan is optimal
-        return min((Plan(p.groups, "dp", exact) for p in simple), key=lambda p: p.end)
-    plan = simulate(spec, store.partition(start[L], start[L + 1]), "dp", exact=exact)
-    for other in simple:
-        if other.end < plan.end:
-            plan = Plan(other.groups, "dp", exact)
-    return plan
+    # The final choice and its times use the full model (batching included):
+    # the DP's partition, a layer-wise one or (without max_group) one message
+    # for every eligible layer, whichever is predicted to end first.
+    fixed = _layerwise(spec, ok) + ([_all(spec, ok)] if max_group is None else [])
+    candidates = [simulate(spec, part, "dp", exact=exact) for part in fixed]
+    if start[L] < start[L + 1]:
+        partition = store.partition(start[L], start[L + 1])
+        candidates.insert(0, simulate(spec, partition, "dp", exact=exact))
+    return min(candidates, key=lambda p: p.end)
 
 
 def _one_message_end(spec, keep, c, f, j, back, sprs, pack, sb, db, barred) -> float:

@@ -93,10 +93,14 @@ class Profile:
             raise ValueError(f"layers[].name must be unique, repeated: {dups[:5]}")
         costs: Dict[str, CostModel] = {}
         for key in _COST_FIELDS:
-            _known_fields(key, d[key], ("alpha", "beta"))
+            _known_fields(key, d[key], ("alpha", "beta", "batched"), optional=("batched",))
             for coef in ("alpha", "beta"):
                 _valid(check_float, f"{key}.{coef}", d[key][coef], low=0)
-            costs[key] = CostModel(float(d[key]["alpha"]), float(d[key]["beta"]))
+            batched = d[key].get("batched")
+            if batched is not None:
+                _valid(check_float, f"{key}.batched", batched, low=0)
+                batched = float(batched)
+            costs[key] = CostModel(float(d[key]["alpha"]), float(d[key]["beta"]), batched)
         for key in ("allgather", "allreduce"):
             # A free collective makes every plan's predicted time 0 (and the
             # speed-ups a division by zero); no measurement gives one.
@@ -133,12 +137,14 @@ class Profile:
 _COST_FIELDS = ("sparsify", "pack", "allgather", "allreduce")
 
 
-def _known_fields(where: str, obj: Any, fields: Sequence[str]) -> None:
-    """``obj`` is a dict with exactly ``fields`` (``version`` may be absent)."""
+def _known_fields(
+    where: str, obj: Any, fields: Sequence[str], optional: Sequence[str] = ("version",)
+) -> None:
+    """``obj`` is a dict with exactly ``fields`` (those in ``optional`` may be absent)."""
     if not isinstance(obj, dict):
         raise ValueError(f"{where} must be an object with {', '.join(fields)}, got {obj!r:.60}")
     prefix = "" if where == "profile" else f"{where}."
-    missing = [f for f in fields if f not in obj and f != "version"]
+    missing = [f for f in fields if f not in obj and f not in optional]
     if missing:
         raise ValueError(f"{prefix}{missing[0]} is missing")
     unknown = sorted(set(obj) - set(fields))

@@ -33,6 +33,7 @@ import math
 import pickle
 import statistics
 import time
+from dataclasses import replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ._checks import check_int
@@ -54,6 +55,9 @@ _PROBE_MIN, _PROBE_MAX = 1 << 10, 4 << 20
 #: cost at most ``profile_budget`` of the bytes that this many steps of the
 #: layout in force send.
 _HORIZON_STEPS = 1000
+#: Collectives started at once to measure the latency of one that joins a
+#: batch Horovod has formed (``CostModel.batched``).
+_BATCH = 4
 
 
 class OnlinePlanner:
@@ -514,12 +518,15 @@ class OnlinePlanner:
             self._collectives = shared
         _log(
             ex,
-            "dlgs profile (rank 0's, %d ranks): allgather %.3g ms + %.3g ns/B, allreduce %.3g ms "
-            "+ %.3g ns/B, sparsify %.3g us + %.3g ns/element, backward %.3g ms",
+            "dlgs profile (rank 0's, %d ranks): allgather %.3g ms (%.3g ms in a batch) + %.3g "
+            "ns/B, allreduce %.3g ms (%.3g ms in a batch) + %.3g ns/B, sparsify %.3g us + %.3g "
+            "ns/element, backward %.3g ms",
             shared.world_size,
             shared.allgather.alpha * 1e3,
+            shared.allgather.in_batch(0) * 1e3,
             shared.allgather.beta * 1e9,
             shared.allreduce.alpha * 1e3,
+            shared.allreduce.in_batch(0) * 1e3,
             shared.allreduce.beta * 1e9,
             shared.sparsify.alpha * 1e6,
             shared.sparsify.beta * 1e9,
@@ -530,9 +537,10 @@ class OnlinePlanner:
     def _probe_sizes(self, ex) -> List[int]:
         """The probe sizes (bytes) this profile can afford: the smallest rung of
         :func:`_probe_ladder`, the largest one affordable and one between them,
-        where both kinds of probe at each size, ``probe_reps + 1`` times each,
-        cost no more than (a) what sparse sending has saved against dense so
-        far, less what planning has spent (so dlgs never sends more than dense
+        where both kinds of probe at each size, ``probe_reps + 1`` times each
+        (and :data:`_BATCH` at once at the smallest size), cost no more than
+        (a) what sparse sending has saved against dense so far, less what
+        planning has spent (so dlgs never sends more than dense
         Horovod would), and (b) ``profile_budget`` of the bytes
         :data:`_HORIZON_STEPS` steps of the layout in force send. Empty if not
         even the two smallest rungs fit. The same on every rank (the ledger
@@ -545,7 +553,8 @@ class OnlinePlanner:
         calls = 2 * (self.probe_reps + 1)
         for top in range(len(ladder) - 1, 0, -1):
             sizes = sorted({ladder[0], ladder[top // 2], ladder[top]})
-            if calls * sum(sizes) <= budget:
+            # Each size alone, and _BATCH of the smallest at once.
+            if calls * (sum(sizes) + _BATCH * sizes[0]) <= budget:
                 return sizes
         return []
 
@@ -572,8 +581,9 @@ class OnlinePlanner:
             sizes.append(float(nbytes))
             # The minimum: other work on the machine only ever adds time.
             times.append(min(samples[1:]))
-        self.cost["probe_seconds"] += time.perf_counter() - start
         model = fit_cost_model(sizes, times)
+        model = replace(model, batched=self._probe_batch(ex, kind, probes[0], times[0], model))
+        self.cost["probe_seconds"] += time.perf_counter() - start
         if model.beta == 0.0:
             _log(
                 ex,
@@ -586,6 +596,29 @@ class OnlinePlanner:
                 level=logging.WARNING,
             )
         return model
+
+    def _probe_batch(self, ex, kind: str, nbytes: int, lone: float, model: CostModel) -> float:
+        """The latency of a collective that joins a batch (``CostModel.batched``):
+        :data:`_BATCH` collectives of ``nbytes`` started at once take ``lone +
+        (_BATCH - 1) * (batched + beta * nbytes)``, where ``lone`` is one alone.
+        Clipped to ``[0, alpha]``."""
+        ops, comm, clock = ex.ops, ex.comm, ex.clock
+        words = nbytes // 4
+        dtype = "int32" if kind == "allgather" else "float32"
+        bufs = [ops.zeros(words, dtype, ex.like) for _ in range(_BATCH)]
+        names = [f"{ex.prefix}.probe.{kind}.batch{j}.{nbytes}" for j in range(_BATCH)]
+        issue = comm.allgather_async if kind == "allgather" else comm.allreduce_async
+        samples = []
+        for _ in range(self.probe_reps + 1):  # the first one negotiates
+            t0 = clock()
+            for handle in [issue(buf, name) for buf, name in zip(bufs, names)]:
+                comm.synchronize(handle)
+            samples.append(clock() - t0)
+        self.cost["probes"] += (self.probe_reps + 1) * _BATCH
+        self.cost["bytes"] += (self.probe_reps + 1) * _BATCH * words * 4
+        self.cost["probe_bytes"] += (self.probe_reps + 1) * _BATCH * words * 4
+        each = (min(samples[1:]) - lone) / (_BATCH - 1) - model.beta * nbytes
+        return min(model.alpha, max(0.0, each))
 
     def _probe_copy(self, ex) -> CostModel:
         ops, clock = ex.ops, ex.clock
