@@ -67,6 +67,7 @@ def test_every_exchange_option_must_agree(ranks):
         "drift_window": ("drift_window", (50, 8)),
         "max_group": ("max_group", (None, 2)),
         "drift_tolerance": ("drift_tolerance", (0.25, 0.5)),
+        "profile_budget": ("profile_budget", (0.01, 0.05)),
         "profile_steps": ("profile_steps", (5, 3)),
         "merge": ("merge", ("dp", "greedy")),
         "gradient_predivide_factor": ("gradient_predivide_factor", (0.5, 1.0)),

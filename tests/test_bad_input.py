@@ -54,6 +54,9 @@ SHARED = [
     (dict(drift_tolerance=NAN), ValueError, ["drift_tolerance", POSITIVE]),
     (dict(drift_tolerance=True), TypeError, ["drift_tolerance", POSITIVE]),
     (dict(drift_window=2.0), TypeError, ["drift_window", "an int >= 0"]),
+    (dict(profile_budget=0.0), ValueError, ["profile_budget", "(0, 1]"]),
+    (dict(profile_budget=NAN), ValueError, ["profile_budget", "(0, 1]"]),
+    (dict(profile_budget="1%"), TypeError, ["profile_budget", "(0, 1]"]),
     (dict(profile_steps=5.0), TypeError, ["profile_steps", "an int >= 1"]),
     (dict(profile_steps=0), ValueError, ["profile_steps", "an int >= 1"]),
     (dict(bucket_elements=True), TypeError, ["bucket_elements", "an int >= 1"]),
@@ -78,7 +81,7 @@ OPTIMIZER_ONLY = [
 ]
 
 _PLANNER_KEYS = {"merge", "profile_steps", "bucket_elements", "max_group"}
-_PLANNER_KEYS |= {"drift_tolerance", "drift_window"}
+_PLANNER_KEYS |= {"drift_tolerance", "drift_window", "profile_budget"}
 _ADAPTER_KEYS = {"config", "log_every"}
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -273,3 +274,17 @@ def test_dp_with_batching_never_worse_than_layer_wise_or_one_message():
         for name in ("none", "all"):
             assert dp.end <= plan_strategy(spec, name).end + 1e-12, name
         assert dp.end <= simulate(spec, [(i, i, False) for i in range(len(spec.layers))]).end
+
+
+def test_dp_is_optimal_with_contention_against_brute_force():
+    rng = random.Random(5)
+    for trial in range(60):
+        base = random_spec(rng, rng.randint(1, 9))
+        spec = PlanSpec(
+            base.layers, base.allgather, base.allreduce, contention=rng.uniform(0, 2e-8)
+        )
+        plan = plan_dp(spec)
+        assert math.isclose(plan.end, brute_force(spec), rel_tol=1e-12, abs_tol=1e-15), trial
+    # Contention makes bytes cost compute: a dense plan ends later than without it.
+    dense = [(i, i, False) for i in range(len(spec.layers))]
+    assert simulate(spec, dense).end >= simulate(replace(spec, contention=0.0), dense).end

@@ -142,3 +142,82 @@ def test_the_profile_measures_the_latency_of_a_collective_in_a_batch():
     assert p0 == p1, "ranks plan from different profiles"
     for cost in (p0.allgather, p0.allreduce):
         assert cost.batched is not None and 0.0 <= cost.batched <= cost.alpha, cost
+
+
+def _profile(alpha=5e-3, batched=1e-3):
+    from dlgs.core.planner import CostModel
+    from dlgs.core.profile import LayerProfile, Profile
+
+    layers = tuple(LayerProfile(f"l{i}", n, 2e-3) for i, n in enumerate([65536, 256, 16384, 10]))
+    return Profile(
+        world_size=4,
+        layers=layers,
+        sparsify=CostModel(1e-5, 1e-9),
+        pack=CostModel(0.0, 1e-10),
+        allgather=CostModel(alpha, 1e-8, batched),
+        allreduce=CostModel(alpha, 1e-8, batched),
+    )
+
+
+def _layerwise_end(profile, modes):
+    from dlgs.core.planner import simulate
+    from dlgs.core.profile import build_spec
+
+    spec = build_spec(profile, SparsityConfig(density=0.01, min_sparse_size=1024), 0.01)[0]
+    return simulate(spec, [(i, i, m) for i, m in enumerate(modes)]).end
+
+
+MODES = [True, False, True, False]
+
+
+@pytest.mark.parametrize("factor", [0.7, 1.6])
+def test_calibration_reproduces_the_profiled_steps(factor):
+    from dlgs.core.profile import calibrate
+
+    # Without a batched latency the predicted end is continuous in both
+    # parameters, so the fit is exact (with one, a message that stops joining a
+    # batch makes it jump, and the fit ends on the jump).
+    raw = _profile(batched=None)
+    cfg = SparsityConfig(density=0.01, min_sparse_size=1024)
+    measured = factor * _layerwise_end(raw, MODES)
+    fitted, info = calibrate(raw, cfg, 0.01, MODES, measured)
+    assert info["calibrated"] and info["measured"] == measured
+    assert _layerwise_end(fitted, MODES) == pytest.approx(measured, rel=1e-6)
+    if factor < 1:  # the lone probes over-predicted: latency scaled down
+        assert 0 < info["scale"] < 1 and fitted.contention == 0
+        assert fitted.allgather.alpha < raw.allgather.alpha
+    else:  # under-predicted: compute pays for the bytes sent
+        assert info["scale"] == 1 and fitted.contention > 0
+        assert fitted.allgather == raw.allgather
+
+
+def test_calibration_leaves_a_good_prediction_alone():
+    from dlgs.core.profile import calibrate
+
+    raw = _profile()
+    cfg = SparsityConfig(density=0.01, min_sparse_size=1024)
+    measured = 1.01 * _layerwise_end(raw, MODES)
+    fitted, info = calibrate(raw, cfg, 0.01, MODES, measured)
+    assert not info["calibrated"] and fitted == raw
+
+
+def test_calibration_cannot_scale_latency_below_its_floor():
+    from dlgs.core.profile import calibrate
+
+    raw = _profile()
+    cfg = SparsityConfig(density=0.01, min_sparse_size=1024)
+    fitted, info = calibrate(raw, cfg, 0.01, MODES, 1e-9)
+    assert info["scale"] == pytest.approx(0, abs=1e-9)
+    assert fitted.allgather.alpha == pytest.approx(raw.allgather.batched)
+
+
+def test_the_online_profile_is_calibrated_to_its_own_steps():
+    def body(rank, comm):
+        planner = OnlinePlanner("dp", profile_steps=2)
+        _steps(_exchange(comm, planner), rank, 6, planner)
+        return planner.calibration, planner.profile
+
+    (cal0, p0), (cal1, p1) = LocalWorld(2).run(body)
+    assert p0 == p1, "ranks plan from different calibrated profiles"
+    assert set(cal0) >= {"measured", "predicted", "scale", "contention", "calibrated"}
+    assert p0.contention == cal0["contention"] or not cal0["calibrated"]

@@ -144,6 +144,11 @@ class PlanSpec:
     allreduce: CostModel
     #: Bytes of a sparse message's fixed header (the fingerprint word).
     sparse_header_bytes: int = 4
+    #: Seconds the compute stream loses per byte a message sends (the CPU
+    #: that communication takes from back-propagation where they share
+    #: cores), charged when the message is sent; 0 where compute has cores
+    #: (or a device) of its own.
+    contention: float = 0.0
 
     def group_cost(self, first: int, last: int, sparse: bool) -> Tuple[float, float, int]:
         """``(compute seconds, link seconds, bytes)`` of group ``first..last``."""
@@ -152,11 +157,11 @@ class PlanSpec:
         if sparse:
             compute += sum(m.sparsify for m in members)
             nbytes = self.sparse_header_bytes + sum(m.sparse_bytes for m in members)
-            return compute, self.allgather(nbytes), nbytes
+            return compute + self.contention * nbytes, self.allgather(nbytes), nbytes
         if len(members) > 1:
             compute += sum(m.pack for m in members)
         nbytes = sum(m.dense_bytes for m in members)
-        return compute, self.allreduce(nbytes), nbytes
+        return compute + self.contention * nbytes, self.allreduce(nbytes), nbytes
 
 
 @dataclass(frozen=True)
@@ -361,9 +366,10 @@ def plan_dp(
         c0, f0, i = store.c[rows], store.f[rows], store.prefix[rows]
         b = back[j + 1] - back[i]
         sparse_ok = barred[i] == barred[j + 1]
-        c_s = c0 + b + (sprs[j + 1] - sprs[i])
+        gamma = spec.contention
+        c_s = c0 + b + (sprs[j + 1] - sprs[i]) + gamma * (header + sb[j + 1] - sb[i])
         f_s = np.maximum(f0, c_s) + (ag.alpha + ag.beta * (header + sb[j + 1] - sb[i]))
-        c_d = c0 + b + np.where(i < j, pack[j + 1] - pack[i], 0.0)
+        c_d = c0 + b + np.where(i < j, pack[j + 1] - pack[i], 0.0) + gamma * (db[j + 1] - db[i])
         f_d = np.maximum(f0, c_d) + (ar.alpha + ar.beta * (db[j + 1] - db[i]))
         c = np.concatenate((c_s[sparse_ok], c_d))
         f = np.concatenate((f_s[sparse_ok], f_d))
@@ -398,11 +404,14 @@ def _one_message_end(spec, keep, c, f, j, back, sprs, pack, sb, db, barred) -> f
     """Least end over states ``keep`` of sending layers ``j..L-1`` as one message."""
     L = len(spec.layers)
     ck, fk = c[keep], f[keep]
+    gamma = spec.contention
     c_d = ck + (back[L] - back[j]) + (pack[L] - pack[j] if L - j > 1 else 0.0)
+    c_d = c_d + gamma * (db[L] - db[j])
     end = float(np.min(np.maximum(fk, c_d))) + spec.allreduce(db[L] - db[j])
     if barred[L] == barred[j]:
-        c_s = ck + (back[L] - back[j]) + (sprs[L] - sprs[j])
-        link = spec.allgather(spec.sparse_header_bytes + sb[L] - sb[j])
+        nbytes = spec.sparse_header_bytes + sb[L] - sb[j]
+        c_s = ck + (back[L] - back[j]) + (sprs[L] - sprs[j]) + gamma * nbytes
+        link = spec.allgather(nbytes)
         end = min(end, float(np.min(np.maximum(fk, c_s))) + link)
     return end * (1 + 1e-12)
 

@@ -9,16 +9,16 @@ rank, and turned into a :class:`~dlgs.core.planner.PlanSpec` for any density.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Sequence, Tuple, Union
 
 from ._checks import check_float, check_int
 from .config import SparsityConfig
-from .planner import CostModel, LayerCost, PlanSpec
+from .planner import CostModel, LayerCost, PlanSpec, simulate
 from .wire import member_bytes, plan_layers
 
-__all__ = ["LayerProfile", "Profile", "build_spec", "PROFILE_VERSION"]
+__all__ = ["LayerProfile", "Profile", "build_spec", "calibrate", "rescale", "PROFILE_VERSION"]
 
 PROFILE_VERSION = 1
 
@@ -43,6 +43,8 @@ class Profile:
         pack: seconds to copy a layer into a shared dense buffer vs elements.
         allgather: seconds vs bytes of one rank's chunk.
         allreduce: seconds vs bytes of the buffer.
+        contention: seconds of compute lost per byte sent (``PlanSpec.contention``),
+            fitted so the model reproduces the profiled steps; 0 if none.
     """
 
     world_size: int
@@ -51,6 +53,7 @@ class Profile:
     pack: CostModel
     allgather: CostModel
     allreduce: CostModel
+    contention: float = 0.0
 
     def to_dict(self) -> Dict[str, Any]:
         d = asdict(self)
@@ -69,7 +72,14 @@ class Profile:
             raise ValueError(f"a profile must be a JSON object, got {type(d).__name__}")
         if d.get("version") != PROFILE_VERSION:
             raise ValueError(f"profile version must be {PROFILE_VERSION}, got {d.get('version')!r}")
-        _known_fields("profile", d, ("version", "world_size", "layers", *_COST_FIELDS))
+        _known_fields(
+            "profile",
+            d,
+            ("version", "world_size", "layers", *_COST_FIELDS, "contention"),
+            optional=("version", "contention"),
+        )
+        contention = d.get("contention", 0.0)
+        _valid(check_float, "contention", contention, low=0)
         _valid(check_int, "world_size", d["world_size"], 1)
         raw = d["layers"]
         if not isinstance(raw, (list, tuple)) or not raw:
@@ -113,6 +123,7 @@ class Profile:
             pack=costs["pack"],
             allgather=costs["allgather"],
             allreduce=costs["allreduce"],
+            contention=float(contention),
         )
 
     def save(self, path: Union[str, Path]) -> None:
@@ -178,10 +189,94 @@ def build_spec(
                 pack=profile.pack(layer.numel),
             )
         )
-    spec = PlanSpec(tuple(layers), profile.allgather, profile.allreduce)
+    spec = PlanSpec(
+        tuple(layers), profile.allgather, profile.allreduce, contention=profile.contention
+    )
     return spec, [p.sparse for p in plans]
 
 
 def layer_profiles(names: Sequence[str], numels: Sequence[int], backward: Sequence[float]):
     """Convenience: zip three sequences into :class:`LayerProfile` records."""
     return tuple(LayerProfile(n, int(m), float(b)) for n, m, b in zip(names, numels, backward))
+
+
+def calibrate(
+    profile: Profile,
+    config: SparsityConfig,
+    density: float,
+    modes: Sequence[bool],
+    measured_end: float,
+    tolerance: float = 0.02,
+) -> Tuple[Profile, Dict[str, float]]:
+    """The profile adjusted so that the model reproduces the steps it was
+    measured on: layer by layer, layer ``i`` (ready order) sent sparse iff
+    ``modes[i]``, whose median measured end (first gradient to the end of the
+    exchange) was ``measured_end`` seconds.
+
+    The probes time lone, synchronous collectives; the steps overlap them with
+    compute and with each other, and on shared cores their CPU work slows
+    compute. So, when the prediction misses by more than ``tolerance``:
+
+    * too slow: both collectives' latency is scaled down, ``alpha' =
+      floor + s * (alpha - floor)`` with ``s`` in ``[0, 1]`` (``floor``: the
+      latency in a batch, or 0), by bisection on ``s``;
+    * too fast: the compute stream is charged ``contention`` seconds per byte
+      sent (``PlanSpec.contention``), by bisection on it.
+
+    Both move the prediction monotonically, so the fit is exact up to the
+    bisection's resolution unless ``s`` reaches 0. Returns the profile and
+    ``{"measured", "predicted", "scale", "contention", "calibrated"}``
+    (``predicted``: before calibration).
+    """
+    part = [(i, i, bool(m)) for i, m in enumerate(modes)]
+
+    def with_(scale: float, gamma: float) -> Profile:
+        return rescale(profile, scale, gamma)
+
+    def end(p: Profile) -> float:
+        return simulate(build_spec(p, config, density)[0], part).end
+
+    base = replace(profile, contention=0.0)
+    predicted = end(base)
+    info = {"measured": measured_end, "predicted": predicted, "scale": 1.0, "contention": 0.0}
+    if not measured_end > 0 or abs(predicted - measured_end) <= tolerance * measured_end:
+        return base, {**info, "calibrated": 0.0}
+    if predicted > measured_end:
+        lo, hi = 0.0, 1.0
+        for _ in range(40):
+            mid = (lo + hi) / 2
+            lo, hi = (lo, mid) if end(with_(mid, 0.0)) >= measured_end else (mid, hi)
+        info["scale"] = hi
+        return with_(hi, 0.0), {**info, "calibrated": 1.0}
+    sent = sum(g.nbytes for g in simulate(build_spec(base, config, density)[0], part).groups)
+    if sent <= 0:
+        return base, {**info, "calibrated": 0.0}
+    lo, hi = 0.0, measured_end / sent
+    for _ in range(64):
+        if end(with_(1.0, hi)) >= measured_end:
+            break
+        hi *= 2
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if end(with_(1.0, mid)) < measured_end else (lo, mid)
+    info["contention"] = hi
+    return with_(1.0, hi), {**info, "calibrated": 1.0}
+
+
+def rescale(profile: Profile, scale: float, contention: float) -> Profile:
+    """``profile`` with both collectives' latency scaled by ``scale`` above
+    their floor (the latency in a batch, or 0) and ``contention`` set: what
+    :func:`calibrate` fits, applied to another profile."""
+
+    def lower(c: CostModel) -> CostModel:
+        floor = c.batched if c.batched is not None else 0.0
+        alpha = floor + scale * (c.alpha - floor) if c.alpha > floor else c.alpha
+        batched = None if c.batched is None else min(c.batched, alpha)
+        return CostModel(alpha, c.beta, batched)
+
+    return replace(
+        profile,
+        allgather=lower(profile.allgather),
+        allreduce=lower(profile.allreduce),
+        contention=contention,
+    )

@@ -40,7 +40,7 @@ from ._checks import check_int
 from .config import MERGE_STRATEGIES, MergeConfig
 from .exchange import StepRecord, StepTrace
 from .planner import CostModel, Plan, fit_cost_model, plan_strategy
-from .profile import LayerProfile, Profile, build_spec
+from .profile import LayerProfile, Profile, build_spec, calibrate, rescale
 
 __all__ = ["OnlinePlanner", "MERGE_STRATEGIES", "guard_verdict"]
 
@@ -160,6 +160,9 @@ class OnlinePlanner:
         self._started: Optional[float] = None  # perf_counter() at the first step seen
         self._collectives: Optional[Profile] = None  # the last profile with probes
         self._waiting = False  # logged that the first probes wait for their bytes
+        #: The last calibration of the probes to the traced layer-wise steps
+        #: (:func:`~dlgs.core.profile.calibrate`'s record; empty before one).
+        self.calibration: Dict[str, float] = {}
         #: How many plans have been made (1 + re-plans after drift or restart).
         self.plans_made = 0
         if profile is not None and not isinstance(profile, Profile):
@@ -501,16 +504,26 @@ class OnlinePlanner:
         else:
             sparsify = _fit_or_flat(sizes, times) if times else under.sparsify
             pack, allgather, allreduce = under.pack, under.allgather, under.allreduce
-        local = Profile(
-            world_size=ex.comm.size,
-            layers=tuple(
-                LayerProfile(ex.layers[i].name, ex.layers[i].numel, statistics.median(backward[i]))
-                for i in order
+        layers = tuple(
+            LayerProfile(ex.layers[i].name, ex.layers[i].numel, statistics.median(backward[i]))
+            for i in order
+        )
+        if under is not None and self.calibration.get("contention", 0.0) > 0:
+            # The model charges the plan's bytes to compute itself: backward
+            # timed under the plan would count that slowdown twice.
+            layers = under.layers
+        local = self._calibrated(
+            ex,
+            order,
+            fresh=bool(probes),
+            profile=Profile(
+                world_size=ex.comm.size,
+                layers=layers,
+                sparsify=sparsify,
+                pack=pack,
+                allgather=allgather,
+                allreduce=allreduce,
             ),
-            sparsify=sparsify,
-            pack=pack,
-            allgather=allgather,
-            allreduce=allreduce,
         )
         self.cost["profiles"] += 1
         shared = Profile.from_dict(self._broadcast(ex, local.to_dict()))
@@ -533,6 +546,38 @@ class OnlinePlanner:
             sum(layer.backward for layer in shared.layers) * 1e3,
         )
         return shared
+
+    def _calibrated(self, ex, order: List[int], fresh: bool, profile: Profile) -> Profile:
+        """Fresh probes fitted to the traced steps (:func:`~dlgs.core.profile.calibrate`)
+        when they ran layer by layer, else with the last calibration's scale
+        and contention; a profile without fresh probes keeps its own."""
+        if not fresh:
+            return replace(profile, contention=self.calibration.get("contention", 0.0))
+        if not self._layerwise_in_force:
+            return rescale(
+                profile,
+                self.calibration.get("scale", 1.0),
+                self.calibration.get("contention", 0.0),
+            )
+        ends = _ends(self._traces)
+        if not ends:
+            return profile
+        modes = [ex.is_sparse(ex.layers[i]) for i in order]
+        out, self.calibration = calibrate(
+            profile, ex.config, ex.density, modes, statistics.median(ends)
+        )
+        if self.calibration["calibrated"]:
+            _log(
+                ex,
+                "dlgs: the probes predicted the profiled steps to end at %.3g ms, they ended "
+                "at %.3g ms: collective latency x%.3g above its floor, compute loses %.3g ns "
+                "per byte sent",
+                self.calibration["predicted"] * 1e3,
+                self.calibration["measured"] * 1e3,
+                self.calibration["scale"],
+                self.calibration["contention"] * 1e9,
+            )
+        return out
 
     def _probe_sizes(self, ex) -> List[int]:
         """The probe sizes (bytes) this profile can afford: the smallest rung of
@@ -715,9 +760,9 @@ def _probe_ladder(ex) -> List[int]:
     """Probe sizes in bytes, multiples of 4: by factors of 4 up to the
     model's dense size (at most :data:`_PROBE_MAX`), that size last, from
     :data:`_PROBE_MIN` (or a 64th of the dense size for a model under 64
-    KiB, at least 256 B, so that a small model's probes stay small)."""
+    KiB, at least 64 B, so that a small model's probes stay small)."""
     top = min(_PROBE_MAX, max(1024, ex.dense_bytes()))
-    nbytes = min(_PROBE_MIN, max(256, top // 64 // 4 * 4))
+    nbytes = min(_PROBE_MIN, max(64, top // 64 // 4 * 4))
     sizes = []
     while nbytes < top:
         sizes.append(nbytes)

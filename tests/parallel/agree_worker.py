@@ -37,6 +37,7 @@ OPTIMIZER_CASES = {
     "drift_window": dict(drift_window=(50, 8)),
     "max_group": dict(max_group=(None, 2)),
     "drift_tolerance": dict(drift_tolerance=(0.25, 0.5)),
+    "profile_budget": dict(profile_budget=(0.01, 0.05)),
     "profile_steps": dict(profile_steps=(5, 3)),
     "merge": dict(merge=("dp", "greedy")),
     "gradient_predivide_factor": dict(gradient_predivide_factor=(1.0, 2.0)),
