@@ -18,7 +18,15 @@ from .config import SparsityConfig
 from .planner import CostModel, LayerCost, PlanSpec, simulate
 from .wire import member_bytes, plan_layers
 
-__all__ = ["LayerProfile", "Profile", "build_spec", "calibrate", "rescale", "PROFILE_VERSION"]
+__all__ = [
+    "LayerProfile",
+    "Profile",
+    "build_spec",
+    "calibrate",
+    "contention",
+    "rescale",
+    "PROFILE_VERSION",
+]
 
 PROFILE_VERSION = 1
 
@@ -44,7 +52,8 @@ class Profile:
         allgather: seconds vs bytes of one rank's chunk.
         allreduce: seconds vs bytes of the buffer.
         contention: seconds of compute lost per byte sent (``PlanSpec.contention``),
-            fitted so the model reproduces the profiled steps; 0 if none.
+            from back-propagation timed under two layouts (:func:`contention`);
+            0 if none.
     """
 
     world_size: int
@@ -208,59 +217,55 @@ def calibrate(
     measured_end: float,
     tolerance: float = 0.02,
 ) -> Tuple[Profile, Dict[str, float]]:
-    """The profile adjusted so that the model reproduces the steps it was
-    measured on: layer by layer, layer ``i`` (ready order) sent sparse iff
-    ``modes[i]``, whose median measured end (first gradient to the end of the
-    exchange) was ``measured_end`` seconds.
+    """The profile's collective latency fitted to the steps it was measured on:
+    layer by layer, layer ``i`` (ready order) sent sparse iff ``modes[i]``,
+    whose median measured end (first gradient to the end of the exchange) was
+    ``measured_end`` seconds.
 
-    The probes time lone, synchronous collectives; the steps overlap them with
-    compute and with each other, and on shared cores their CPU work slows
-    compute. So, when the prediction misses by more than ``tolerance``:
+    The probes time lone, synchronous collectives, which on a busy host pay
+    wake-ups and polling that collectives overlapping in a step share. When
+    the model predicts the steps more than ``tolerance`` too slow, both
+    collectives' latency is scaled down, ``alpha' = floor + s * (alpha -
+    floor)`` with ``s`` in ``[0, 1]`` (``floor``: the latency in a batch, or
+    0), by bisection on ``s``, which moves the prediction monotonically. A
+    prediction too fast is left alone: one number cannot tell a latency from
+    a compute cost (see :func:`contention`).
 
-    * too slow: both collectives' latency is scaled down, ``alpha' =
-      floor + s * (alpha - floor)`` with ``s`` in ``[0, 1]`` (``floor``: the
-      latency in a batch, or 0), by bisection on ``s``;
-    * too fast: the compute stream is charged ``contention`` seconds per byte
-      sent (``PlanSpec.contention``), by bisection on it.
-
-    Both move the prediction monotonically, so the fit is exact up to the
-    bisection's resolution unless ``s`` reaches 0. Returns the profile and
-    ``{"measured", "predicted", "scale", "contention", "calibrated"}``
-    (``predicted``: before calibration).
+    Returns:
+        The profile, and ``{"measured", "predicted", "scale", "calibrated"}``
+        (``predicted``: before calibration; ``calibrated``: 1.0 or 0.0).
     """
     part = [(i, i, bool(m)) for i, m in enumerate(modes)]
 
-    def with_(scale: float, gamma: float) -> Profile:
-        return rescale(profile, scale, gamma)
+    def end(scale: float) -> float:
+        spec = build_spec(rescale(profile, scale, profile.contention), config, density)[0]
+        return simulate(spec, part).end
 
-    def end(p: Profile) -> float:
-        return simulate(build_spec(p, config, density)[0], part).end
-
-    base = replace(profile, contention=0.0)
-    predicted = end(base)
-    info = {"measured": measured_end, "predicted": predicted, "scale": 1.0, "contention": 0.0}
-    if not measured_end > 0 or abs(predicted - measured_end) <= tolerance * measured_end:
-        return base, {**info, "calibrated": 0.0}
-    if predicted > measured_end:
-        lo, hi = 0.0, 1.0
-        for _ in range(40):
-            mid = (lo + hi) / 2
-            lo, hi = (lo, mid) if end(with_(mid, 0.0)) >= measured_end else (mid, hi)
-        info["scale"] = hi
-        return with_(hi, 0.0), {**info, "calibrated": 1.0}
-    sent = sum(g.nbytes for g in simulate(build_spec(base, config, density)[0], part).groups)
-    if sent <= 0:
-        return base, {**info, "calibrated": 0.0}
-    lo, hi = 0.0, measured_end / sent
-    for _ in range(64):
-        if end(with_(1.0, hi)) >= measured_end:
-            break
-        hi *= 2
+    predicted = end(1.0)
+    info = {"measured": measured_end, "predicted": predicted, "scale": 1.0, "calibrated": 0.0}
+    if not measured_end > 0 or predicted <= (1 + tolerance) * measured_end:
+        return profile, info
+    lo, hi = 0.0, 1.0
     for _ in range(40):
         mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if end(with_(1.0, mid)) < measured_end else (lo, mid)
-    info["contention"] = hi
-    return with_(1.0, hi), {**info, "calibrated": 1.0}
+        lo, hi = (lo, mid) if end(mid) >= measured_end else (mid, hi)
+    return rescale(profile, hi, profile.contention), {**info, "scale": hi, "calibrated": 1.0}
+
+
+def contention(
+    backward_before: float, bytes_before: float, backward_after: float, bytes_after: float
+) -> float:
+    """Seconds of back-propagation lost per byte sent (``PlanSpec.contention``),
+    from two layouts timed on the same job: back-propagation took
+    ``backward_before`` seconds while each step sent ``bytes_before`` bytes
+    (the layer-wise steps profiled first) and ``backward_after`` while it sent
+    ``bytes_after`` (the steps timed under the first plan). 0 unless the
+    layout that sent more also computed longer: the slowdown per extra byte."""
+    more = bytes_after - bytes_before
+    slower = backward_after - backward_before
+    if more == 0 or slower * more <= 0:
+        return 0.0
+    return slower / more
 
 
 def rescale(profile: Profile, scale: float, contention: float) -> Profile:

@@ -40,7 +40,7 @@ from ._checks import check_int
 from .config import MERGE_STRATEGIES, MergeConfig
 from .exchange import StepRecord, StepTrace
 from .planner import CostModel, Plan, fit_cost_model, plan_strategy
-from .profile import LayerProfile, Profile, build_spec, calibrate, rescale
+from .profile import LayerProfile, Profile, build_spec, calibrate, contention, rescale
 
 __all__ = ["OnlinePlanner", "MERGE_STRATEGIES", "guard_verdict"]
 
@@ -163,6 +163,7 @@ class OnlinePlanner:
         #: The last calibration of the probes to the traced layer-wise steps
         #: (:func:`~dlgs.core.profile.calibrate`'s record; empty before one).
         self.calibration: Dict[str, float] = {}
+        self._layerwise_bytes: Optional[int] = None  # wire bytes of the layer-wise traces
         #: How many plans have been made (1 + re-plans after drift or restart).
         self.plans_made = 0
         if profile is not None and not isinstance(profile, Profile):
@@ -508,10 +509,32 @@ class OnlinePlanner:
             LayerProfile(ex.layers[i].name, ex.layers[i].numel, statistics.median(backward[i]))
             for i in order
         )
-        if under is not None and self.calibration.get("contention", 0.0) > 0:
-            # The model charges the plan's bytes to compute itself: backward
-            # timed under the plan would count that slowdown twice.
-            layers = under.layers
+        if under is None:
+            # What the traced steps sent: the layer-wise reference for contention.
+            self._layerwise_bytes = ex.wire_bytes() if self._layerwise_in_force else None
+        elif self._layerwise_bytes is not None:
+            gamma = contention(
+                sum(layer.backward for layer in under.layers),
+                self._layerwise_bytes,
+                sum(layer.backward for layer in layers),
+                ex.wire_bytes(),
+            )
+            self.calibration["contention"] = gamma
+            if gamma > 0:
+                _log(
+                    ex,
+                    "dlgs: back-propagation took %.3g ms sending %.3g MB per step layer by "
+                    "layer and %.3g ms sending %.3g MB under the plan: compute loses %.3g ns "
+                    "per byte sent",
+                    sum(layer.backward for layer in under.layers) * 1e3,
+                    self._layerwise_bytes / 1e6,
+                    sum(layer.backward for layer in layers) * 1e3,
+                    ex.wire_bytes() / 1e6,
+                    gamma * 1e9,
+                )
+                # The model charges every plan's bytes to compute: the layer-wise
+                # times plus that, not the times under this plan (counted twice).
+                layers = under.layers
         local = self._calibrated(
             ex,
             order,
@@ -549,33 +572,27 @@ class OnlinePlanner:
 
     def _calibrated(self, ex, order: List[int], fresh: bool, profile: Profile) -> Profile:
         """Fresh probes fitted to the traced steps (:func:`~dlgs.core.profile.calibrate`)
-        when they ran layer by layer, else with the last calibration's scale
-        and contention; a profile without fresh probes keeps its own."""
+        when they ran layer by layer, else with the last calibration's scale;
+        the contention fitted in refinement either way."""
+        gamma = self.calibration.get("contention", 0.0)
         if not fresh:
-            return replace(profile, contention=self.calibration.get("contention", 0.0))
+            return replace(profile, contention=gamma)
         if not self._layerwise_in_force:
-            return rescale(
-                profile,
-                self.calibration.get("scale", 1.0),
-                self.calibration.get("contention", 0.0),
-            )
+            return rescale(profile, self.calibration.get("scale", 1.0), gamma)
         ends = _ends(self._traces)
         if not ends:
             return profile
         modes = [ex.is_sparse(ex.layers[i]) for i in order]
-        out, self.calibration = calibrate(
-            profile, ex.config, ex.density, modes, statistics.median(ends)
-        )
-        if self.calibration["calibrated"]:
+        out, fit = calibrate(profile, ex.config, ex.density, modes, statistics.median(ends))
+        self.calibration = {**fit, "contention": 0.0}  # a fresh layer-wise profile
+        if fit["calibrated"]:
             _log(
                 ex,
                 "dlgs: the probes predicted the profiled steps to end at %.3g ms, they ended "
-                "at %.3g ms: collective latency x%.3g above its floor, compute loses %.3g ns "
-                "per byte sent",
-                self.calibration["predicted"] * 1e3,
-                self.calibration["measured"] * 1e3,
-                self.calibration["scale"],
-                self.calibration["contention"] * 1e9,
+                "at %.3g ms: collective latency x%.3g above its floor",
+                fit["predicted"] * 1e3,
+                fit["measured"] * 1e3,
+                fit["scale"],
             )
         return out
 
