@@ -200,7 +200,9 @@ class MergeConfig:
             keeps the plan.
         profile_budget: the share of the run that profiling may cost after the
             first profile: a re-profile (after drift) waits until the planner's
-            host time so far is below this fraction of the elapsed time, and
+            host time so far, plus what the last profile took, is below this
+            fraction of the elapsed time; a profile's probes spend at most this
+            share of the bytes 1,000 steps of the layout in force send, and
             probes never spend more bytes than sparse sending has saved against
             dense float32 so far (re-profiles keep the fitted collectives when
             it has not). Smaller re-plans less often after drift.

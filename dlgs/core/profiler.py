@@ -164,6 +164,7 @@ class OnlinePlanner:
         #: (:func:`~dlgs.core.profile.calibrate`'s record; empty before one).
         self.calibration: Dict[str, float] = {}
         self._layerwise_bytes: Optional[int] = None  # wire bytes of the layer-wise traces
+        self._profile_seconds = 0.0  # host time the last fresh profile took
         #: How many plans have been made (1 + re-plans after drift or restart).
         self.plans_made = 0
         if profile is not None and not isinstance(profile, Profile):
@@ -266,12 +267,14 @@ class OnlinePlanner:
                         self.cost["saved_bytes"] / max(1, ex.step) / 1e6,
                     )
                 return
+            t0 = time.perf_counter()
             self.profile = self._measure(ex)
             self._before = _ends(self._traces) if self._layerwise_in_force else None
             self._traces = []
             self._fallback = False  # a fresh profile: the strategy's plan first
             self._replan(ex)
             self._refining = self.refine
+            self._profile_seconds = time.perf_counter() - t0
         elif ex.step >= self.skip_steps:
             ex.trace_next_step()
 
@@ -360,7 +363,9 @@ class OnlinePlanner:
             self._drifted = 1 if drift > 0 else -1
         assert self._started is not None
         elapsed = time.perf_counter() - self._started
-        affordable = self.cost["seconds"] <= self.profile_budget * elapsed
+        # The next profile is expected to cost what the last one did.
+        spent = self.cost["seconds"] + self._profile_seconds
+        affordable = spent <= self.profile_budget * elapsed
         vote = abs(self._drifted) >= 2 and affordable
         if abs(self._drifted) >= 2:
             logger.debug(
