@@ -40,9 +40,10 @@ def _steps(ex, rank, steps, planner, at_step=None):
     "sizes, density, waits",
     [
         (SIZES, 0.01, False),
-        # 4,096 elements at density 0.4: a step saves about 3 KB against dense,
-        # less than the smallest probes (256 + 1,024 B, both kinds, 3 calls each).
-        ([("w", 4096)], 0.4, True),
+        # 4,096 elements at density 0.45: a step saves about 1.6 KB against
+        # dense, less than the smallest probes (64 + 256 B, both kinds, 3 calls
+        # each, and 4 x 64 B at once: 3.5 KB).
+        ([("w", 4096)], 0.45, True),
     ],
 )
 def test_probes_never_spend_more_than_sparse_sending_saved(sizes, density, waits):
@@ -97,8 +98,9 @@ def test_probe_ladder_scales_down_for_a_small_model():
 
     big, small = LocalWorld(1).run(body)[0]
     assert big == [1024, 4096, 16384, 65536, 262144, 328744]
-    # 16,640 dense bytes: from a 64th of it (rounded to a word), not from 4 KiB.
-    assert small == [260, 1040, 4160, 16640]
+    # 16,640 dense bytes: from a 256th of it (rounded to a word, at least 64 B),
+    # not from 1 KiB.
+    assert small == [64, 256, 1024, 4096, 16384, 16640]
     assert all(s % 4 == 0 for s in big + small)
 
 

@@ -781,10 +781,10 @@ def _ends(traces: Sequence[StepTrace]) -> List[float]:
 def _probe_ladder(ex) -> List[int]:
     """Probe sizes in bytes, multiples of 4: by factors of 4 up to the
     model's dense size (at most :data:`_PROBE_MAX`), that size last, from
-    :data:`_PROBE_MIN` (or a 64th of the dense size for a model under 64
+    :data:`_PROBE_MIN` (or a 256th of the dense size for a model under 256
     KiB, at least 64 B, so that a small model's probes stay small)."""
     top = min(_PROBE_MAX, max(1024, ex.dense_bytes()))
-    nbytes = min(_PROBE_MIN, max(64, top // 64 // 4 * 4))
+    nbytes = min(_PROBE_MIN, max(64, top // 256 // 4 * 4))
     sizes = []
     while nbytes < top:
         sizes.append(nbytes)

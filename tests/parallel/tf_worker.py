@@ -462,6 +462,7 @@ def fit_identical():
             controller="dgc",
             merge="buckets",
             bucket_elements=4096,
+            profile_steps=2,  # planned within the 12 batches
         ),
     }
     for case, opts in cases.items():
