@@ -47,6 +47,8 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
+from .report import positive_int, progress_bar, setup_rank_logging
+
 logger = logging.getLogger("benchmarks.profiling")
 
 METHODS = ("dense", "dlgs", "dlgs-none")
@@ -77,13 +79,6 @@ FIELDS = (
 )
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {text!r}")
-    return value
-
-
 def _methods(text: str) -> List[str]:
     names = [m.strip() for m in text.split(",") if m.strip()]
     bad = [m for m in names if m not in METHODS]
@@ -98,8 +93,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--steps", type=_positive_int, default=1000, help="steps per run")
-    parser.add_argument("--rounds", type=_positive_int, default=3, help="runs of each method")
+    parser.add_argument("--steps", type=positive_int, default=1000, help="steps per run")
+    parser.add_argument("--rounds", type=positive_int, default=3, help="runs of each method")
     parser.add_argument(
         "--methods", type=_methods, default=list(METHODS), help=f"comma list of {METHODS}"
     )
@@ -202,11 +197,9 @@ def run_method(method: str, steps: int, images, labels, bar) -> Dict[str, Any]:
 def worker(args: argparse.Namespace) -> None:
     import horovod.torch as hvd
     import torch
-    from tqdm import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     from .datasets import fashion_mnist
-    from .report import setup_rank_logging
 
     hvd.init()
     rank = hvd.rank()
@@ -217,7 +210,7 @@ def worker(args: argparse.Namespace) -> None:
     labels = torch.from_numpy(y[rank :: hvd.size()].copy())
     results = []
     total = args.rounds * len(args.methods) * args.steps
-    bar = tqdm(total=total, disable=rank != 0, unit="step", mininterval=10.0)
+    bar = progress_bar(total, rank)
     with bar, logging_redirect_tqdm():
         for round_ in range(args.rounds):
             for method in args.methods:

@@ -10,8 +10,11 @@
    model), and times copies for the packing cost. Probes pay for themselves:
    they spend at most the bytes that sparse sending has saved against dense
    so far (the first ones wait until it has; a re-profile that cannot pay
-   keeps the collectives it fitted), and re-profiling after drift waits until
-   the planner's time is under ``profile_budget`` of the run;
+   keeps the collectives it fitted) and at most ``profile_budget`` of what
+   1,000 steps of the layout in force send, and re-profiling after drift waits
+   until the planner's time, plus the last profile's, is under
+   ``profile_budget`` of the run; the probes' latency is calibrated to the
+   profiled steps (:func:`~dlgs.core.profile.calibrate`);
 3. rank 0's :class:`~dlgs.core.profile.Profile` is broadcast, so every rank
    plans from the same numbers; the planner is a pure function, so every rank
    derives the same plan, which the exchange applies from the next step;
@@ -48,8 +51,8 @@ logger = logging.getLogger(__name__)
 
 
 # Probe message sizes (bytes of one rank's chunk / of the allreduced buffer):
-# from 4 KiB up to the model's dense size, at most 4 MiB, so that the fitted
-# slope covers the messages the plan will send.
+# a ladder from 1 KiB up to the model's dense size, at most 4 MiB
+# (:func:`_probe_ladder`), of which a profile takes the rungs it can afford.
 _PROBE_MIN, _PROBE_MAX = 1 << 10, 4 << 20
 #: Probes are sized for runs of this many steps or more: one profile's probes
 #: cost at most ``profile_budget`` of the bytes that this many steps of the
@@ -94,10 +97,12 @@ class OnlinePlanner:
             plan's messages (on shared CPU cores their copies and Horovod's
             thread slow back-propagation), the measurement can. Rank 0's
             verdict is broadcast, so every rank keeps the same plan.
-        profile_budget: share of the run's host time that re-profiling after
-            drift may bring the planner's own time to (it waits until the
-            planner is under it); probes spend at most the bytes that sparse
-            sending has saved against dense float32 so far.
+        profile_budget: a re-profile after drift waits until the planner's
+            host time, plus what the last profile took, is under this share of
+            the time since the first step; a profile's probes spend at most
+            this share of the bytes 1,000 steps of the layout in force send,
+            and never more than sparse sending has saved against dense float32
+            so far.
     """
 
     def __init__(
@@ -161,7 +166,8 @@ class OnlinePlanner:
         self._collectives: Optional[Profile] = None  # the last profile with probes
         self._waiting = False  # logged that the first probes wait for their bytes
         #: The last calibration of the probes to the traced layer-wise steps
-        #: (:func:`~dlgs.core.profile.calibrate`'s record; empty before one).
+        #: (:func:`~dlgs.core.profile.calibrate`'s record, with the fitted
+        #: ``contention``; rank 0's; empty before one).
         self.calibration: Dict[str, float] = {}
         self._layerwise_bytes: Optional[int] = None  # wire bytes of the layer-wise traces
         self._profile_seconds = 0.0  # host time the last fresh profile took
@@ -554,7 +560,10 @@ class OnlinePlanner:
             ),
         )
         self.cost["profiles"] += 1
-        shared = Profile.from_dict(self._broadcast(ex, local.to_dict()))
+        # Rank 0's profile and calibration, so that every rank plans from (and
+        # reports) the same numbers.
+        data, self.calibration = self._broadcast(ex, (local.to_dict(), self.calibration))
+        shared = Profile.from_dict(data)
         if under is None:
             self._collectives = shared
         _log(
