@@ -237,9 +237,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     common.add_argument(
         "--value-dtype",
-        choices=("float32", "float16"),
+        choices=("float32", "float16", "bfloat16"),
         default="float32",
         help="dtype of sparse values on the wire (default: float32)",
+    )
+    common.add_argument(
+        "--index-coding",
+        choices=("auto", "int32", "block16"),
+        default="auto",
+        help="how sparse indices are sent (default: auto, the smaller per message)",
     )
     common.add_argument(
         "--latency",
@@ -373,7 +379,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _config(args: argparse.Namespace) -> SparsityConfig:
-    return SparsityConfig(density=args.density, value_dtype=args.value_dtype)
+    return SparsityConfig(
+        density=args.density, value_dtype=args.value_dtype, index_coding=args.index_coding
+    )
 
 
 def _catalog(args: argparse.Namespace, model: str, workers: int, bps: float) -> Profile:
@@ -486,7 +494,8 @@ def _show(args: argparse.Namespace) -> int:
     fused = simulate(spec, [(0, n - 1, False)], "dense-fused")
     lines = [
         f"# {source}",
-        f"# {network}; density {args.density:g}, values {args.value_dtype}",
+        f"# {network}; density {args.density:g}, values {args.value_dtype}, "
+        f"indices {args.index_coding}",
         plan.describe(names),
     ]
     if args.merge == "dp" and not plan.exact:
@@ -637,7 +646,8 @@ def _markdown(
         "```",
         "",
         f"- model inputs: {source}",
-        f"- density {args.density:g}, values {args.value_dtype}, ring-step latency "
+        f"- density {args.density:g}, values {args.value_dtype}, indices "
+        f"{args.index_coding}, ring-step latency "
         f"{args.latency * 1e6:g} us, compute {args.compute_flops / 1e12:g} TFLOP/s, memory "
         f"{args.mem_bw / 1e9:g} GB/s",
         f"- DP: `max_group={args.max_group}`, `max_front={args.max_front}`; planning time per "

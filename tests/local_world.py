@@ -17,8 +17,20 @@ from typing import Any, Callable, Dict, List, Sequence
 
 import numpy as np
 
-_DT = {"float32": np.float32, "float16": np.float16, "int32": np.int32, "int64": np.int64}
+_DT = {
+    "float32": np.float32,
+    "float16": np.float16,
+    "int16": np.int16,
+    "int32": np.int32,
+    "int64": np.int64,
+}
 _DT["bool"] = np.bool_
+try:  # bfloat16 for NumPy (installed with TensorFlow)
+    import ml_dtypes
+
+    _DT["bfloat16"] = ml_dtypes.bfloat16
+except ImportError:  # pragma: no cover - bfloat16 tests skip without it
+    pass
 
 
 class NumpyOps:
@@ -95,6 +107,16 @@ class NumpyOps:
     def copy_(self, dst, src):
         dst[...] = np.reshape(np.asarray(src), dst.shape)
         return dst
+
+    def count_below_(self, out, sorted_idx, bounds):
+        out[...] = np.searchsorted(sorted_idx, bounds, side="left")
+        return out
+
+    def count_at_or_below(self, ends, values):
+        return np.searchsorted(ends, values, side="right").astype(np.int64)
+
+    def unsigned16(self, x):
+        return np.asarray(x, np.int16).view(np.uint16).astype(np.int32)
 
     def add_offset_(self, dst, idx, offset):
         dst[...] = idx + offset

@@ -10,16 +10,19 @@ computes what every rank must send, keep and receive:
 * ``a = r + g`` (or with momentum correction ``u = m·u + g``, ``a = r + u``);
 * a sparse layer sends the first ``capacity`` elements (in index order) with
   ``|a| >= theta``, rounded to the wire dtype, and keeps the rest, plus the
-  rounding error, in ``r``; momentum correction clears ``u`` where it sent;
+  rounding error, in ``r``; momentum correction clears ``u`` where it sent
+  (factor masking, unless ``momentum_masking=False``);
 * a dense layer sends its gradient (or velocity), plus whatever residual it
   still holds from when it was sparse;
 * every rank receives the average (or sum) of what all ranks sent.
 
 Layer targets follow the method's rule: ``k = ceil(d·n)`` for the density ``d``
 of the step (warm-up stages first), ``capacity = min(n, ceil(max_ratio·k))``,
-sparse when ``n >= min_sparse_size`` and the sparse message (value bytes plus a
-4-byte index per element) is smaller than the float32 gradient, unless a merge
-plan forces the mode of a group.
+sparse when ``n >= min_sparse_size`` and the sparse message (its values and
+indices, each padded to 4-byte words) is smaller than the float32 gradient,
+unless a merge plan forces the mode of a group. Indices cost 4 bytes each
+(``int32``), or 2 each plus 4 per 65,536-element block boundary
+(``block16``); ``auto`` takes the smaller.
 """
 
 from __future__ import annotations
@@ -42,9 +45,11 @@ class Reference:
         min_sparse_size: int = 1024,
         max_ratio: float = 1.0,
         momentum: float = 0.0,
+        momentum_masking: bool = True,
         warmup: Sequence[float] = (),
         warmup_steps: int = 0,
         value_dtype: str = "float32",
+        index_coding: str = "auto",
         average: bool = True,
     ):
         self.sizes = list(sizes)
@@ -52,6 +57,7 @@ class Reference:
         self.density, self.warmup, self.warmup_steps = density, list(warmup), warmup_steps
         self.min_sparse_size, self.max_ratio = min_sparse_size, max_ratio
         self.momentum, self.value_dtype, self.average = momentum, value_dtype, average
+        self.index_coding, self.momentum_masking = index_coding, momentum_masking
         self.residual: List[Dict[int, np.ndarray]] = [{} for _ in range(ranks)]
         self.velocity = [[np.zeros(n, np.float32) for n in sizes] for _ in range(ranks)]
         self.t = 0
@@ -64,8 +70,12 @@ class Reference:
         """``(k, capacity, sparse by the rule)`` of an ``n``-element layer at step ``t``."""
         k = max(1, math.ceil(self.density_at(t) * n))
         cap = min(n, math.ceil(self.max_ratio * k))
-        value_bytes = 2 if self.value_dtype == "float16" else 4
-        return k, cap, n >= self.min_sparse_size and cap * (value_bytes + 4) < 4 * n
+        value_bytes = 4 * math.ceil(cap * (4 if self.value_dtype == "float32" else 2) / 4)
+        int32 = 4 * cap
+        block16 = 4 * math.ceil(cap / 2) + 4 * (n // 65536)
+        index_bytes = {"int32": int32, "block16": block16, "auto": min(int32, block16)}
+        message = value_bytes + index_bytes[self.index_coding]
+        return k, cap, n >= self.min_sparse_size and message < 4 * n
 
     def step(
         self,
@@ -101,10 +111,14 @@ class Reference:
                     vals = a[chosen]
                     if self.value_dtype == "float16":
                         vals = vals.astype(np.float16).astype(np.float32)
+                    elif self.value_dtype == "bfloat16":  # round to nearest even
+                        bits = vals.astype(np.float32).view(np.uint32).astype(np.uint64)
+                        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16
+                        vals = bits.astype(np.uint32).view(np.float32)
                     keep = a.copy()
                     keep[chosen] -= vals
                     self.residual[r][i] = keep
-                    if self.momentum:
+                    if self.momentum and self.momentum_masking:
                         self.velocity[r][i][chosen] = 0.0
                     sent = np.zeros(n, np.float32)
                     sent[chosen] = vals

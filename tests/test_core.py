@@ -52,6 +52,9 @@ def test_core_imports_without_any_framework():
         (dict(density="0.1"), "density", TypeError),
         (dict(controller="sorting"), "controller", ValueError),
         (dict(value_dtype="int8"), "value_dtype", ValueError),
+        (dict(index_coding="int16"), "index_coding", ValueError),
+        (dict(momentum_masking=1), "momentum_masking", TypeError),
+        (dict(warmup="dgc4", warmup_steps=3), "warmup", TypeError),
         (dict(max_ratio=0.5), "max_ratio", ValueError),
         (dict(min_sparse_size=0), "min_sparse_size", ValueError),
         (dict(anchor_every=-1), "anchor_every", ValueError),
@@ -85,14 +88,36 @@ def test_config_is_frozen_and_schedules_warmup():
     assert cfg.to_dict()["controller"] == "dynamic"
 
 
+def test_dgc_warmup_is_dgc_schedule_scaled_to_the_density():
+    dgc = SparsityConfig(density=0.001, warmup="dgc", warmup_steps=5)
+    # DGC's published stages for 0.001: 0.25, 0.0625, 0.015625, 0.004.
+    assert np.allclose(dgc.warmup, (0.25, 0.0625, 0.015625, 0.004), rtol=0.02)
+    ratios = np.array(dgc.warmup[1:] + (0.001,)) / np.array(dgc.warmup)
+    assert np.allclose(ratios, ratios[0])  # equal factors, ending at the density
+    assert dgc.to_dict()["warmup"] == list(dgc.warmup)
+    assert len(SparsityConfig(density=0.01, warmup="dgc", warmup_steps=5).warmup) == 4
+    assert SparsityConfig(density=0.5, warmup="dgc").warmup == ()
+    with pytest.raises(ValueError, match="warmup_steps"):
+        SparsityConfig(density=0.001, warmup="dgc")
+
+
 def test_plan_layers_sends_small_and_dense_enough_layers_dense():
     cfg = SparsityConfig(density=0.01, min_sparse_size=1024)
     small, big = plan_layers([1000, 100_000], 0.01, cfg)
     assert not small.sparse and big.sparse
-    assert big.k == 1000 and big.capacity == 1000 and big.wire_bytes == 8004
+    # count word, 1000 float32 values, 1000 16-bit indices, 1 block count
+    assert big.k == 1000 and big.capacity == 1000 and big.wire_bytes == 4 + 4000 + 2000 + 4
+    wide = SparsityConfig(density=0.01, index_coding="int32")
+    assert plan_layers([100_000], 0.01, wide)[0].wire_bytes == 4 + 4000 + 4000
     # values + int32 indices cost 8 bytes per element: sparse pays only below density 0.5
-    assert not plan_layers([100_000], 0.5, SparsityConfig(density=0.5))[0].sparse
-    assert plan_layers([100_000], 0.49, SparsityConfig(density=0.49))[0].sparse
+    half = SparsityConfig(density=0.5, index_coding="int32")
+    assert not plan_layers([100_000], 0.5, half)[0].sparse
+    assert plan_layers([100_000], 0.49, SparsityConfig(density=0.49, index_coding="int32"))[
+        0
+    ].sparse
+    # ... 6 with 16-bit indices: below density 2/3
+    assert plan_layers([100_000], 0.66, SparsityConfig(density=0.66))[0].sparse
+    assert not plan_layers([100_000], 0.67, SparsityConfig(density=0.67))[0].sparse
     capped = plan_layers([100_000], 0.01, SparsityConfig(density=0.01, max_ratio=1.5))[0]
     assert capped.capacity == 1500
 
@@ -111,6 +136,12 @@ def test_group_layout_offsets():
     assert 0 <= lay.fingerprint < 2**24
     with pytest.raises(ValueError, match="capacity"):
         GroupLayout((10,), (11,))
+    # 16-bit indices: half a word each, plus one block count per 65,536 elements.
+    short = GroupLayout((10, 70000, 30), (2, 3, 4), index_coding="block16")
+    assert short.count_words == 1 and short.header_words == 5
+    assert short.index_words == 5 and short.chunk_words == 5 + 9 + 5
+    assert short.counts_offset(1) == 4 and short.counts_offset(2) == 5
+    assert short.fingerprint != GroupLayout((10, 70000, 30), (2, 3, 4)).fingerprint
 
 
 def test_describe_mismatch():

@@ -117,8 +117,8 @@ def _sent(ex):
         if group.sparse:
             lay = group.layout
             dense = np.zeros(lay.dense_size, np.float64)
-            vals = lay.values_view(OPS, group.chunk).astype(np.float64)
-            np.add.at(dense, lay.indices_view(OPS, group.chunk).astype(np.int64), vals)
+            vals, idx, _ = lay.decode(group.chunk)
+            np.add.at(dense, idx, vals)
             for m, i in enumerate(group.members):
                 start = lay.dense_offset(m)
                 sent[i] = dense[start : start + lay.sizes[m]]
@@ -260,12 +260,15 @@ CASES = {
     "dgc": (dict(controller="dgc", sample_ratio=0.1), {}),
     "fixed": (dict(controller="fixed", threshold=1.0), {}),
     "momentum": (dict(momentum=0.9), {}),
+    "momentum_unmasked": (dict(momentum=0.9, momentum_masking=False), {}),
     "max_ratio": (dict(max_ratio=2.0), {}),
     "float16_values": (dict(value_dtype="float16"), {}),
+    "bfloat16_values_block16": (dict(value_dtype="bfloat16", index_coding="block16"), {}),
+    "int32_indices": (dict(index_coding="int32"), {}),
     # Stage 1 is too dense to pay (sent dense), then sparse; then a dense plan
     # flushes the residuals, then layer-wise again.
     "warmup_and_flush": (
-        dict(warmup=(0.5, 0.2), warmup_steps=3),
+        dict(warmup=(0.7, 0.2), warmup_steps=3),
         {7: _SPARSE_PLAN, 9: _DENSE_PLAN, 11: None},
     ),
     "merged_then_layerwise": (dict(), {0: _SPARSE_PLAN, 5: None}),
@@ -339,9 +342,11 @@ def cfg_kwargs(cfg):
         min_sparse_size=cfg.min_sparse_size,
         max_ratio=cfg.max_ratio,
         momentum=cfg.momentum,
+        momentum_masking=cfg.momentum_masking,
         warmup=cfg.warmup,
         warmup_steps=cfg.warmup_steps,
         value_dtype=cfg.value_dtype.value,
+        index_coding=cfg.index_coding.value,
     )
 
 

@@ -2,7 +2,7 @@
 wire format and cross-rank checks. Imports no torch, TensorFlow or Horovod."""
 
 from .backend import ArrayOps
-from .config import Controller, MergeConfig, SparsityConfig, ValueDType
+from .config import Controller, IndexCoding, MergeConfig, SparsityConfig, ValueDType
 from .consistency import RankMismatchError, describe_mismatch, signature
 from .controller import ThresholdController, make_controller
 from .engine import Engine
@@ -15,6 +15,7 @@ __all__ = [
     "Controller",
     "Engine",
     "GroupLayout",
+    "IndexCoding",
     "LayerPlan",
     "LayoutMismatchError",
     "MergeConfig",

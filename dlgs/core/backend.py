@@ -33,8 +33,8 @@ class ArrayOps(Protocol):
 
     # -- creation and views -------------------------------------------------
     def zeros(self, n: int, dtype: str, like: T) -> T:
-        """1-D zeros of ``n`` elements, ``dtype`` in {float32, float16, int32, bool},
-        on ``like``'s device."""
+        """1-D zeros of ``n`` elements, ``dtype`` in {float32, float16, bfloat16,
+        int16, int32, int64, bool}, on ``like``'s device."""
 
     def scalar(self, value: float, like: T) -> T:
         """0-d float32 tensor on ``like``'s device."""
@@ -97,7 +97,19 @@ class ArrayOps(Protocol):
         """``dst[idx] -= vals`` (idx unique except for a slot that stays zero)."""
 
     def copy_(self, dst: T, src: T) -> T:
-        """``dst[:] = src`` with value conversion to ``dst``'s dtype."""
+        """``dst[:] = src`` with value conversion to ``dst``'s dtype; integers
+        too wide for ``dst`` wrap (keep their low bits), as a C cast does."""
+
+    def count_below_(self, out: T, sorted_idx: T, bounds: T) -> T:
+        """``out[j] = #{i: sorted_idx[i] < bounds[j]}`` into an int32 ``out``
+        (``sorted_idx`` ascending; a binary search per bound)."""
+
+    def count_at_or_below(self, ends: T, values: T) -> T:
+        """``#{i: ends[i] <= values[j]}`` for every ``j`` (``ends`` ascending),
+        a new integer vector."""
+
+    def unsigned16(self, x: T) -> T:
+        """An int16 vector's bits read as unsigned, ``[0, 65535]``, as int32."""
 
     def add_offset_(self, dst: T, idx: T, offset: int) -> T:
         """``dst[:] = idx + offset`` into an int32 ``dst``."""

@@ -14,7 +14,15 @@ from typing import Optional, Tuple
 
 from ._checks import check_float, check_int
 
-__all__ = ["Controller", "MERGE_STRATEGIES", "MergeConfig", "ValueDType", "SparsityConfig"]
+__all__ = [
+    "Controller",
+    "dgc_warmup",
+    "IndexCoding",
+    "MERGE_STRATEGIES",
+    "MergeConfig",
+    "ValueDType",
+    "SparsityConfig",
+]
 
 
 class Controller(str, enum.Enum):
@@ -39,10 +47,30 @@ class Controller(str, enum.Enum):
 
 
 class ValueDType(str, enum.Enum):
-    """Dtype of the gradient values on the wire (indices are always int32)."""
+    """Dtype of the gradient values on the wire (see :class:`IndexCoding` for
+    the indices)."""
 
     FLOAT32 = "float32"
     FLOAT16 = "float16"
+    BFLOAT16 = "bfloat16"
+
+
+class IndexCoding(str, enum.Enum):
+    """How a sparse message carries its indices (``dlgs.core.wire``).
+
+    * ``AUTO`` (default): per message, whichever of the two below is smaller,
+      decided from the layers' sizes and capacities alone, so every rank
+      decides the same without a handshake.
+    * ``INT32``: 4 bytes per selected element.
+    * ``BLOCK16``: each index's low 16 bits (2 bytes per element) and, per
+      layer, one int32 count for each 65,536-element block boundary (how many
+      selected indices lie below it); exact for any layer size. Smaller than
+      int32 unless a layer sends fewer than one element per 32,768.
+    """
+
+    AUTO = "auto"
+    INT32 = "int32"
+    BLOCK16 = "block16"
 
 
 @dataclass(frozen=True)
@@ -73,16 +101,36 @@ class SparsityConfig:
             the threshold. Larger is more accurate and slower.
         momentum: DGC momentum correction. 0 (default) accumulates raw
             gradients; > 0 accumulates velocity ``u = m*u + g`` locally and
-            clears both velocity and residual where values were sent (factor
-            masking). When set, give the wrapped optimizer ``momentum=0``.
+            clears the residual (and with ``momentum_masking`` the velocity)
+            where values were sent. When set, give the wrapped optimizer
+            ``momentum=0``.
+        momentum_masking: With ``momentum``: also clear the velocity where
+            values were sent (DGC's factor masking, default). Masking restarts a
+            coordinate's momentum each time it is sent, so the more often it is
+            sent the less momentum it gets: sent every step, none at all (at
+            ``m = 0.9`` a 10x smaller step than momentum SGD), which is what
+            high densities and DGC's warm-up stages do to the largest
+            gradients. ``False`` keeps the velocity: what is sent then sums to
+            exactly what momentum SGD applies, delayed by the residual, at
+            every density (docs/options.md, "Warm-up").
         warmup: Densities for the first stages of training, e.g.
-            ``(0.25, 0.063, 0.015, 0.004)`` as in DGC; each lasts
-            ``warmup_steps`` steps, then ``density`` applies. Message sizes
-            change only at stage boundaries.
+            ``(0.25, 0.063, 0.015, 0.004)``, or ``"dgc"``: DGC's schedule scaled
+            to ``density`` (:func:`dgc_warmup`: 4 stages from 0.25 down to
+            ``density`` by equal factors; at 0.001 exactly DGC's 0.25, 0.0625,
+            0.0156, 0.0039). Each stage lasts ``warmup_steps`` steps, then
+            ``density`` applies. Message sizes change only at stage boundaries.
         warmup_steps: Steps per warm-up stage.
-        value_dtype: ``"float32"`` or ``"float16"`` values on the wire. float16
-            halves the value bytes; the rounding error stays in the residual, so
-            nothing is lost over time.
+        value_dtype: ``"float32"``, ``"float16"`` or ``"bfloat16"`` values on
+            the wire. The 16-bit dtypes halve the value bytes; the rounding
+            error stays in the residual, so nothing is lost over time. float16
+            keeps 11 bits of mantissa but overflows above 65504 (a non-finite
+            value, then skipped like any non-finite step); bfloat16 keeps
+            float32's range with 8 bits of mantissa.
+        index_coding: ``"auto"`` (default), ``"int32"`` or ``"block16"``, see
+            :class:`IndexCoding`. ``auto`` sends about 2 bytes per index
+            instead of 4 at no loss (indices decode exactly) for a few more
+            device operations per step on the receiver; ``int32`` is the
+            simplest format.
     """
 
     density: float = 0.01
@@ -93,9 +141,11 @@ class SparsityConfig:
     threshold: Optional[float] = None
     sample_ratio: float = 0.01
     momentum: float = 0.0
+    momentum_masking: bool = True
     warmup: Tuple[float, ...] = field(default_factory=tuple)
     warmup_steps: int = 0
     value_dtype: ValueDType = ValueDType.FLOAT32
+    index_coding: IndexCoding = IndexCoding.AUTO
 
     def __post_init__(self) -> None:
         check_float("density", self.density, low=0, high=1, low_open=True)
@@ -113,6 +163,13 @@ class SparsityConfig:
             raise ValueError(
                 f"value_dtype must be one of {names}, got {self.value_dtype!r}"
             ) from None
+        try:
+            object.__setattr__(self, "index_coding", IndexCoding(self.index_coding))
+        except ValueError:
+            names = ", ".join(repr(c.value) for c in IndexCoding)
+            raise ValueError(
+                f"index_coding must be one of {names}, got {self.index_coding!r}"
+            ) from None
         check_float("max_ratio", self.max_ratio, low=1.0, high=16.0)
         check_int("min_sparse_size", self.min_sparse_size, 1)
         check_int("anchor_every", self.anchor_every, 0)
@@ -127,6 +184,12 @@ class SparsityConfig:
             raise ValueError("threshold is only used with controller='fixed'")
         check_float("sample_ratio", self.sample_ratio, low=0, high=1, low_open=True)
         check_float("momentum", self.momentum, low=0, high=1, high_open=True)
+        if not isinstance(self.momentum_masking, bool):
+            raise TypeError(
+                f"momentum_masking must be a bool, got {type(self.momentum_masking).__name__}"
+            )
+        if isinstance(self.warmup, str) and self.warmup == "dgc":
+            object.__setattr__(self, "warmup", dgc_warmup(self.density))
         # A bare float is not iterable and a str iterates its characters: both
         # are a mistaken list of stage densities (issue 10), refused by name.
         if not isinstance(self.warmup, Iterable) or isinstance(
@@ -134,7 +197,7 @@ class SparsityConfig:
         ):
             raise TypeError(
                 "warmup must be a sequence of densities in (0, 1], e.g. (0.25, 0.063), "
-                f"got {type(self.warmup).__name__}"
+                f"or 'dgc', got {self.warmup!r}"
             )
         warmup = tuple(self.warmup)
         for i, d in enumerate(warmup):
@@ -154,8 +217,21 @@ class SparsityConfig:
         d = asdict(self)
         d["controller"] = self.controller.value
         d["value_dtype"] = self.value_dtype.value
+        d["index_coding"] = self.index_coding.value
         d["warmup"] = list(self.warmup)
         return d
+
+
+def dgc_warmup(density: float, stages: int = 4, start: float = 0.25) -> Tuple[float, ...]:
+    """DGC's warm-up schedule scaled to a target density: ``stages`` densities
+    from ``start`` down towards ``density`` by equal factors (Lin et al., 2018,
+    use 0.25, 0.0625, 0.015625, 0.004 for 0.001: this returns 0.25, 0.0628,
+    0.0158, 0.00397). Empty when ``density >= start`` (nothing to warm up)."""
+    check_float("density", density, low=0, high=1, low_open=True)
+    if density >= start:
+        return ()
+    ratio = (density / start) ** (1.0 / stages)
+    return tuple(start * ratio**j for j in range(stages))
 
 
 MERGE_STRATEGIES = ("dp", "none", "all", "buckets", "greedy")

@@ -32,7 +32,7 @@ from .backend import ArrayOps
 from .config import SparsityConfig, ValueDType
 from .consistency import RankMismatchError
 from .controller import ThresholdController, make_controller
-from .wire import GroupLayout, LayerPlan, UnpackPlan, plan_layers, unpack
+from .wire import DevicePart, GroupLayout, LayerPlan, UnpackPlan, plan_layers, unpack
 
 __all__ = [
     "Collectives",
@@ -224,8 +224,8 @@ class _Group:
         self.ready = 0
         self.handle: Any = None
         self.verified = False
-        # sparse: per member, its (values, indices, count word) views of ``chunk``.
-        self.member_views: List[Tuple[Any, Any, Any]] = []
+        # sparse: per member, its views of ``chunk`` (GroupLayout.member_views).
+        self.member_views: List[Tuple[Any, ...]] = []
         # sparse: each member's view of the step's receive buffer (_Unpack.dense).
         self.outputs: List[Any] = []
 
@@ -234,29 +234,16 @@ class _Unpack:
     """The step's sparse messages, unpacked together (:class:`UnpackPlan`): one
     receive buffer, the plan's index vectors on the device, reused scratch."""
 
-    __slots__ = ("dense", "at", "scratch", "firsts", "members", "bad", "counts")
+    __slots__ = ("dense", "parts", "counts_at", "counts_out", "firsts", "members", "bad", "counts")
 
     def __init__(self, ops: ArrayOps, plan: UnpackPlan, value_dtype: ValueDType, like: Any):
         self.dense = ops.zeros(plan.dense_size, "float32", like)
-        offsets = plan.offsets
-        # Shifted indices in the wire's int32 where the buffer allows (one
-        # operation; a wider sum is a cast more).
         wide = "int64" if plan.dense_size > MAX_MESSAGE_ELEMENTS else "int32"
-        self.at = (
-            ops.index_vector(plan.values, like),
-            ops.index_vector(plan.indices, like),
-            ops.cast(ops.index_vector(offsets, like), wide) if offsets is not None else None,
-            ops.index_vector(plan.counts, like),
-        )
-        n = len(plan.indices)
-        self.scratch: Tuple[Any, Any, Any, Any] = (None, None, None, None)
+        self.parts = [DevicePart(ops, part, value_dtype, wide, like) for part in plan.parts]
+        self.counts_at = ops.index_vector(plan.counts, like)
+        self.counts_out = None
         if ops.reuses_outputs:
-            self.scratch = (
-                ops.zeros(n, value_dtype.value, like),
-                ops.zeros(n, "int32", like),
-                ops.zeros(n, wide, like) if offsets is not None else None,
-                ops.zeros(len(plan.counts), "int32", like),
-            )
+            self.counts_out = ops.zeros(len(plan.counts), "int32", like)
         self.firsts = ops.index_vector(plan.firsts, like)
         self.members: List[int] = []  # layer indices, in the order of ``firsts``
         self.bad: Any = None  # per member: non-finite on some rank this step
@@ -531,6 +518,7 @@ class SparseExchange:
                     tuple(plans[i].numel for i in members),
                     tuple(plans[i].capacity for i in members),
                     self.config.value_dtype,
+                    self.config.index_coding,
                 )
                 group.layout = layout
                 group.chunk = layout.new_chunk(ops, like)
@@ -794,7 +782,7 @@ class SparseExchange:
         else:
             # Keep the rounding error of the narrower wire dtype in the residual.
             ops.sub_at_(nxt, idx, ops.cast(out_vals, "float32"))
-        if layer.velocity is not None:
+        if layer.velocity is not None and self.config.momentum_masking:
             ops.fill_at_(layer.velocity_next, idx, 0.0)  # DGC factor masking
         layer.count = count
         layer.theta = theta
@@ -873,8 +861,9 @@ class SparseExchange:
             self.config.value_dtype,
             u.dense,
             self._out_scale,
-            u.at,
-            u.scratch,
+            u.parts,
+            u.counts_at,
+            u.counts_out,
         )
         # Members non-finite on some rank read NaN on every rank.
         ops.nan_at_(u.dense, u.firsts, u.bad)

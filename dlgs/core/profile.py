@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, List, Sequence, Tuple, Union
 from ._checks import check_float, check_int
 from .config import SparsityConfig
 from .planner import CostModel, LayerCost, PlanSpec, simulate
-from .wire import member_bytes, plan_layers
+from .wire import plan_layers
 
 __all__ = [
     "LayerProfile",
@@ -192,7 +192,7 @@ def build_spec(
             LayerCost(
                 name=layer.name,
                 backward=layer.backward,
-                sparse_bytes=member_bytes(plan.capacity, config.value_dtype),
+                sparse_bytes=plan.sparse_bytes,
                 dense_bytes=4 * layer.numel,
                 sparsify=profile.sparsify(layer.numel),
                 pack=profile.pack(layer.numel),

@@ -33,13 +33,17 @@ from typing import Any, List, Optional, Sequence, Tuple
 import numpy as np
 
 from .backend import ArrayOps
-from .config import SparsityConfig, ValueDType
+from .config import IndexCoding, SparsityConfig, ValueDType
 
 __all__ = [
+    "BLOCK",
+    "DevicePart",
     "GroupLayout",
     "LayoutMismatchError",
+    "UnpackPart",
     "UnpackPlan",
     "member_bytes",
+    "resolve_coding",
     "unpack",
     "value_bytes",
 ]
@@ -49,7 +53,11 @@ class LayoutMismatchError(RuntimeError):
     """Ranks disagree on a merge group's layout (different models or options)."""
 
 
-_VALUE_BYTES = {ValueDType.FLOAT32: 4, ValueDType.FLOAT16: 2}
+_VALUE_BYTES = {ValueDType.FLOAT32: 4, ValueDType.FLOAT16: 2, ValueDType.BFLOAT16: 2}
+
+#: Elements per block of the 16-bit index coding: an index is its block's
+#: first element plus 16 bits.
+BLOCK = 1 << 16
 
 
 def value_bytes(value_dtype: ValueDType) -> int:
@@ -57,11 +65,33 @@ def value_bytes(value_dtype: ValueDType) -> int:
     return _VALUE_BYTES[ValueDType(value_dtype)]
 
 
-def member_bytes(capacity: int, value_dtype: ValueDType) -> int:
+def _blocks(n: int) -> int:
+    """Blocks of a member's index range ``[0, n]`` (``n``: its padding slot)."""
+    return n // BLOCK + 1
+
+
+def resolve_coding(sizes: Sequence[int], caps: Sequence[int], coding: IndexCoding) -> IndexCoding:
+    """The index coding a message uses: ``coding`` itself, or for ``auto`` the
+    smaller of int32 and block16 for these members (sizes only, so every rank
+    decides the same). Ties go to int32, the simpler decode."""
+    coding = IndexCoding(coding)
+    if coding is not IndexCoding.AUTO:
+        return coding
+    total = sum(caps)
+    block16 = math.ceil(total / 2) + sum(_blocks(n) - 1 for n in sizes)
+    return IndexCoding.BLOCK16 if block16 < total else IndexCoding.INT32
+
+
+def member_bytes(
+    numel: int,
+    capacity: int,
+    value_dtype: ValueDType,
+    index_coding: IndexCoding = IndexCoding.INT32,
+) -> int:
     """Bytes one layer sent alone adds to its message: the count word, its
-    values padded to whole words and its int32 indices (the message adds one
-    fingerprint word). Every size formula in dlgs calls this or GroupLayout."""
-    return 4 * (1 + math.ceil(capacity * value_bytes(value_dtype) / 4) + capacity)
+    values and indices padded to whole words (the message adds one fingerprint
+    word). Every size formula in dlgs calls this or GroupLayout."""
+    return GroupLayout((numel,), (capacity,), value_dtype, index_coding).chunk_bytes - 4
 
 
 @dataclass(frozen=True)
@@ -72,11 +102,15 @@ class GroupLayout:
         sizes: element count ``n_i`` of each member, in order.
         caps: capacity ``cap_i`` (values sent) of each member.
         value_dtype: dtype of values on the wire.
+        index_coding: :class:`~dlgs.core.config.IndexCoding`; ``auto`` is
+            resolved here (:func:`resolve_coding`), so ``index_coding`` is
+            always ``int32`` or ``block16`` once made.
     """
 
     sizes: Tuple[int, ...]
     caps: Tuple[int, ...]
     value_dtype: ValueDType = ValueDType.FLOAT32
+    index_coding: IndexCoding = IndexCoding.INT32
     fingerprint: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -86,7 +120,9 @@ class GroupLayout:
             if not (0 < c <= n):
                 raise ValueError(f"capacity must be in [1, n], got cap={c} for n={n}")
         object.__setattr__(self, "value_dtype", ValueDType(self.value_dtype))
-        key = repr((self.sizes, self.caps, self.value_dtype.value)).encode()
+        coding = resolve_coding(self.sizes, self.caps, self.index_coding)
+        object.__setattr__(self, "index_coding", coding)
+        key = repr((self.sizes, self.caps, self.value_dtype.value, coding.value)).encode()
         # 24 bits: exactly representable as the float32 scalar it is written from.
         object.__setattr__(self, "fingerprint", zlib.crc32(key) & 0xFFFFFF)
 
@@ -100,16 +136,40 @@ class GroupLayout:
         return sum(self.caps)
 
     @property
+    def block16(self) -> bool:
+        return self.index_coding is IndexCoding.BLOCK16
+
+    def blocks(self, i: int) -> int:
+        """Index blocks of member ``i``: it sends ``blocks(i) - 1`` block
+        counts (1 block, no count, with int32 indices or under 65,536
+        elements)."""
+        return _blocks(self.sizes[i]) if self.block16 else 1
+
+    @property
+    def count_words(self) -> int:
+        """Block-count words of all members (block16)."""
+        return sum(self.blocks(i) - 1 for i in range(self.members))
+
+    def counts_offset(self, i: int) -> int:
+        """Word offset of member ``i``'s block counts in the chunk."""
+        return 1 + self.members + sum(self.blocks(j) - 1 for j in range(i))
+
+    @property
     def header_words(self) -> int:
-        return 1 + self.members
+        return 1 + self.members + self.count_words
 
     @property
     def value_words(self) -> int:
         return math.ceil(self.total_capacity * _VALUE_BYTES[self.value_dtype] / 4)
 
     @property
+    def index_words(self) -> int:
+        cap = self.total_capacity
+        return math.ceil(cap / 2) if self.block16 else cap
+
+    @property
     def chunk_words(self) -> int:
-        return self.header_words + self.value_words + self.total_capacity
+        return self.header_words + self.value_words + self.index_words
 
     @property
     def chunk_bytes(self) -> int:
@@ -134,7 +194,11 @@ class GroupLayout:
         return ops.narrow(ops.view_as(raw, self.value_dtype.value), 0, 0, self.total_capacity)
 
     def indices_view(self, ops: ArrayOps, chunk: Any) -> Any:
-        return ops.narrow(chunk, 0, self.header_words + self.value_words, self.total_capacity)
+        """All members' index slots: int32, or int16 (low 16 bits) with block16."""
+        raw = ops.narrow(chunk, 0, self.header_words + self.value_words, self.index_words)
+        if not self.block16:
+            return raw
+        return ops.narrow(ops.view_as(raw, "int16"), 0, 0, self.total_capacity)
 
     def new_chunk(self, ops: ArrayOps, like: Any) -> Any:
         """An int32 send buffer with the fingerprint written in."""
@@ -143,35 +207,85 @@ class GroupLayout:
         ops.copy_(head, ops.cast(ops.scalar(float(self.fingerprint), like), "int32"))
         return chunk
 
-    def member_views(self, ops: ArrayOps, chunk: Any, i: int) -> Tuple[Any, Any, Any]:
-        """Member ``i``'s value slots, index slots and count word in ``chunk``
-        (views: make them once per chunk, then :meth:`pack_into` every step)."""
+    def member_views(self, ops: ArrayOps, chunk: Any, i: int) -> Tuple[Any, ...]:
+        """Member ``i``'s value slots, index slots, count word and (block16
+        with more than one block) block-count words and block boundaries in
+        ``chunk`` (views: make them once per chunk, then :meth:`pack_into`
+        every step)."""
         cap, off = self.caps[i], self.value_offset(i)
+        blocks = self.blocks(i)
+        counts = bounds = None
+        if blocks > 1:
+            counts = ops.narrow(chunk, 0, self.counts_offset(i), blocks - 1)
+            bounds = ops.index_vector(BLOCK * np.arange(1, blocks, dtype=np.int64), chunk)
         return (
             ops.narrow(self.values_view(ops, chunk), 0, off, cap),
             ops.narrow(self.indices_view(ops, chunk), 0, off, cap),
             ops.narrow(chunk, 0, 1 + i, 1),
+            counts,
+            bounds,
         )
 
     def pack_into(
         self,
         ops: ArrayOps,
-        views: Tuple[Any, Any, Any],
+        views: Tuple[Any, ...],
         i: int,
         source: Any,
         idx: Any,
         count: Any,
     ) -> Any:
         """Write member ``i``'s message into its :meth:`member_views`: the values
-        ``source[idx]`` (in the wire dtype), the indices shifted to the member's
-        place in the dense buffer, and its count word (its selected count, or -1
-        when its accumulated gradient was non-finite on this rank). Returns the
-        values as written (for the residual)."""
-        values, indices, word = views
+        ``source[idx]`` (in the wire dtype), the indices (``idx`` ascending,
+        padded with ``n_i``), and its count word (its selected count, or -1
+        when its accumulated gradient was non-finite on this rank). int32
+        indices are shifted to the member's place in the dense buffer; block16
+        writes their low 16 bits and, per block boundary, how many indices lie
+        below it. Returns the values as written (for the residual)."""
+        values, indices, word, counts, bounds = views
         ops.gather_(source, idx, values)
-        ops.add_offset_(indices, idx, self.dense_offset(i))
+        if self.block16:
+            ops.copy_(indices, idx)  # wraps to the low 16 bits
+            if counts is not None:
+                ops.count_below_(counts, idx, bounds)
+        else:
+            ops.add_offset_(indices, idx, self.dense_offset(i))
         ops.copy_(word, count)
         return values
+
+    def decode(self, chunk: Any) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Reference decoder of one rank's chunk on the host, written to be
+        obviously right rather than fast (tests, debugging): every slot's value
+        (float64) and its index in the dense buffer (padding slots included),
+        and the members' count words."""
+        words = np.asarray(chunk, np.int32).reshape(-1)
+        if words.size != self.chunk_words:
+            raise ValueError(f"chunk has {words.size} words, the layout {self.chunk_words}")
+        cap = self.total_capacity
+        raw = words[self.header_words : self.header_words + self.value_words]
+        if self.value_dtype is ValueDType.FLOAT32:
+            values = raw.view(np.float32)[:cap].astype(np.float64)
+        elif self.value_dtype is ValueDType.FLOAT16:
+            values = raw.view(np.float16)[:cap].astype(np.float64)
+        else:  # bfloat16: the high half of a float32
+            half = raw.view(np.uint16)[:cap].astype(np.uint32) << 16
+            values = half.view(np.float32).astype(np.float64)
+        slots = words[self.header_words + self.value_words :]
+        indices = np.empty(cap, np.int64)
+        for i in range(self.members):
+            lo, hi = self.value_offset(i), self.value_offset(i) + self.caps[i]
+            if not self.block16:
+                indices[lo:hi] = slots[lo:hi]
+                continue
+            low = slots.view(np.uint16)[lo:hi].astype(np.int64)
+            start = self.counts_offset(i)
+            ends = list(words[start : start + self.blocks(i) - 1]) + [self.caps[i]]
+            block, first = 0, 0
+            for end in ends:
+                low[first:end] += block * BLOCK
+                block, first = block + 1, end
+            indices[lo:hi] = self.dense_offset(i) + low
+        return values, indices, words[1 : 1 + self.members].copy()
 
     def check_gathered(self, ops: ArrayOps, gathered: Any, world: int, verify: bool) -> None:
         """The gathered size (no device access): anything but ``world`` chunks
@@ -197,25 +311,53 @@ class GroupLayout:
 
 
 @dataclass(frozen=True)
+class UnpackPart:
+    """The slots of a step's messages that share one index coding, every
+    rank's, in rank-major order (rank 0's slots of every such message, then
+    rank 1's, ...). Positions are into the concatenated allgather outputs.
+    Pure metadata (NumPy int64 vectors).
+
+    int32: ``index = words[indices] + offsets`` (the sender already added the
+    member's place in its message). block16: ``index = low16(indices) +
+    table[bucket + ordinals]`` where ``bucket`` counts the block ends at or
+    below each slot's position (one search over every member's ends at once,
+    shifted by ``end_offsets`` to the part's slot numbering) -- or, when no
+    member has a second block, ``low16(indices) + offsets``.
+    """
+
+    coding: IndexCoding
+    #: Positions of the values, in units of the wire value dtype.
+    values: np.ndarray
+    #: Positions of the indices: words (int32) or half-words (block16).
+    indices: np.ndarray
+    #: Per slot, what to add to its decoded index (None: nothing, or block16
+    #: with block counts, which uses ``table`` instead).
+    offsets: Optional[np.ndarray]
+    #: block16 with block counts: positions of the counts in words, what
+    #: shifts each to the part's slot numbering, each slot's number and
+    #: member ordinal, and each (member, block)'s first dense slot.
+    ends: Optional[np.ndarray] = None
+    end_offsets: Optional[np.ndarray] = None
+    slots: Optional[np.ndarray] = None
+    ordinals: Optional[np.ndarray] = None
+    table: Optional[np.ndarray] = None
+
+
+@dataclass(frozen=True)
 class UnpackPlan:
     """Where every rank's values, indices and count words of a step's sparse
     messages lie once their allgathered outputs are concatenated in message
     order, and where each message lands in one dense buffer for all of them.
     Pure metadata (NumPy int64 vectors), made once per layout.
 
-    All vectors are rank-major: rank 0's entries of every message, then rank
-    1's, and so on; so :func:`unpack` adds rank by rank where it must
-    (:meth:`~dlgs.core.backend.ArrayOps.index_add_rows_`), and within one rank's
-    row every index is unique (messages occupy disjoint parts of the buffer)
-    except the padding slots, which only receive zeros.
+    Slots are grouped into :class:`UnpackPart` by index coding; within a part
+    every vector is rank-major, so :func:`unpack` adds rank by rank where it
+    must (:meth:`~dlgs.core.backend.ArrayOps.index_add_rows_`), and within one
+    rank's row every index is unique (messages occupy disjoint parts of the
+    buffer) except the padding slots, which only receive zeros.
     """
 
-    #: Positions of the values, in units of the wire value dtype.
-    values: np.ndarray
-    #: Positions of the indices, in words.
-    indices: np.ndarray
-    #: Each index's message base in the dense buffer (None: one message, base 0).
-    offsets: Optional[np.ndarray]
+    parts: Tuple[UnpackPart, ...]
     #: Positions of the count words, in words: row r holds every member's.
     counts: np.ndarray
     #: Each member's first slot in the dense buffer (message order).
@@ -228,32 +370,84 @@ class UnpackPlan:
     def of(cls, layouts: Sequence[GroupLayout], world: int) -> "UnpackPlan":
         if len({lay.value_dtype for lay in layouts}) != 1:
             raise ValueError("the messages of one unpack must share a value dtype")
-        per_word = 4 // _VALUE_BYTES[layouts[0].value_dtype]
         word_bases = np.cumsum([0] + [world * lay.chunk_words for lay in layouts])
         bases = [int(b) for b in np.cumsum([0] + [lay.dense_size for lay in layouts])]
-        values, indices, offsets, counts = [], [], [], []
+        counts = []
         for r in range(world):
-            for lay, words, base in zip(layouts, word_bases, bases):
+            for lay, words in zip(layouts, word_bases):
                 start = int(words) + r * lay.chunk_words
-                slots = np.arange(lay.total_capacity, dtype=np.int64)
-                values.append(per_word * (start + lay.header_words) + slots)
-                indices.append(start + lay.header_words + lay.value_words + slots)
-                offsets.append(np.full(lay.total_capacity, base, np.int64))
                 counts.append(start + 1 + np.arange(lay.members, dtype=np.int64))
+        parts = []
+        for coding in (IndexCoding.INT32, IndexCoding.BLOCK16):
+            chosen = [
+                (lay, int(words), base)
+                for lay, words, base in zip(layouts, word_bases, bases)
+                if lay.index_coding is coding
+            ]
+            if chosen:
+                parts.append(_part(coding, chosen, world))
         firsts = [
             base + lay.dense_offset(m)
             for lay, base in zip(layouts, bases)
             for m in range(lay.members)
         ]
         return cls(
-            values=np.concatenate(values),
-            indices=np.concatenate(indices),
-            offsets=np.concatenate(offsets) if len(layouts) > 1 else None,
+            parts=tuple(parts),
             counts=np.concatenate(counts),
             firsts=np.asarray(firsts, np.int64),
             bases=tuple(bases[:-1]),
             dense_size=bases[-1],
         )
+
+
+def _part(
+    coding: IndexCoding, messages: Sequence[Tuple[GroupLayout, int, int]], world: int
+) -> UnpackPart:
+    """One coding's :class:`UnpackPart` of ``messages`` (layout, first word of
+    its allgather output, dense base)."""
+    per_word = 4 // _VALUE_BYTES[messages[0][0].value_dtype]
+    values, indices, offsets = [], [], []
+    ends, end_offsets, ordinals, table = [], [], [], []
+    slot, ordinal = 0, 0
+    for r in range(world):
+        for lay, words, base in messages:
+            start = words + r * lay.chunk_words
+            cap = lay.total_capacity
+            at = np.arange(cap, dtype=np.int64)
+            values.append(per_word * (start + lay.header_words) + at)
+            first_index = start + lay.header_words + lay.value_words
+            if coding is IndexCoding.INT32:
+                indices.append(first_index + at)
+                offsets.append(np.full(cap, base, np.int64))
+                continue
+            indices.append(2 * first_index + at)
+            for m in range(lay.members):
+                c, blocks = lay.caps[m], lay.blocks(m)
+                first = lay.counts_offset(m)
+                ends.append(start + first + np.arange(blocks - 1, dtype=np.int64))
+                end_offsets.append(np.full(blocks - 1, slot, np.int64))
+                ordinals.append(np.full(c, ordinal, np.int64))
+                offsets.append(np.full(c, base + lay.dense_offset(m), np.int64))
+                table.append(base + lay.dense_offset(m) + BLOCK * np.arange(blocks))
+                ordinal += 1
+                slot += c
+    cat = np.concatenate
+    if coding is IndexCoding.INT32:
+        off = cat(offsets)
+        return UnpackPart(coding, cat(values), cat(indices), off if off.any() else None)
+    if not sum(len(e) for e in ends):
+        return UnpackPart(coding, cat(values), cat(indices), cat(offsets))
+    return UnpackPart(
+        coding,
+        cat(values),
+        cat(indices),
+        None,
+        ends=cat(ends),
+        end_offsets=cat(end_offsets),
+        slots=np.arange(slot, dtype=np.int64),
+        ordinals=cat(ordinals),
+        table=cat(table).astype(np.int64),
+    )
 
 
 def unpack(
@@ -263,27 +457,75 @@ def unpack(
     value_dtype: ValueDType,
     dense: Any,
     scale: Any,
-    at: Tuple[Any, Any, Any, Any],
-    scratch: Tuple[Any, Any, Any, Any],
+    parts: Sequence["DevicePart"],
+    counts_at: Any,
+    counts_out: Any = None,
 ) -> Any:
     """Scatter-add every rank's values (multiplied by ``scale``) of a step's
     sparse messages into ``dense`` (:attr:`UnpackPlan.dense_size`, zeroed by the
     caller), ``words`` being their allgathered outputs concatenated in message
-    order. ``at``: the plan's values, indices, offsets (or None) and counts as
-    index vectors; ``scratch``: reused buffers for what is gathered from
-    ``words`` (values, indices, shifted indices, counts). Returns every rank's
+    order. ``parts``: the plan's parts on the device (:meth:`DevicePart.of`);
+    ``counts_at``: the count words' positions. Returns every rank's
     count words (rank-major, members in message order) and each member's flag
     (1-D bool): non-finite on some rank. A fixed number of
-    operations whatever the numbers of messages and ranks. Call
-    :meth:`GroupLayout.check_gathered` on each output first."""
-    values_at, indices_at, offsets, counts_at = at
-    values = ops.take(ops.view_as(words, value_dtype.value), values_at, scratch[0])
-    indices = ops.take(words, indices_at, scratch[1])
-    if offsets is not None:
-        indices = ops.add_indices(indices, offsets, scratch[2])
-    ops.index_add_rows_(dense, indices, values, scale, world)
-    counts = ops.take(words, counts_at, scratch[3])
+    operations whatever the numbers of messages and ranks (at most two parts:
+    one per index coding). Call :meth:`GroupLayout.check_gathered` on each
+    output first."""
+    for part in parts:
+        values = ops.take(ops.view_as(words, value_dtype.value), part.values, part.scratch[0])
+        ops.index_add_rows_(dense, part.decode(ops, words), values, scale, world)
+    counts = ops.take(words, counts_at, counts_out)
     return counts, ops.any_negative_rows(counts, world)
+
+
+class DevicePart:
+    """An :class:`UnpackPart`'s vectors on the device and its reused scratch
+    (none for a framework that returns new tensors)."""
+
+    def __init__(
+        self, ops: ArrayOps, part: UnpackPart, value_dtype: ValueDType, wide: str, like: Any
+    ):
+        self.block16 = part.coding is IndexCoding.BLOCK16
+        vec = ops.index_vector
+        self.values = vec(part.values, like)
+        self.indices = vec(part.indices, like)
+        # Shifted indices in ``wide`` (int32 where the buffer allows: one
+        # operation; a wider sum is a cast more).
+        self.offsets = None
+        if part.offsets is not None:
+            self.offsets = ops.cast(vec(part.offsets, like), wide)
+        self.ends = self.end_offsets = self.slots = self.ordinals = self.table = None
+        if part.ends is not None:
+            self.ends = vec(part.ends, like)
+            self.end_offsets = vec(part.end_offsets, like)
+            self.slots = vec(part.slots, like)
+            self.ordinals = vec(part.ordinals, like)
+            self.table = ops.cast(vec(part.table, like), wide)
+        n = len(part.indices)
+        self.scratch: Tuple[Any, ...] = (None,) * 4
+        if ops.reuses_outputs:
+            self.scratch = (
+                ops.zeros(n, value_dtype.value, like),
+                ops.zeros(n, "int16" if self.block16 else "int32", like),
+                ops.zeros(n, wide, like),
+                ops.zeros(len(part.ends), "int32", like) if part.ends is not None else None,
+            )
+
+    def decode(self, ops: ArrayOps, words: Any) -> Any:
+        """This part's slots' indices into the dense buffer (int64 or int32)."""
+        s = self.scratch
+        if not self.block16:
+            idx = ops.take(words, self.indices, s[1])
+            return ops.add_indices(idx, self.offsets, s[2]) if self.offsets is not None else idx
+        low = ops.unsigned16(ops.take(ops.view_as(words, "int16"), self.indices, s[1]))
+        if self.ends is None:
+            return ops.add_indices(low, self.offsets, s[2])
+        # Each slot's (member, block): how many ends (shifted to the part's
+        # slot numbering, so one search serves every member) lie at or below
+        # it, plus the ordinal of its member.
+        ends = ops.add_indices(ops.take(words, self.ends, s[3]), self.end_offsets, None)
+        block = ops.add_indices(ops.count_at_or_below(ends, self.slots), self.ordinals, None)
+        return ops.add_indices(low, ops.take(self.table, block), s[2])
 
 
 @dataclass(frozen=True)
@@ -291,7 +533,7 @@ class LayerPlan:
     """How one layer is sent at a given density (pure numbers).
 
     ``sparse`` is False when the layer is below ``min_sparse_size`` or when a
-    sparse message (values + int32 indices) would not be smaller than the dense
+    sparse message (values and indices) would not be smaller than the dense
     float32 gradient.
     """
 
@@ -300,12 +542,19 @@ class LayerPlan:
     capacity: int
     sparse: bool
     value_dtype: ValueDType = ValueDType.FLOAT32
+    index_coding: IndexCoding = IndexCoding.INT32
+
+    @property
+    def sparse_bytes(self) -> int:
+        """Bytes of this layer's sparse message sent alone, less the
+        fingerprint (:func:`member_bytes`)."""
+        return member_bytes(self.numel, self.capacity, self.value_dtype, self.index_coding)
 
     @property
     def wire_bytes(self) -> int:
         """Bytes this rank contributes per step when sent by the per-layer rule:
-        a count word, values and int32 indices, or the float32 dense gradient."""
-        return member_bytes(self.capacity, self.value_dtype) if self.sparse else self.numel * 4
+        its sparse message, or the float32 dense gradient."""
+        return self.sparse_bytes if self.sparse else self.numel * 4
 
 
 def plan_layers(sizes: Sequence[int], density: float, config: SparsityConfig) -> List[LayerPlan]:
@@ -314,7 +563,11 @@ def plan_layers(sizes: Sequence[int], density: float, config: SparsityConfig) ->
     for n in sizes:
         k = max(1, math.ceil(density * n))
         cap = min(n, math.ceil(config.max_ratio * k))
+        coding = config.index_coding
         # Sparse only where its message (less the count word) beats the dense one.
-        sparse = n >= config.min_sparse_size and member_bytes(cap, config.value_dtype) - 4 < 4 * n
-        plans.append(LayerPlan(n, k, cap, sparse, config.value_dtype))
+        sparse = (
+            n >= config.min_sparse_size
+            and member_bytes(n, cap, config.value_dtype, coding) - 4 < 4 * n
+        )
+        plans.append(LayerPlan(n, k, cap, sparse, config.value_dtype, coding))
     return plans

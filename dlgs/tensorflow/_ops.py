@@ -28,6 +28,8 @@ __all__ = ["TFOps", "OPS"]
 _DTYPES = {
     "float32": tf.float32,
     "float16": tf.float16,
+    "bfloat16": tf.bfloat16,
+    "int16": tf.int16,
     "int32": tf.int32,
     "int64": tf.int64,
     "bool": tf.bool,
@@ -282,6 +284,18 @@ class TFOps:
 
     def copy_(self, dst, src):
         return self._update(dst, _vec(src, _dtype(dst)))
+
+    def count_below_(self, out, sorted_idx, bounds):
+        idx = _read(sorted_idx)
+        found = tf.searchsorted(idx, tf.cast(bounds, idx.dtype), side="left", out_type=tf.int32)
+        return self._update(out, found)
+
+    def count_at_or_below(self, ends, values):
+        ends = _read(ends)
+        return tf.searchsorted(ends, tf.cast(values, ends.dtype), side="right", out_type=tf.int64)
+
+    def unsigned16(self, x):
+        return tf.bitwise.bitwise_and(tf.cast(_read(x), tf.int32), 0xFFFF)
 
     def add_offset_(self, dst, idx, offset):
         return self._update(dst, _vec(idx, tf.int32) + offset)

@@ -17,6 +17,8 @@ __all__ = ["TorchOps", "OPS"]
 _DTYPES = {
     "float32": torch.float32,
     "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int16": torch.int16,
     "int32": torch.int32,
     "int64": torch.int64,
     "bool": torch.bool,
@@ -95,6 +97,17 @@ class TorchOps:
         return dst.copy_(
             src if src.dim() == 0 or src.shape == dst.shape else src.reshape(dst.shape)
         )
+
+    def count_below_(self, out, sorted_idx, bounds):
+        return torch.searchsorted(sorted_idx, bounds, out_int32=True, out=out)
+
+    def count_at_or_below(self, ends, values):
+        if values.dtype != ends.dtype:
+            values = values.to(ends.dtype)
+        return torch.searchsorted(ends, values, right=True)
+
+    def unsigned16(self, x):
+        return x.to(torch.int32).bitwise_and_(0xFFFF)
 
     def add_offset_(self, dst, idx, offset):
         if not offset:

@@ -28,7 +28,7 @@ from scenarios import main, scenario  # noqa: E402  (tests/parallel is the scrip
 import dlgs.tensorflow  # noqa: E402
 import dlgs.tensorflow.keras  # noqa: E402
 from dlgs.core import RankMismatchError, SparsityConfig, plan_layers  # noqa: E402
-from dlgs.tensorflow._ops import OPS, _read  # noqa: E402
+from dlgs.tensorflow._ops import _read  # noqa: E402
 
 # -- helpers ------------------------------------------------------------------
 
@@ -116,8 +116,7 @@ def own_sent(exchange) -> dict:
             continue
         lay = group.layout
         dense = np.zeros(lay.dense_size, np.float64)
-        vals = _read(lay.values_view(OPS, group.chunk)).numpy().astype(np.float64)
-        idx = _read(lay.indices_view(OPS, group.chunk)).numpy()
+        vals, idx, _ = lay.decode(_read(group.chunk).numpy())
         np.add.at(dense, idx, vals)
         for m, i in enumerate(group.members):
             sent[i] = dense[lay.dense_offset(m) : lay.dense_offset(m) + lay.sizes[m]].copy()

@@ -79,17 +79,14 @@ def base_opt(kind: str, model):
 
 def own_sent(exchange) -> dict:
     """This rank's last sent values, decoded from its own send buffers."""
-    from dlgs.torch._ops import OPS
-
     sent = {}
     for group in exchange.groups:
         if not group.sparse:
             continue
         lay = group.layout
-        dense = torch.zeros(lay.dense_size)
-        vals = lay.values_view(OPS, group.chunk).float()
-        idx = lay.indices_view(OPS, group.chunk).long()
-        dense.index_add_(0, idx, vals)
+        dense = torch.zeros(lay.dense_size, dtype=torch.float64)
+        vals, idx, _ = lay.decode(group.chunk.cpu().numpy())
+        dense.index_add_(0, torch.from_numpy(idx), torch.from_numpy(vals))
         for m, i in enumerate(group.members):
             sent[i] = dense[lay.dense_offset(m) : lay.dense_offset(m) + lay.sizes[m]].clone()
     return sent
