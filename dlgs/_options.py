@@ -86,7 +86,13 @@ def build_configs(
     options = dict(options)
     merge_options = {k: options.pop(k) for k in _MERGE_FIELDS if k in options}
     planner = build_planner(merge, **merge_options)
-    return build_config(config, density, options), planner
+    cfg = build_config(config, density, options)
+    if cfg.auto and planner.strategy == "none":
+        raise ValueError(
+            "density='auto' is chosen from the merge planner's profile: use a profiling "
+            "merge strategy (merge='dp', 'greedy', 'buckets' or 'all'), not merge='none'"
+        )
+    return cfg, planner
 
 
 def warn_float64(kind: str, names: Sequence[str], log: logging.Logger) -> None:

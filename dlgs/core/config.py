@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable, Mapping, Set
 from dataclasses import asdict, dataclass, field
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
 
 from ._checks import check_float, check_int
 
@@ -82,7 +82,20 @@ class SparsityConfig:
             (0, 1]. Lower sends fewer bytes but lets more gradient wait in the
             residual; DGC reports 0.001 without accuracy loss on ImageNet and
             PTB once warm-up is used. ``1.0`` sends every layer dense (exactly
-            Horovod's allreduce). Start at 0.01.
+            Horovod's allreduce). Start at 0.01. ``"auto"``: the merge planner
+            picks it from its profile (:func:`dlgs.core.profile.choose_density`):
+            the highest density whose predicted communication ends within
+            back-propagation plus ``auto_slack``, between ``density_floor``
+            and dense; 0.01 until the first profile. Needs a profiling
+            ``merge`` (not ``"none"``); not with ``warmup``.
+        density_floor: ``density="auto"`` only: the lowest density it may
+            choose, in (0, 1]. Lower lets slow links still hide communication,
+            at the accuracy cost of very sparse updates (0.001 needs warm-up,
+            see ``warmup``).
+        auto_slack: ``density="auto"`` only: how far past the end of
+            back-propagation communication may be predicted to end, as a
+            fraction of back-propagation, >= 0. Larger picks higher densities
+            (more accuracy) at the price of a slower step.
         controller: Threshold controller, see :class:`Controller`.
         max_ratio: Capacity of each layer's message as a multiple of its target
             ``k = ceil(density * n)``; messages have a fixed size so that no
@@ -133,7 +146,9 @@ class SparsityConfig:
             simplest format.
     """
 
-    density: float = 0.01
+    density: Union[float, str] = 0.01
+    density_floor: float = 0.001
+    auto_slack: float = 0.05
     controller: Controller = Controller.DYNAMIC
     max_ratio: float = 1.0
     min_sparse_size: int = 1024
@@ -148,7 +163,14 @@ class SparsityConfig:
     index_coding: IndexCoding = IndexCoding.AUTO
 
     def __post_init__(self) -> None:
-        check_float("density", self.density, low=0, high=1, low_open=True)
+        if not (isinstance(self.density, str) and self.density == "auto"):
+            if isinstance(self.density, str):
+                raise TypeError(
+                    f"density must be a finite float in (0, 1] or 'auto', got {self.density!r}"
+                )
+            check_float("density", self.density, low=0, high=1, low_open=True)
+        check_float("density_floor", self.density_floor, low=0, high=1, low_open=True)
+        check_float("auto_slack", self.auto_slack, low=0)
         try:
             object.__setattr__(self, "controller", Controller(self.controller))
         except ValueError:
@@ -188,6 +210,11 @@ class SparsityConfig:
             raise TypeError(
                 f"momentum_masking must be a bool, got {type(self.momentum_masking).__name__}"
             )
+        if self.auto and (self.warmup or self.warmup_steps):
+            raise ValueError(
+                "warmup/warmup_steps need a fixed density; with density='auto' the planner "
+                "chooses it (use density_floor to bound it)"
+            )
         if isinstance(self.warmup, str) and self.warmup == "dgc":
             object.__setattr__(self, "warmup", dgc_warmup(self.density))
         # A bare float is not iterable and a str iterates its characters: both
@@ -206,8 +233,17 @@ class SparsityConfig:
         if warmup and self.warmup_steps == 0:
             raise ValueError("warmup_steps must be an int >= 1 when warmup is given")
 
+    @property
+    def auto(self) -> bool:
+        """``density="auto"``: the planner chooses the density."""
+        return isinstance(self.density, str)
+
     def density_at(self, step: int) -> float:
-        """Density in force at optimizer step ``step`` (0-based), warm-up included."""
+        """Density in force at optimizer step ``step`` (0-based), warm-up
+        included; with ``density="auto"``, :data:`AUTO_START` (the exchange
+        applies the planner's choice once made)."""
+        if self.auto:
+            return AUTO_START
         if self.warmup_steps and step < len(self.warmup) * self.warmup_steps:
             return self.warmup[step // self.warmup_steps]
         return self.density
@@ -220,6 +256,10 @@ class SparsityConfig:
         d["index_coding"] = self.index_coding.value
         d["warmup"] = list(self.warmup)
         return d
+
+
+#: The density ``density="auto"`` starts at, until the planner has chosen.
+AUTO_START = 0.01
 
 
 def dgc_warmup(density: float, stages: int = 4, start: float = 0.25) -> Tuple[float, ...]:

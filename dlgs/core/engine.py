@@ -241,6 +241,8 @@ class Engine:
                 "the layout below stays in force until then"
             )
         else:
+            if p.density_choice is not None:
+                lines.append(p.density_choice.describe())
             guard = p.guard_result
             if guard is not None and guard.get("plan") is not None:
                 lines.append(

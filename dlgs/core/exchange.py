@@ -28,6 +28,7 @@ from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tupl
 
 import numpy as np
 
+from ._checks import check_float
 from .backend import ArrayOps
 from .config import SparsityConfig, ValueDType
 from .consistency import RankMismatchError
@@ -333,6 +334,8 @@ class SparseExchange:
         self._dense_bytes = 4 * sum(layer.numel for layer in self.layers)
         self.step = 0
         self._density: Optional[float] = None
+        # density="auto": what the planner chose (None: not yet, AUTO_START).
+        self._auto_density: Optional[float] = None
         self._scratch_abs: Any = None
         self._scratch_mask: Any = None
         # The controller's vector_keys state of every sparse layer, one host
@@ -411,7 +414,19 @@ class SparseExchange:
     @property
     def density(self) -> float:
         """Density in force for the current step."""
+        if self._auto_density is not None:
+            return self._auto_density
         return self.config.density_at(self.step)
+
+    def set_density(self, density: float) -> None:
+        """With ``density="auto"``: the density chosen (by the planner, the
+        same on every rank), in force from the next step's layout."""
+        if not self.config.auto:
+            raise RuntimeError("set_density() needs density='auto' (the density is fixed)")
+        if self._submitted:
+            raise RuntimeError("set_density() in the middle of a step")
+        check_float("density", density, low=0, high=1, low_open=True)
+        self._auto_density = float(density)
 
     def trace_next_step(self) -> None:
         """Time the next step layer by layer (:class:`StepTrace` in its
@@ -1059,6 +1074,7 @@ class SparseExchange:
             "rank": self.comm.rank,
             "size": self.comm.size,
             "config": self.config.to_dict(),
+            "auto_density": self._auto_density,
             "layers": layers,
         }
 
@@ -1101,15 +1117,18 @@ class SparseExchange:
                 "(residuals are kept)",
                 ", ".join(restart),
             )
-        old = (self.step, self._plan)
+        old = (self.step, self._plan, self._auto_density)
         self.step = state["step"]
         self._plan = [(list(m), s) for m, s in plan] if plan is not None else None
+        # The density the planner chose stays in force (before the planner
+        # re-plans from its saved profile at it).
+        self._auto_density = state.get("auto_density") if self.config.auto else None
         try:
             for hook in self.step_hooks:
                 if hasattr(hook, "load_state_dict"):
                     hook.load_state_dict(state.get("hooks", {}).get(_hook_key(hook), {}), self)
         except Exception:
-            self.step, self._plan = old
+            self.step, self._plan, self._auto_density = old
             raise
         self._density = None
         self._relayout(like)
@@ -1126,12 +1145,13 @@ class SparseExchange:
             "step": state["step"],
             "plan": repr(state.get("plan")),
             "hooks": zlib.crc32(repr(state.get("hooks", {})).encode()),
+            "density": state.get("auto_density"),
         }
         gathered = self.comm.allgather_object(summary, f"{self.prefix}.resume")
         problems = [
             f"{key} {other[key]!r} on rank {r} but {gathered[0][key]!r} on rank 0"
             for r, other in enumerate(gathered)
-            for key in ("step", "plan", "hooks")
+            for key in ("step", "plan", "hooks", "density")
             if other[key] != gathered[0][key]
         ]
         if problems:

@@ -11,17 +11,20 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from ._checks import check_float, check_int
 from .config import SparsityConfig
-from .planner import CostModel, LayerCost, PlanSpec, simulate
+from .planner import CostModel, LayerCost, Plan, PlanSpec, plan_strategy, simulate
 from .wire import plan_layers
 
 __all__ = [
+    "AUTO_LADDER",
+    "DensityChoice",
     "LayerProfile",
     "Profile",
     "build_spec",
+    "choose_density",
     "calibrate",
     "contention",
     "rescale",
@@ -202,6 +205,80 @@ def build_spec(
         tuple(layers), profile.allgather, profile.allreduce, contention=profile.contention
     )
     return spec, [p.sparse for p in plans]
+
+
+#: The densities ``density="auto"`` tries below dense, highest first (those at
+#: or above its floor, then the floor itself).
+AUTO_LADDER = (0.25, 0.1, 0.05, 0.025, 0.01, 0.005, 0.0025, 0.001, 0.0005, 0.00025, 0.0001)
+
+
+@dataclass(frozen=True)
+class DensityChoice:
+    """What :func:`choose_density` chose and the numbers it compared.
+
+    ``candidates``: ``(density, predicted end, back-propagation)`` seconds of
+    every density tried, highest first; ``bound``: the end it had to meet.
+    """
+
+    density: float
+    bound: float
+    fits: bool
+    candidates: Tuple[Tuple[float, float, float], ...]
+    plan: Plan
+
+    def describe(self) -> str:
+        head = (
+            f"density='auto' chose {self.density:g}: "
+            + (
+                "the highest density predicted to end within "
+                if self.fits
+                else "none is predicted to end within "
+            )
+            + f"{self.bound * 1e3:.3f} ms (back-propagation plus auto_slack)"
+            + ("" if self.fits else "; the fastest predicted one")
+        )
+        rows = [f"  {d:>8g}: predicted end {end * 1e3:.3f} ms" for d, end, _ in self.candidates]
+        return "\n".join([head, *rows])
+
+
+def choose_density(
+    profile: "Profile",
+    config: SparsityConfig,
+    strategy: str = "dp",
+    *,
+    bucket_elements: int = 8192,
+    max_group: Optional[int] = None,
+) -> DensityChoice:
+    """``density="auto"``: the highest density, from dense down the
+    :data:`AUTO_LADDER` to ``config.density_floor``, whose plan (``strategy``
+    at that density, from ``profile``) is predicted to end within
+    back-propagation times ``1 + config.auto_slack``; if none is, the one
+    predicted to end first (ties to the higher density). A pure function of
+    the profile and the config: every rank, given rank 0's profile, chooses
+    the same."""
+    floor = config.density_floor
+    ladder = [1.0] + [d for d in AUTO_LADDER if floor < d < 1.0] + [floor]
+    backprop = sum(layer.backward for layer in profile.layers)
+    bound = backprop * (1.0 + config.auto_slack)
+    tried: List[Tuple[float, float, float]] = []
+    best: Optional[Tuple[float, float, Plan]] = None
+    for d in dict.fromkeys(ladder):
+        spec, eligible = build_spec(profile, config, d)
+        plan = plan_strategy(
+            spec,
+            strategy,
+            eligible=eligible,
+            bucket_elements=bucket_elements,
+            numel=[layer.numel for layer in profile.layers],
+            max_group=max_group,
+        )
+        tried.append((d, plan.end, backprop))
+        if plan.end <= bound:
+            return DensityChoice(d, bound, True, tuple(tried), plan)
+        if best is None or plan.end < best[1]:
+            best = (d, plan.end, plan)
+    assert best is not None
+    return DensityChoice(best[0], bound, False, tuple(tried), best[2])
 
 
 def layer_profiles(names: Sequence[str], numels: Sequence[int], backward: Sequence[float]):

@@ -43,7 +43,16 @@ from ._checks import check_int
 from .config import MERGE_STRATEGIES, MergeConfig
 from .exchange import StepRecord, StepTrace
 from .planner import CostModel, Plan, fit_cost_model, plan_strategy
-from .profile import LayerProfile, Profile, build_spec, calibrate, contention, rescale
+from .profile import (
+    DensityChoice,
+    LayerProfile,
+    Profile,
+    build_spec,
+    calibrate,
+    choose_density,
+    contention,
+    rescale,
+)
 
 __all__ = ["OnlinePlanner", "MERGE_STRATEGIES", "guard_verdict"]
 
@@ -150,6 +159,9 @@ class OnlinePlanner:
         #: the same on every rank); None until a guard has run. Saved in
         #: checkpoints.
         self.guard_result: Optional[Dict[str, Any]] = None
+        #: ``density="auto"``: the last choice and the numbers it compared
+        #: (:class:`~dlgs.core.profile.DensityChoice`); None before.
+        self.density_choice: Optional[DensityChoice] = None
         self._fallback = False  # the guard rejected the plan: layer-wise in force
         self._layerwise_in_force = True  # what the profiled steps ran under
         self._before: Optional[List[float]] = None  # their measured ends
@@ -237,6 +249,8 @@ class OnlinePlanner:
     def _step(self, ex, record: StepRecord) -> None:
         if self.profile is not None:
             if self.plan is None:
+                if ex.config.auto and self.density_choice is None:
+                    self._choose_density(ex)  # a profile given at construction
                 self._replan(ex)
             assert self.plan is not None
             if self._refining:
@@ -278,6 +292,8 @@ class OnlinePlanner:
             self._before = _ends(self._traces) if self._layerwise_in_force else None
             self._traces = []
             self._fallback = False  # a fresh profile: the strategy's plan first
+            if ex.config.auto:
+                self._choose_density(ex)
             self._replan(ex)
             self._refining = self.refine
             self._profile_seconds = time.perf_counter() - t0
@@ -713,6 +729,25 @@ class OnlinePlanner:
         return _fit_or_flat(sizes, times)
 
     # -- planning ----------------------------------------------------------------
+    def _choose_density(self, ex) -> None:
+        """``density="auto"``: the density from the fresh profile (rank 0's,
+        so every rank chooses the same), in force with the plan made next."""
+        assert self.profile is not None
+        choice = choose_density(
+            self.profile,
+            ex.config,
+            self.strategy,
+            bucket_elements=self.bucket_elements,
+            max_group=self.max_group,
+        )
+        self.density_choice = choice
+        if choice.density != ex.density:
+            # The layer-wise steps timed so far were at another density: the
+            # guard has nothing to compare the plan with.
+            self._before = None
+            ex.set_density(choice.density)
+        _log(ex, "dlgs at step %d: %s", ex.step, choice.describe())
+
     def _replan(
         self, ex, density: Optional[float] = None, *, defer: bool = True
     ) -> List[Tuple[List[int], bool]]:

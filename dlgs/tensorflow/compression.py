@@ -38,7 +38,7 @@ reduced gradient is multiplied by it, so the compressor follows the tape's op.
 from __future__ import annotations
 
 import threading
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 import horovod.tensorflow as hvd
 import tensorflow as tf
@@ -80,7 +80,7 @@ class Compression(CompressionAliases):
     def __init__(
         self,
         variables: Sequence[Any],
-        density: Optional[float] = None,
+        density: Optional[Union[float, str]] = None,
         *,
         config: Optional[SparsityConfig] = None,
         merge: Any = "dp",

@@ -20,7 +20,7 @@ picks XLA by itself on GPUs).
 from __future__ import annotations
 
 import sys
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import horovod.tensorflow as hvd
 import keras
@@ -95,7 +95,7 @@ def DistributedOptimizer(
     process_set=hvd.global_process_set,
     scale_local_gradients: bool = True,
     *,
-    density: Optional[float] = None,
+    density: Optional[Union[float, str]] = None,
     config: Optional[SparsityConfig] = None,
     merge: Any = "dp",
     log_every: int = 0,

@@ -20,7 +20,7 @@ other options under the same name raise ``ValueError``.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import horovod.tensorflow as hvd
 import tensorflow as tf
@@ -92,7 +92,7 @@ def DistributedGradientTape(
     process_set=hvd.global_process_set,
     scale_local_gradients: bool = True,
     *,
-    density: Optional[float] = None,
+    density: Optional[Union[float, str]] = None,
     config: Optional[SparsityConfig] = None,
     merge: Any = "dp",
     log_every: int = 0,
@@ -114,7 +114,8 @@ def DistributedGradientTape(
 
     Args:
         density: fraction of each sparsified layer sent per step, in (0, 1]
-            (default 0.01; give either ``density`` or ``config``).
+            (default 0.01; give either ``density`` or ``config``), or ``"auto"``:
+            chosen by the merge planner (:class:`dlgs.SparsityConfig`).
         config: a ready :class:`dlgs.SparsityConfig` instead of keyword options.
         merge: the merge plan, a strategy name or a :class:`dlgs.MergeConfig`,
             as in :func:`dlgs.torch.DistributedOptimizer` (docs/options.md).

@@ -20,7 +20,7 @@ unchanged (``compress`` returns the gradient itself).
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Union
 
 import horovod.torch as hvd
 import torch
@@ -43,7 +43,8 @@ class Compression(CompressionAliases):
         named_parameters: the model's ``named_parameters()``; the same
             parameters the optimizer updates.
         density: fraction of each sparsified layer sent per step, in (0, 1]
-            (default 0.01; give either ``density`` or ``config``).
+            (default 0.01; give either ``density`` or ``config``), or ``"auto"``:
+            chosen by the merge planner (:class:`dlgs.SparsityConfig`).
         config: a ready :class:`dlgs.SparsityConfig` instead of keyword options.
         merge: the merge plan, as in :func:`dlgs.torch.DistributedOptimizer`
             (its options are keyword options); in this form layers that
@@ -60,7 +61,7 @@ class Compression(CompressionAliases):
     def __init__(
         self,
         named_parameters,
-        density: Optional[float] = None,
+        density: Optional[Union[float, str]] = None,
         *,
         config: Optional[SparsityConfig] = None,
         merge: Any = "dp",

@@ -17,7 +17,7 @@ allgather while back-propagation continues.
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import horovod.torch as hvd
 import torch
@@ -226,7 +226,7 @@ def DistributedOptimizer(
     sparse_as_dense: bool = False,
     process_set=hvd.global_process_set,
     *,
-    density: Optional[float] = None,
+    density: Optional[Union[float, str]] = None,
     config: Optional[SparsityConfig] = None,
     merge: Any = "dp",
     log_every: int = 0,
@@ -240,7 +240,8 @@ def DistributedOptimizer(
 
     Args:
         density: fraction of each sparsified layer sent per step, in (0, 1]
-            (default 0.01; give either ``density`` or ``config``).
+            (default 0.01; give either ``density`` or ``config``), or ``"auto"``:
+            chosen by the merge planner (:class:`dlgs.SparsityConfig`).
             See :class:`dlgs.SparsityConfig` for what it trades.
         config: a ready :class:`dlgs.SparsityConfig` instead of keyword options.
         merge: how layers are merged into messages: ``"dp"`` (default: time a

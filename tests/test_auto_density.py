@@ -1,0 +1,131 @@
+"""``density="auto"`` (issue 15): the planner picks the highest density whose
+predicted communication ends within back-propagation plus a slack, the same on
+every rank, kept across a checkpoint; bad combinations are refused."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from local_world import OPS, LocalWorld
+
+from dlgs._options import build_configs
+from dlgs.core import SparseExchange, SparsityConfig
+from dlgs.core.planner import CostModel
+from dlgs.core.profile import AUTO_LADDER, LayerProfile, Profile, choose_density
+from dlgs.core.profiler import OnlinePlanner
+
+SIZES = [("w1", 262144), ("b1", 256), ("w2", 65536), ("b2", 10)]  # backward order
+
+
+def _profile(bytes_per_s, latency=1e-4, backward=0.02, world=2):
+    """Every layer takes ``backward`` seconds; a link of ``bytes_per_s``."""
+    layers = tuple(LayerProfile(name, n, backward) for name, n in SIZES)
+    link = CostModel(latency, 1.0 / bytes_per_s)
+    free = CostModel(0.0, 1e-12)
+    return Profile(world, layers, free, free, link, link)
+
+
+def _auto(**kw):
+    return SparsityConfig(density="auto", min_sparse_size=1024, **kw)
+
+
+def test_a_fast_link_gets_dense_and_slower_links_lower_densities():
+    chosen = []
+    for bps in (1e12, 1e8, 1e7, 1e6, 1e5, 3e4):
+        choice = choose_density(_profile(bps), _auto())
+        # What it compared: every density tried, highest first, until one fit.
+        densities = [d for d, _, _ in choice.candidates]
+        assert densities == sorted(densities, reverse=True) and densities[0] == 1.0
+        assert choice.density == densities[-1] or not choice.fits
+        if choice.fits:
+            assert choice.candidates[-1][1] <= choice.bound
+            assert all(end > choice.bound for _, end, _ in choice.candidates[:-1])
+        chosen.append(choice.density)
+    assert chosen[0] == 1.0, chosen
+    assert chosen == sorted(chosen, reverse=True), chosen  # slower link, lower density
+    assert chosen[-1] < 0.01 and chosen[-1] >= 0.001, chosen
+    assert set(chosen) <= {1.0, *AUTO_LADDER}
+
+
+def test_floor_slack_and_the_fastest_when_nothing_fits():
+    slow = _profile(1e5)  # even the floor cannot hide its communication
+    choice = choose_density(slow, _auto(density_floor=0.01))
+    assert not choice.fits and choice.density >= 0.01
+    ends = {d: end for d, end, _ in choice.candidates}
+    assert ends[choice.density] == min(ends.values())
+    assert min(ends) == 0.01  # the floor is the last tried
+    # More slack: a higher density may end later.
+    mid = _profile(1e6)
+    tight = choose_density(mid, _auto(auto_slack=0.0)).density
+    loose = choose_density(mid, _auto(auto_slack=1.0)).density
+    assert loose >= tight and loose > 0.001
+    assert "density='auto' chose" in choose_density(mid, _auto()).describe()
+
+
+def _grads(rank, step):
+    g = np.random.default_rng(100 * step + rank)
+    return [g.standard_normal(n).astype(np.float32) for _, n in SIZES]
+
+
+def test_every_rank_uses_the_chosen_density_and_a_checkpoint_keeps_it():
+    slow = _profile(1e7)
+    expect = choose_density(slow, _auto()).density
+    assert expect not in (0.01, 1.0)  # a change from the starting density
+
+    def body(rank, comm):
+        ex = SparseExchange(OPS, comm, _auto(), SIZES)
+        planner = OnlinePlanner("dp", profile=slow)
+        ex.step_hooks.append(planner)
+        seen = []
+        for s in range(4):
+            density = ex.density  # in force for this step
+            for i, g in enumerate(_grads(rank, s)):
+                ex.submit(i, g)
+            ex.wait()
+            seen.append((density, [(g.members, g.sparse) for g in ex.groups]))
+        state = ex.state_dict()
+        fresh = SparseExchange(OPS, comm, _auto(), SIZES)
+        fresh.step_hooks.append(OnlinePlanner("dp"))
+        fresh.load_state_dict(state, like=None)
+        for i, g in enumerate(_grads(rank, 4)):
+            fresh.submit(i, g)
+        out = fresh.wait()
+        return (
+            seen,
+            fresh.density,
+            [(g.members, g.sparse) for g in fresh.groups],
+            [np.array(out[i]) for i in range(len(SIZES))],
+        )
+
+    r0, r1 = LocalWorld(2).run(body)
+    assert r0[:3] == r1[:3], "ranks chose or laid out differently"
+    for a, b in zip(r0[3], r1[3]):
+        assert np.array_equal(a, b)
+    seen, resumed_density, resumed_layout, _ = r0
+    # The first step runs at the starting density; the choice is in force after.
+    assert seen[0][0] == 0.01 and seen[-1][0] == expect
+    assert resumed_density == expect and resumed_layout == seen[-1][1]
+
+
+@pytest.mark.parametrize(
+    "kwargs, match, exc",
+    [
+        (dict(density="fast"), "density", TypeError),
+        (dict(density="auto", warmup="dgc", warmup_steps=5), "warmup", ValueError),
+        (dict(density="auto", density_floor=0.0), "density_floor", ValueError),
+        (dict(density="auto", auto_slack=-0.1), "auto_slack", ValueError),
+    ],
+)
+def test_bad_auto_options_name_the_parameter(kwargs, match, exc):
+    with pytest.raises(exc, match=match):
+        SparsityConfig(**kwargs)
+
+
+def test_auto_needs_a_profiling_merge_strategy():
+    with pytest.raises(ValueError, match="merge='none'"):
+        build_configs(None, "auto", "none", {})
+    cfg, planner = build_configs(None, "auto", "dp", {})
+    assert cfg.auto and planner.strategy == "dp"
+    ex = SparseExchange(OPS, LocalWorld(1).comm(0), SparsityConfig(density=0.01), SIZES)
+    with pytest.raises(RuntimeError, match="auto"):
+        ex.set_density(0.1)
