@@ -40,7 +40,6 @@ Example::
 from __future__ import annotations
 
 import argparse
-import csv
 import logging
 import math
 import os
@@ -59,6 +58,7 @@ import dlgs.torch
 
 from .datasets import fashion_mnist
 from .models import LSTMLM, FashionCNN
+from .report import write_csv
 
 __all__ = ["main", "ptb_tokens"]
 
@@ -140,6 +140,10 @@ def _stage_steps(steps_per_epoch: int, warmup_epochs: float) -> int:
     return max(1, round(steps_per_epoch * warmup_epochs / 4))
 
 
+def _log_epoch(method: str, seed: int, epoch: int, what: str, value: float, seconds: float):
+    logger.info(f"%s seed %d epoch %d: {what} (%.0f s)", method, seed, epoch + 1, value, seconds)
+
+
 def run_fashion(
     method: str, epochs: int, batch: int, seed: int = 0, warmup_epochs: float = 1.0
 ) -> List[Tuple[int, float, float]]:
@@ -170,14 +174,7 @@ def run_fashion(
             )
         model.train()
         out.append((epoch + 1, seconds, 100.0 * correct / len(xte)))
-        logger.info(
-            "%s seed %d epoch %d: accuracy %.2f%% (%.0f s)",
-            method,
-            seed,
-            epoch + 1,
-            out[-1][2],
-            seconds,
-        )
+        _log_epoch(method, seed, epoch, "accuracy %.2f%%", out[-1][2], seconds)
     return out
 
 
@@ -222,14 +219,7 @@ def run_ptb(
                 n += y.numel()
         model.train()
         out.append((epoch + 1, seconds, math.exp(loss / n)))
-        logger.info(
-            "%s seed %d epoch %d: perplexity %.1f (%.0f s)",
-            method,
-            seed,
-            epoch + 1,
-            out[-1][2],
-            seconds,
-        )
+        _log_epoch(method, seed, epoch, "perplexity %.1f", out[-1][2], seconds)
     return out
 
 
@@ -370,10 +360,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             ]
     if hvd.rank() == 0:
         args.out.mkdir(parents=True, exist_ok=True)
-        with open(args.out / "convergence.csv", "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0]))
-            w.writeheader()
-            w.writerows(rows)
+        write_csv(rows, args.out / "convergence.csv", append=False)
         command = "python -m benchmarks.convergence " + shlex.join(
             argv if argv is not None else sys.argv[1:]
         )

@@ -16,7 +16,6 @@ Example::
 from __future__ import annotations
 
 import argparse
-import csv
 import shlex
 import sys
 from pathlib import Path
@@ -25,6 +24,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from dlgs.core import GroupLayout, SparsityConfig, plan_layers
 from dlgs.core.catalog import MODELS as CATALOG
 from dlgs.core.catalog import catalog_model
+
+from .report import write_csv
 
 __all__ = ["FORMATS", "main", "model_sizes", "wire_row"]
 
@@ -90,10 +91,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                 row = dict(model=model, params=sum(sizes), density=density, format=label)
                 rows.append({**row, **wire_row(sizes, density, coding, dtype)})
     args.out.mkdir(parents=True, exist_ok=True)
-    with open(args.out / "wire_bytes.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(rows, args.out / "wire_bytes.csv", append=False)
     command = "python -m benchmarks.wire_bytes " + shlex.join(
         argv if argv is not None else sys.argv[1:]
     )

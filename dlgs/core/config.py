@@ -171,27 +171,13 @@ class SparsityConfig:
             check_float("density", self.density, low=0, high=1, low_open=True)
         check_float("density_floor", self.density_floor, low=0, high=1, low_open=True)
         check_float("auto_slack", self.auto_slack, low=0)
-        try:
-            object.__setattr__(self, "controller", Controller(self.controller))
-        except ValueError:
-            names = ", ".join(repr(c.value) for c in Controller)
-            raise ValueError(
-                f"controller must be one of {names}, got {self.controller!r}"
-            ) from None
-        try:
-            object.__setattr__(self, "value_dtype", ValueDType(self.value_dtype))
-        except ValueError:
-            names = ", ".join(repr(c.value) for c in ValueDType)
-            raise ValueError(
-                f"value_dtype must be one of {names}, got {self.value_dtype!r}"
-            ) from None
-        try:
-            object.__setattr__(self, "index_coding", IndexCoding(self.index_coding))
-        except ValueError:
-            names = ", ".join(repr(c.value) for c in IndexCoding)
-            raise ValueError(
-                f"index_coding must be one of {names}, got {self.index_coding!r}"
-            ) from None
+        object.__setattr__(self, "controller", _member(Controller, "controller", self.controller))
+        object.__setattr__(
+            self, "value_dtype", _member(ValueDType, "value_dtype", self.value_dtype)
+        )
+        object.__setattr__(
+            self, "index_coding", _member(IndexCoding, "index_coding", self.index_coding)
+        )
         check_float("max_ratio", self.max_ratio, low=1.0, high=16.0)
         check_int("min_sparse_size", self.min_sparse_size, 1)
         check_int("anchor_every", self.anchor_every, 0)
@@ -246,7 +232,7 @@ class SparsityConfig:
             return AUTO_START
         if self.warmup_steps and step < len(self.warmup) * self.warmup_steps:
             return self.warmup[step // self.warmup_steps]
-        return self.density
+        return float(self.density)
 
     def to_dict(self) -> dict:
         """Plain-Python form, for logging, checkpoints and cross-rank checks."""
@@ -256,6 +242,15 @@ class SparsityConfig:
         d["index_coding"] = self.index_coding.value
         d["warmup"] = list(self.warmup)
         return d
+
+
+def _member(kind, name: str, value):
+    """``kind(value)`` for an enum option, or ValueError naming it and its values."""
+    try:
+        return kind(value)
+    except ValueError:
+        names = ", ".join(repr(c.value) for c in kind)
+        raise ValueError(f"{name} must be one of {names}, got {value!r}") from None
 
 
 #: The density ``density="auto"`` starts at, until the planner has chosen.

@@ -496,6 +496,8 @@ class DevicePart:
             self.offsets = ops.cast(vec(part.offsets, like), wide)
         self.ends = self.end_offsets = self.slots = self.ordinals = self.table = None
         if part.ends is not None:
+            assert part.end_offsets is not None and part.slots is not None
+            assert part.ordinals is not None and part.table is not None
             self.ends = vec(part.ends, like)
             self.end_offsets = vec(part.end_offsets, like)
             self.slots = vec(part.slots, like)
