@@ -38,6 +38,7 @@ __all__ = [
     "percentile",
     "plot",
     "summarise",
+    "wire_options",
     "write_csv",
     "write_outputs",
 ]
@@ -524,6 +525,11 @@ def positive_float(text: str) -> float:
     return value
 
 
+def wire_options(args: argparse.Namespace) -> Dict[str, str]:
+    """The sparse methods' wire format options from the command line."""
+    return {"value_dtype": args.value_dtype, "index_coding": args.index_coding}
+
+
 def density(text: str) -> float:
     """argparse type: a density in (0, 1]."""
     try:
@@ -663,6 +669,18 @@ def parse_args(argv: Optional[Sequence[str]] = None, description: str = "") -> a
         "--batch", type=positive_int, default=None, help="per-rank batch (default: per model)"
     )
     parser.add_argument("--density", type=density, default=0.01, help="sparse methods")
+    parser.add_argument(
+        "--value-dtype",
+        choices=["float32", "float16", "bfloat16"],
+        default="float32",
+        help="sparse methods: dtype of the values on the wire",
+    )
+    parser.add_argument(
+        "--index-coding",
+        choices=["auto", "int32", "block16"],
+        default="auto",
+        help="sparse methods: how indices are sent (auto: 16-bit where smaller)",
+    )
     parser.add_argument("--steps", type=positive_int, default=20, help="timed steps per method")
     parser.add_argument(
         "--warmup",

@@ -72,6 +72,7 @@ from .report import (
     run_rounds,
     settle_steps,
     setup_rank_logging,
+    wire_options,
     write_outputs,
 )  # noqa: E402
 
@@ -164,7 +165,13 @@ def _dense(g: Any) -> Any:
 
 
 def _wrapper(
-    method: str, variables: List[Any], *, density: float, profile_steps: int, name: str
+    method: str,
+    variables: List[Any],
+    *,
+    density: float,
+    profile_steps: int,
+    name: str,
+    wire: Optional[Dict[str, str]] = None,
 ) -> Callable[[tf.GradientTape], Tuple[tf.GradientTape, List[Any]]]:
     """``tape -> (distributed tape, sources)`` for ``method``."""
     if method == "no-comm":
@@ -186,6 +193,7 @@ def _wrapper(
             merge=merge,
             profile_steps=profile_steps,
             name=name,
+            **(wire or {}),
         ),
         variables,
     )
@@ -203,6 +211,7 @@ def run_method(
     mode: str,
     name: str,
     progress: Optional[Any] = None,
+    wire: Optional[Dict[str, str]] = None,
 ) -> MethodTimes:
     """Warm up, then time ``steps`` full iterations of ``method`` on this rank.
 
@@ -219,7 +228,9 @@ def run_method(
     variables = list(model.trainable_variables)
     opt = keras.optimizers.SGD(LR, momentum=0.0)
     opt.build(variables)
-    wrap = _wrapper(method, variables, density=density, profile_steps=profile_steps, name=name)
+    wrap = _wrapper(
+        method, variables, density=density, profile_steps=profile_steps, name=name, wire=wire
+    )
     last: Dict[str, Any] = {}
 
     def step(x: tf.Tensor, y: tf.Tensor) -> Tuple[float, float]:
@@ -320,6 +331,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> None:
             mode=args.tf_mode,
             name=f"benchmarks.train.{method}.{round_}",
             progress=bar,
+            wire=wire_options(args),
         )
 
     mine = run_rounds(args, rank, barrier, one)

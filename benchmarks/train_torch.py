@@ -35,6 +35,7 @@ from .report import (
     run_rounds,
     settle_steps,
     setup_rank_logging,
+    wire_options,
     write_outputs,
 )
 
@@ -113,7 +114,11 @@ MODELS: Dict[str, ModelSpec] = {
 
 
 def build_optimizer(
-    method: str, model: nn.Module, density: float, profile_steps: int
+    method: str,
+    model: nn.Module,
+    density: float,
+    profile_steps: int,
+    wire: Optional[Dict[str, str]] = None,
 ) -> torch.optim.Optimizer:
     """The optimizer ``method`` trains with (plain SGD, lr 0.01, inside)."""
     sgd = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.0)
@@ -132,6 +137,7 @@ def build_optimizer(
         controller=controller,
         merge=merge,
         profile_steps=profile_steps,
+        **(wire or {}),
     )
 
 
@@ -145,6 +151,7 @@ def run_method(
     steps: int,
     profile_steps: int,
     progress: Optional[Any] = None,
+    wire: Optional[Dict[str, str]] = None,
 ) -> MethodTimes:
     """Warm up, then time ``steps`` full iterations of ``method`` on this rank.
 
@@ -157,7 +164,7 @@ def run_method(
     model = spec.build()
     if not isinstance(model, EmulatedNet):  # its parameters start as zeros on every rank
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    opt = build_optimizer(method, model, density, profile_steps)
+    opt = build_optimizer(method, model, density, profile_steps, wire)
     x, y = data
     out = MethodTimes(method)
     for i in range(warmup + steps):
@@ -226,6 +233,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> None:
             steps=args.steps,
             profile_steps=args.profile_steps,
             progress=bar,
+            wire=wire_options(args),
         )
 
     mine = run_rounds(args, rank, hvd.barrier, one)
