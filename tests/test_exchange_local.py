@@ -424,3 +424,39 @@ def test_planner_replans_at_a_warmup_boundary_on_every_rank_and_round_trips():
     assert seen[0][0] == 0.2 and seen[-1][0] == 0.05
     assert plans_made >= 2
     assert resumed == seen[-1][1], "the resumed exchange does not use the saved plan"
+
+
+@pytest.mark.parametrize("coding", ["int32", "block16"])
+def test_resuming_in_the_middle_of_a_warmup_stage_reproduces_the_run(coding):
+    """DGC's warm-up recipe, a checkpoint taken in the middle of its second
+    stage and loaded into fresh exchanges: every later step (the stage's end,
+    the next stage, the final density) gives the same bits as the run that was
+    never interrupted, on every rank."""
+    cfg = SparsityConfig(
+        density=0.01, warmup="dgc", warmup_steps=3, min_sparse_size=1024, index_coding=coding
+    )
+    steps, cut = 16, 4  # stages change at steps 3, 6, 9, 12
+
+    def body(rank, comm):
+        def run(ex, first, last):
+            outs = []
+            for s in range(first, last):
+                for i, g in enumerate(gaussian(rank, s)):
+                    ex.submit(i, g)
+                out = ex.wait()
+                outs.append([np.array(out[i]) for i in range(len(SIZES))])
+            return outs
+
+        whole = run(SparseExchange(OPS, comm, cfg, SIZES), 0, steps)
+        first = SparseExchange(OPS, comm, cfg, SIZES, prefix="b")
+        run(first, 0, cut)
+        state = first.state_dict()
+        resumed = SparseExchange(OPS, comm, cfg, SIZES, prefix="c")
+        resumed.load_state_dict(state, like=None)
+        assert resumed.density == cfg.warmup[1]
+        return whole[cut:], run(resumed, cut, steps)
+
+    for rank, (whole, resumed) in enumerate(LocalWorld(2).run(body)):
+        for s, (a, b) in enumerate(zip(whole, resumed)):
+            for i, (x, y) in enumerate(zip(a, b)):
+                assert np.array_equal(x, y), (rank, cut + s, i)
