@@ -109,8 +109,8 @@ class Reference:
                     a = self.residual[r].get(i, np.zeros(n, np.float32)) + x
                     chosen = [j for j in range(n) if abs(a[j]) >= thetas[r][i]][:cap]
                     vals = a[chosen]
-                    if self.value_dtype == "float16":
-                        vals = vals.astype(np.float16).astype(np.float32)
+                    if self.value_dtype == "float16":  # clipped to its range
+                        vals = np.clip(vals, -65504, 65504).astype(np.float16).astype(np.float32)
                     elif self.value_dtype == "bfloat16":  # round to nearest even
                         bits = vals.astype(np.float32).view(np.uint32).astype(np.uint64)
                         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16

@@ -460,3 +460,33 @@ def test_resuming_in_the_middle_of_a_warmup_stage_reproduces_the_run(coding):
         for s, (a, b) in enumerate(zip(whole, resumed)):
             for i, (x, y) in enumerate(zip(a, b)):
                 assert np.array_equal(x, y), (rank, cut + s, i)
+
+
+def test_float16_values_beyond_its_range_are_sent_clipped_and_the_rest_kept():
+    """A gradient of 100,000 (float16 tops out at 65,504): every step stays
+    finite, the wire carries 65,504 and the rest, kept in the residual, follows
+    in later steps; sent + residual is the input."""
+    sizes = [("w", 2048)]
+
+    def grads(rank, step):
+        g = np.zeros(2048, np.float32)
+        if step == 0:
+            g[5] = 1e5 * (1 if rank == 0 else -0.5)
+        return [g]
+
+    def make(rank, comm):
+        cfg = SparsityConfig(density=0.01, controller="topk", value_dtype="float16")
+        return SparseExchange(OPS, comm, cfg, sizes, average=False)
+
+    def record(rank, ex, out):
+        return ex.last_step_finite, float(out[0][5]), float(ex.layers[0].residual[5])
+
+    recs = run_steps(LocalWorld(2, average=False), make, grads, 3, record)
+    for rank, want in ((0, 1e5), (1, -5e4)):
+        steps = recs[rank]
+        assert all(finite for finite, _, _ in steps), steps
+        sent_by_all = sum(out for _, out, _ in steps)
+        on_wire = [float(np.float16(np.clip(w, -65504, 65504))) for w in (1e5, -5e4)]
+        assert sent_by_all == 1e5 - 5e4 and steps[0][1] == sum(on_wire)
+        assert steps[0][2] == want - on_wire[rank]  # clipped and rounded: kept
+        assert steps[-1][2] == 0.0

@@ -86,7 +86,7 @@ class SparsityConfig:
             picks it from its profile (:func:`dlgs.core.profile.choose_density`):
             the highest density whose predicted communication ends within
             back-propagation plus ``auto_slack``, between ``density_floor``
-            and dense; 0.01 until the first profile. Needs a profiling
+            and dense; 0.01 (or the floor) until the first profile. Needs a profiling
             ``merge`` (not ``"none"``); not with ``warmup``.
         density_floor: ``density="auto"`` only: the lowest density it may
             choose, in (0, 1]. Lower lets slow links still hide communication,
@@ -129,15 +129,15 @@ class SparsityConfig:
         warmup: Densities for the first stages of training, e.g.
             ``(0.25, 0.063, 0.015, 0.004)``, or ``"dgc"``: DGC's schedule scaled
             to ``density`` (:func:`dgc_warmup`: 4 stages from 0.25 down to
-            ``density`` by equal factors; at 0.001 exactly DGC's 0.25, 0.0625,
-            0.0156, 0.0039). Each stage lasts ``warmup_steps`` steps, then
+            ``density`` by equal factors; at 0.001 0.25, 0.0629, 0.0158,
+            0.00398, within 2% of DGC's 0.25, 0.0625, 0.015625, 0.004). Each stage lasts ``warmup_steps`` steps, then
             ``density`` applies. Message sizes change only at stage boundaries.
         warmup_steps: Steps per warm-up stage.
         value_dtype: ``"float32"``, ``"float16"`` or ``"bfloat16"`` values on
             the wire. The 16-bit dtypes halve the value bytes; the rounding
             error stays in the residual, so nothing is lost over time. float16
-            keeps 11 bits of mantissa but overflows above 65504 (a non-finite
-            value, then skipped like any non-finite step); bfloat16 keeps
+            keeps 11 bits of mantissa but tops out at 65504 (larger values are
+            sent clipped, the rest waits in the residual); bfloat16 keeps
             float32's range with 8 bits of mantissa.
         index_coding: ``"auto"`` (default), ``"int32"`` or ``"block16"``, see
             :class:`IndexCoding`. ``auto`` sends about 2 bytes per index
@@ -226,10 +226,10 @@ class SparsityConfig:
 
     def density_at(self, step: int) -> float:
         """Density in force at optimizer step ``step`` (0-based), warm-up
-        included; with ``density="auto"``, :data:`AUTO_START` (the exchange
-        applies the planner's choice once made)."""
+        included; with ``density="auto"``, :data:`AUTO_START` or the floor if
+        higher (the exchange applies the planner's choice once made)."""
         if self.auto:
-            return AUTO_START
+            return max(AUTO_START, self.density_floor)
         if self.warmup_steps and step < len(self.warmup) * self.warmup_steps:
             return self.warmup[step // self.warmup_steps]
         return float(self.density)

@@ -55,6 +55,9 @@ class LayoutMismatchError(RuntimeError):
 
 _VALUE_BYTES = {ValueDType.FLOAT32: 4, ValueDType.FLOAT16: 2, ValueDType.BFLOAT16: 2}
 
+#: The largest finite float16: larger magnitudes are sent clipped to it.
+FLOAT16_MAX = 65504.0
+
 #: Elements per block of the 16-bit index coding: an index is its block's
 #: first element plus 16 bits.
 BLOCK = 1 << 16
@@ -241,9 +244,16 @@ class GroupLayout:
         when its accumulated gradient was non-finite on this rank). int32
         indices are shifted to the member's place in the dense buffer; block16
         writes their low 16 bits and, per block boundary, how many indices lie
-        below it. Returns the values as written (for the residual)."""
+        below it. float16 values are clipped to its range. Returns the values
+        as written (for the residual)."""
         values, indices, word, counts, bounds = views
-        ops.gather_(source, idx, values)
+        if self.value_dtype is ValueDType.FLOAT16:
+            # Beyond float16's range a value would go infinite on the wire (and
+            # into the residual): it is sent clipped, the rest stays in the
+            # residual (the caller subtracts what was sent).
+            ops.copy_(values, ops.clamp(ops.take(source, idx), -FLOAT16_MAX, FLOAT16_MAX))
+        else:
+            ops.gather_(source, idx, values)
         if self.block16:
             ops.copy_(indices, idx)  # wraps to the low 16 bits
             if counts is not None:

@@ -267,6 +267,9 @@ class TFOps:
         return dst
 
     def take(self, src, idx, out=None):
+        view = _as_view(src)
+        if view is not None and view.ratio == 1 and view.var.dtype == view.dtype:
+            return tf.gather(view.var, view.indices(idx))  # ResourceGather: no full read
         return tf.gather(_read(src), idx)
 
     def concat(self, xs):
