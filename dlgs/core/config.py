@@ -130,8 +130,8 @@ class SparsityConfig:
             ``(0.25, 0.063, 0.015, 0.004)``, or ``"dgc"``: DGC's schedule scaled
             to ``density`` (:func:`dgc_warmup`: 4 stages from 0.25 down to
             ``density`` by equal factors; at 0.001 0.25, 0.0629, 0.0158,
-            0.00398, within 2% of DGC's 0.25, 0.0625, 0.015625, 0.004). Each stage lasts ``warmup_steps`` steps, then
-            ``density`` applies. Message sizes change only at stage boundaries.
+            0.00398, within 2% of DGC's 0.25, 0.0625, 0.015625, 0.004). Each
+            stage lasts ``warmup_steps`` steps, then ``density`` applies. Message sizes change only at stage boundaries.
         warmup_steps: Steps per warm-up stage.
         value_dtype: ``"float32"``, ``"float16"`` or ``"bfloat16"`` values on
             the wire. The 16-bit dtypes halve the value bytes; the rounding
