@@ -86,8 +86,8 @@ class SparsityConfig:
             picks it from its profile (:func:`dlgs.core.profile.choose_density`):
             the highest density whose predicted communication ends within
             back-propagation plus ``auto_slack``, between ``density_floor``
-            and dense; 0.01 (or the floor) until the first profile. Needs a profiling
-            ``merge`` (not ``"none"``); not with ``warmup``.
+            and dense; 0.01 (or the floor) until the first profile. Needs a
+            profiling ``merge`` (not ``"none"``); not with ``warmup``.
         density_floor: ``density="auto"`` only: the lowest density it may
             choose, in (0, 1]. Lower lets slow links still hide communication,
             at the accuracy cost of very sparse updates (0.001 needs warm-up,
@@ -131,7 +131,8 @@ class SparsityConfig:
             to ``density`` (:func:`dgc_warmup`: 4 stages from 0.25 down to
             ``density`` by equal factors; at 0.001 0.25, 0.0629, 0.0158,
             0.00398, within 2% of DGC's 0.25, 0.0625, 0.015625, 0.004). Each
-            stage lasts ``warmup_steps`` steps, then ``density`` applies. Message sizes change only at stage boundaries.
+            stage lasts ``warmup_steps`` steps, then ``density`` applies.
+            Message sizes change only at stage boundaries.
         warmup_steps: Steps per warm-up stage.
         value_dtype: ``"float32"``, ``"float16"`` or ``"bfloat16"`` values on
             the wire. The 16-bit dtypes halve the value bytes; the rounding
