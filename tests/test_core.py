@@ -88,6 +88,14 @@ def test_config_is_frozen_and_schedules_warmup():
     assert cfg.to_dict()["controller"] == "dynamic"
 
 
+def test_momentum_masking_defaults_to_off_with_warmup_only():
+    assert SparsityConfig(momentum=0.9).momentum_masking is True
+    assert SparsityConfig(momentum=0.9, warmup="dgc", warmup_steps=3).momentum_masking is False
+    explicit = SparsityConfig(momentum=0.9, warmup="dgc", warmup_steps=3, momentum_masking=True)
+    assert explicit.momentum_masking is True
+    assert SparsityConfig(density=0.5, warmup="dgc").momentum_masking is True  # no stages
+
+
 def test_dgc_warmup_is_dgc_schedule_scaled_to_the_density():
     dgc = SparsityConfig(density=0.001, warmup="dgc", warmup_steps=5)
     # DGC's published stages for 0.001: 0.25, 0.0625, 0.015625, 0.004.

@@ -118,14 +118,17 @@ class SparsityConfig:
             where values were sent. When set, give the wrapped optimizer
             ``momentum=0``.
         momentum_masking: With ``momentum``: also clear the velocity where
-            values were sent (DGC's factor masking, default). Masking restarts a
+            values were sent (DGC's factor masking). ``None`` (default): mask
+            without ``warmup``, not with it (measured: docs/benchmarks.md,
+            "Warm-up"). Masking restarts a
             coordinate's momentum each time it is sent, so the more often it is
             sent the less momentum it gets: sent every step, none at all (at
             ``m = 0.9`` a 10x smaller step than momentum SGD), which is what
             high densities and DGC's warm-up stages do to the largest
             gradients. ``False`` keeps the velocity: what is sent then sums to
             exactly what momentum SGD applies, delayed by the residual, at
-            every density (docs/options.md, "Warm-up").
+            every density; at a steady low density masking does better (a sent
+            coordinate's momentum would keep pushing).
         warmup: Densities for the first stages of training, e.g.
             ``(0.25, 0.063, 0.015, 0.004)``, or ``"dgc"``: DGC's schedule scaled
             to ``density`` (:func:`dgc_warmup`: 4 stages from 0.25 down to
@@ -157,7 +160,7 @@ class SparsityConfig:
     threshold: Optional[float] = None
     sample_ratio: float = 0.01
     momentum: float = 0.0
-    momentum_masking: bool = True
+    momentum_masking: Optional[bool] = None
     warmup: Tuple[float, ...] = field(default_factory=tuple)
     warmup_steps: int = 0
     value_dtype: ValueDType = ValueDType.FLOAT32
@@ -193,9 +196,10 @@ class SparsityConfig:
             raise ValueError("threshold is only used with controller='fixed'")
         check_float("sample_ratio", self.sample_ratio, low=0, high=1, low_open=True)
         check_float("momentum", self.momentum, low=0, high=1, high_open=True)
-        if not isinstance(self.momentum_masking, bool):
+        if self.momentum_masking is not None and not isinstance(self.momentum_masking, bool):
             raise TypeError(
-                f"momentum_masking must be a bool, got {type(self.momentum_masking).__name__}"
+                "momentum_masking must be a bool or None, got "
+                f"{type(self.momentum_masking).__name__}"
             )
         if self.auto and (self.warmup or self.warmup_steps):
             raise ValueError(
@@ -219,6 +223,10 @@ class SparsityConfig:
         object.__setattr__(self, "warmup", warmup)
         if warmup and self.warmup_steps == 0:
             raise ValueError("warmup_steps must be an int >= 1 when warmup is given")
+        if self.momentum_masking is None:
+            # Masking starves coordinates sent nearly every step (warm-up's
+            # dense stages) of momentum; at a steady low density it helps.
+            object.__setattr__(self, "momentum_masking", not warmup)
 
     @property
     def auto(self) -> bool:
