@@ -2,19 +2,23 @@
 
 Layout of one rank's chunk (all words int32; value bits are reinterpreted)::
 
-    [ fingerprint | count_1 .. count_m | values (C, float32 or float16) | indices (C) ]
+    [ fingerprint | count_1 .. count_m | block counts | values (C) | indices (C) ]
 
-with ``C = sum(cap_i)``. Member ``i`` owns values and indices
-``[o_i, o_i + cap_i)`` with ``o_i = sum(cap_j, j < i)``. Each index already
-includes the member's offset in the group's *dense* buffer, which has one extra
-"padding slot" per member (``dense_offset_i + n_i``): unused capacity points
-there with value 0, so unpacking never needs the number of selected values on
-the host. A step's sparse messages are unpacked together (:class:`UnpackPlan`):
-their outputs concatenated, two gathers and one scatter-add into one dense
-buffer where each message's part starts at its base, whatever the number of
-messages. A count of -1 says the member's
-gradient was non-finite on that rank (every receiver then marks the layer
-non-finite).
+with ``C = sum(cap_i)``; values are float32, float16 or bfloat16. Member ``i``
+owns values and indices ``[o_i, o_i + cap_i)`` with ``o_i = sum(cap_j, j < i)``.
+Indices (:class:`~dlgs.core.config.IndexCoding`) are int32 words that already
+include the member's offset in the group's *dense* buffer, or with ``block16``
+half-words holding each index's low 16 bits, the member's index space cut into
+blocks of 65,536 elements and, per block boundary, one int32 "block count" in
+the header: how many of the member's (ascending) indices lie below it. The
+dense buffer has one extra "padding slot" per member (``dense_offset_i +
+n_i``): unused capacity points there with value 0, so unpacking never needs the
+number of selected values on the host. A step's sparse messages are unpacked
+together (:class:`UnpackPlan`): their outputs concatenated, a few gathers, one
+search over every block count (block16) and one scatter-add per index coding
+into one dense buffer where each message's part starts at its base, whatever
+the number of messages. A count of -1 says the member's gradient was
+non-finite on that rank (every receiver then marks the layer non-finite).
 
 The chunk size is fixed by the layout, so every step sends the same shape
 (Horovod's response cache hits and nothing renegotiates) and every rank's chunk
