@@ -33,10 +33,14 @@ __all__ = [
     "MODELS",
     "SPARSE_METHODS",
     "MethodTimes",
+    "add_wire_options",
+    "base_method",
     "format_markdown",
+    "method_cell",
     "parse_args",
     "percentile",
     "plot",
+    "sparse_options",
     "summarise",
     "wire_options",
     "write_csv",
@@ -57,6 +61,27 @@ SPARSE_METHODS: Dict[str, Tuple[str, str]] = {
     "dlgs": ("dynamic", "dp"),
 }
 METHODS: Tuple[str, ...] = ("no-comm", "dense", "fp16", *SPARSE_METHODS)
+
+
+def base_method(method: str) -> str:
+    """``method`` without its ``@DENSITY`` suffix (``dlgs@0.001`` -> ``dlgs``)."""
+    return method.split("@", 1)[0]
+
+
+def sparse_options(method: str, density: Any) -> Optional[Dict[str, Any]]:
+    """The dlgs options a sparse ``method`` trains with (``density``,
+    ``controller``, ``merge``), ``None`` for ``no-comm`` / ``dense`` / ``fp16``.
+    A ``@DENSITY`` suffix (a number or ``auto``) replaces ``density``, the
+    ``--density`` default; :func:`_methods` has validated it."""
+    base = base_method(method)
+    if base not in SPARSE_METHODS:
+        return None
+    controller, merge = SPARSE_METHODS[base]
+    if "@" in method:
+        text = method.split("@", 1)[1]
+        density = text if text == "auto" else float(text)
+    return dict(density=density, controller=controller, merge=merge)
+
 
 #: The ``--framework`` choices and how the reports name them.
 FRAMEWORKS: Dict[str, str] = {"torch": "torch", "tensorflow": "TensorFlow"}
@@ -98,6 +123,8 @@ class MethodTimes:
     #: The dp guard's verdict on the first plan ("kept" / "layer-wise"), "" if none ran.
     guard: str = ""
     rounds: int = 1
+    #: Sparse methods: the density in force after the last step (``@auto``'s choice).
+    density: Optional[float] = None
     #: Only on the ``dlgs`` method: :func:`predicted_tails` of its last round.
     predicted_tails: Dict[str, float] = field(default_factory=dict)
 
@@ -215,7 +242,13 @@ def summarise(
                 "compute": compute,
                 "method": mine.method,
                 "workers": workers,
-                "density": density if mine.method in SPARSE_METHODS else "",
+                "density": (
+                    ""
+                    if base_method(mine.method) not in SPARSE_METHODS
+                    else density
+                    if mine.density is None
+                    else mine.density
+                ),
                 "batch": batch,
                 "steps": len(it),
                 "rounds": slowest.rounds,
@@ -296,6 +329,14 @@ def framework_of(row: Dict[str, Any]) -> str:
     return str(row.get("framework") or "torch")
 
 
+def method_cell(row: Dict[str, Any]) -> str:
+    """The method's name; ``@auto`` with the density it chose."""
+    method = str(row["method"])
+    if method.endswith("@auto") and row.get("density") not in ("", None):
+        return f"{method} (chose {float(row['density']):g})"
+    return method
+
+
 def format_markdown(
     rows: Sequence[Dict[str, Any]],
     command: str,
@@ -345,7 +386,7 @@ def format_markdown(
     ]
     for r in rows:
         lines.append(
-            f"| {r['method']} | {float(r['median_step_s']) * 1e3:.1f} "
+            f"| {method_cell(r)} | {float(r['median_step_s']) * 1e3:.1f} "
             f"[{float(r['p10']) * 1e3:.1f}–{float(r['p90']) * 1e3:.1f}] "
             f"| {float(r['samples_per_s']):.1f} | {int(r['wire_bytes_per_step']) / 1e6:.3f} "
             f"| {r['messages'] if r['messages'] != '' else '—'}"
@@ -382,6 +423,7 @@ def plot(rows: Sequence[Dict[str, Any]], path: Path) -> None:
         key = (framework_of(r), model, str(r["label"]), str(r["workers"]))
         suites.setdefault(key, []).append(r)
     colours = {m: f"C{i}" for i, m in enumerate(METHODS)}
+    tints = iter(f"C{i}" for i in range(len(METHODS), 10 * len(METHODS)))
     fig, axes = plt.subplots(
         1,
         len(suites),
@@ -402,7 +444,9 @@ def plot(rows: Sequence[Dict[str, Any]], path: Path) -> None:
             yerr=spread,
             capsize=3,
             error_kw={"elinewidth": 0.8, "ecolor": "0.3"},
-            color=[colours.get(n, "grey") for n in names],
+            color=[
+                colours[n] if n in colours else colours.setdefault(n, next(tints)) for n in names
+            ],
         )
         for bar, r in zip(bars, rs):
             if r["speedup_vs_dense"] not in ("", None):
@@ -493,14 +537,37 @@ def write_outputs(
 
 def _methods(text: str) -> List[str]:
     names = [m.strip() for m in text.split(",") if m.strip()]
-    bad = [m for m in names if m not in METHODS]
+    bad = [m for m in names if base_method(m) not in METHODS]
     if bad or not names:
         raise argparse.ArgumentTypeError(
-            f"unknown method(s) {bad or [text]}; choose from {', '.join(METHODS)}"
+            f"unknown method(s) {bad or [text]}; choose from {', '.join(METHODS)} "
+            "(a sparse method may end in @DENSITY or, if it merges, @auto)"
         )
+    for m in names:
+        if "@" in m:
+            _density_suffix(m)
     if len(set(names)) != len(names):
         raise argparse.ArgumentTypeError(f"a method is listed twice: {text!r}")
     return names
+
+
+def _density_suffix(method: str) -> None:
+    """Validate ``method``'s ``@DENSITY`` suffix (argparse errors name the method)."""
+    base, text = method.split("@", 1)
+    if base not in SPARSE_METHODS:
+        raise argparse.ArgumentTypeError(
+            f"{method!r}: only the sparse methods ({', '.join(SPARSE_METHODS)}) take @DENSITY"
+        )
+    if text == "auto":
+        if SPARSE_METHODS[base][1] != "dp":
+            raise argparse.ArgumentTypeError(
+                f"{method!r}: @auto needs the dp merge plan (dlgs), got {base!r}"
+            )
+        return
+    try:
+        density(text)
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"{method!r}: the density {e}") from None
 
 
 def positive_int(text: str) -> int:
@@ -523,6 +590,22 @@ def positive_float(text: str) -> float:
     if not 0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
     return value
+
+
+def add_wire_options(parser: argparse.ArgumentParser) -> None:
+    """``--value-dtype`` and ``--index-coding`` (read back by :func:`wire_options`)."""
+    parser.add_argument(
+        "--value-dtype",
+        choices=["float32", "float16", "bfloat16"],
+        default="float32",
+        help="sparse methods: dtype of the values on the wire",
+    )
+    parser.add_argument(
+        "--index-coding",
+        choices=["auto", "int32", "block16"],
+        default="auto",
+        help="sparse methods: how indices are sent (auto: 16-bit where smaller)",
+    )
 
 
 def wire_options(args: argparse.Namespace) -> Dict[str, str]:
@@ -625,7 +708,8 @@ def guard_verdict(planner: Any) -> str:
 
 def is_merging(method: str) -> bool:
     """Whether ``method`` plans merges online (and so needs :func:`settle_steps`)."""
-    return method in SPARSE_METHODS and SPARSE_METHODS[method][1] != "none"
+    base = base_method(method)
+    return base in SPARSE_METHODS and SPARSE_METHODS[base][1] != "none"
 
 
 def warmup_steps(method: str, warmup: int, profile_steps: int) -> int:
@@ -669,18 +753,7 @@ def parse_args(argv: Optional[Sequence[str]] = None, description: str = "") -> a
         "--batch", type=positive_int, default=None, help="per-rank batch (default: per model)"
     )
     parser.add_argument("--density", type=density, default=0.01, help="sparse methods")
-    parser.add_argument(
-        "--value-dtype",
-        choices=["float32", "float16", "bfloat16"],
-        default="float32",
-        help="sparse methods: dtype of the values on the wire",
-    )
-    parser.add_argument(
-        "--index-coding",
-        choices=["auto", "int32", "block16"],
-        default="auto",
-        help="sparse methods: how indices are sent (auto: 16-bit where smaller)",
-    )
+    add_wire_options(parser)
     parser.add_argument("--steps", type=positive_int, default=20, help="timed steps per method")
     parser.add_argument(
         "--warmup",

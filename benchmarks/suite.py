@@ -48,7 +48,16 @@ from typing import Dict, List, Optional, Sequence
 from dlgs.core.catalog import MODELS as CATALOG
 from dlgs.core.catalog import catalog_model
 
-from .report import FRAMEWORKS, MODELS, framework_of, is_emulated, positive_float, positive_int
+from .report import (
+    FRAMEWORKS,
+    MODELS,
+    add_wire_options,
+    framework_of,
+    is_emulated,
+    method_cell,
+    positive_float,
+    positive_int,
+)
 
 __all__ = ["main"]
 
@@ -86,6 +95,10 @@ def run_cell(args, bandwidth: str, model: str, workers: int, framework: str = "t
         str(args.warmup),
         "--density",
         str(args.density),
+        "--value-dtype",
+        args.value_dtype,
+        "--index-coding",
+        args.index_coding,
         "--out",
         str(args.out),
         "--append",
@@ -296,7 +309,7 @@ def report(out: Path, command: str) -> None:
             eff, spd = r.get("efficiency_vs_nocomm") or "", r.get("speedup_vs_dense") or ""
             name = FRAMEWORKS.get(framework_of(r), framework_of(r))
             lines.append(
-                f"| {name} | {r['method']} | {float(r['samples_per_s']):.1f} | "
+                f"| {name} | {method_cell(r)} | {float(r['samples_per_s']):.1f} | "
                 f"{float(r['median_step_s']) * 1e3:.1f} | "
                 f"{f'{100 * float(eff):.0f}%' if eff else ''} | "
                 f"{f'{float(spd):.2f}x' if spd else ''} |"
@@ -369,6 +382,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         help=f"comma list of {', '.join(FRAMEWORKS)}; each cell runs once per framework",
     )
     parser.add_argument("--density", type=float, default=0.01)
+    add_wire_options(parser)  # passed on to benchmarks.train
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--cell-timeout", type=float, default=1800)

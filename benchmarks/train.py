@@ -36,6 +36,11 @@ the same work; this measures speed, not convergence):
 * ``dlgs-none`` / ``dlgs``: the dynamic controller layer-wise / with the DP merge
   plan (the product default).
 
+A sparse method may name its own density: ``dlgs@0.001`` runs ``dlgs`` at
+0.001 whatever ``--density`` says, and ``dlgs@auto`` runs it with
+``density="auto"`` (the density in force is then recorded in the ``density``
+column). One run can so compare several densities, interleaved in rounds.
+
 torch uses ``dlgs.torch.DistributedOptimizer``, TensorFlow
 ``dlgs.tensorflow.DistributedGradientTape``.
 

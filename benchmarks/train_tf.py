@@ -65,13 +65,13 @@ import dlgs.tensorflow  # noqa: E402
 from . import models_tf  # noqa: E402
 from .report import (
     LR,
-    SPARSE_METHODS,
     MethodTimes,
     guard_verdict,
     is_merging,
     run_rounds,
     settle_steps,
     setup_rank_logging,
+    sparse_options,
     wire_options,
     write_outputs,
 )  # noqa: E402
@@ -184,13 +184,11 @@ def _wrapper(
             hvd.DistributedGradientTape(tape, compression=compression, sparse_as_dense=True),
             sources,
         )
-    controller, merge = SPARSE_METHODS[method]
+    options = sparse_options(method, density)
     return lambda tape: (
         dlgs.tensorflow.DistributedGradientTape(
             tape,
-            density=density,
-            controller=controller,
-            merge=merge,
+            **options,
             profile_steps=profile_steps,
             name=name,
             **(wire or {}),
@@ -255,6 +253,7 @@ def run_method(
             step(x, y)
 
     merging = is_merging(method)
+    sparse = sparse_options(method, density) is not None
     x, y = data
     out = MethodTimes(method)
     for i in range(warmup + steps):
@@ -270,7 +269,7 @@ def run_method(
             if compiled is None:
                 out.backward.append(t2 - t1)
                 out.step_wait.append(t3 - t2)
-            if method in SPARSE_METHODS:
+            if sparse:
                 out.sparsify.append(last["tape"].dlgs.exchange.last_submit_seconds)
         elif i == warmup - 1 and merging and not last["tape"].dlgs.planner.settled:
             raise RuntimeError(
@@ -284,9 +283,10 @@ def run_method(
         out.wire_bytes = 4 * params
     elif method == "fp16":
         out.wire_bytes = 2 * params
-    elif method in SPARSE_METHODS:
+    elif sparse:
         tape = last["tape"]
         out.wire_bytes = tape.dlgs.exchange.wire_bytes()
+        out.density = tape.dlgs.exchange.density
         out.messages = len(tape.dlgs.exchange.groups)
         out.guard = guard_verdict(tape.dlgs.planner)
         if merging:

@@ -27,14 +27,15 @@ from .emulate import EmulatedNet, Emulation, emulation_from, measure_layers
 from .models import LSTMLM, VGG16, BertSmall, ResNet20
 from .report import (
     LR,
-    SPARSE_METHODS,
     MethodTimes,
+    base_method,
     guard_verdict,
     is_merging,
     predicted_tails,
     run_rounds,
     settle_steps,
     setup_rank_logging,
+    sparse_options,
     wire_options,
     write_outputs,
 )
@@ -129,13 +130,10 @@ def build_optimizer(
         return hvd.DistributedOptimizer(
             sgd, named_parameters=model.named_parameters(), compression=compression
         )
-    controller, merge = SPARSE_METHODS[method]
     return dlgs.torch.DistributedOptimizer(
         sgd,
         named_parameters=model.named_parameters(),
-        density=density,
-        controller=controller,
-        merge=merge,
+        **sparse_options(method, density),
         profile_steps=profile_steps,
         **(wire or {}),
     )
@@ -166,6 +164,7 @@ def run_method(
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     opt = build_optimizer(method, model, density, profile_steps, wire)
     x, y = data
+    sparse = sparse_options(method, density) is not None
     out = MethodTimes(method)
     for i in range(warmup + steps):
         t0 = time.perf_counter()
@@ -180,7 +179,7 @@ def run_method(
             out.iteration.append(t3 - t0)
             out.backward.append(t2 - t1)
             out.step_wait.append(t3 - t2)
-            if method in SPARSE_METHODS:
+            if sparse:
                 out.sparsify.append(opt.dlgs.exchange.last_submit_seconds)
         elif i == warmup - 1 and is_merging(method):
             if not opt.dlgs.planner.settled:
@@ -195,13 +194,14 @@ def run_method(
         out.wire_bytes = 4 * params
     elif method == "fp16":
         out.wire_bytes = 2 * params
-    elif method in SPARSE_METHODS:
+    elif sparse:
         out.wire_bytes = opt.dlgs.exchange.wire_bytes()
+        out.density = opt.dlgs.exchange.density
         out.messages = len(opt.dlgs.exchange.groups)
         out.guard = guard_verdict(opt.dlgs.planner)
-        if method == "dlgs":
+        if base_method(method) == "dlgs":
             out.predicted_tails = predicted_tails(opt.dlgs.planner, opt.dlgs.exchange)
-        if SPARSE_METHODS[method][1] != "none":
+        if is_merging(method):
             logger.debug("%s: plan in force\n%s", method, opt.dlgs.planner.plan.describe())
     return out
 

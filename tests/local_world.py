@@ -87,6 +87,10 @@ class NumpyOps:
         out[...] = src[idx]
         return out
 
+    def gather_clamped_(self, src, idx, out, bound):
+        out[...] = np.clip(src[idx], np.float32(-bound), np.float32(bound))
+        return out
+
     def take(self, src, idx, out=None):
         return np.take(src, idx, out=out) if out is not None else src[idx]
 

@@ -39,3 +39,27 @@ def test_convergence_methods_parse_to_dlgs_options():
     for bad in ("dlgs-x", "dlgs-0.01+fast", "sparse-0.01"):
         with pytest.raises(ValueError, match="dlgs-DENSITY"):
             parse(bad, 0.9, 1)
+
+
+def test_train_methods_take_their_own_density():
+    from benchmarks.report import _methods, is_merging, parse_args, sparse_options
+
+    args = parse_args(["--methods", "no-comm,dlgs@0.001,dlgs@auto,dgc@0.05", "--density", "0.01"])
+    assert args.methods == ["no-comm", "dlgs@0.001", "dlgs@auto", "dgc@0.05"]
+    assert sparse_options("no-comm", 0.01) is None
+    assert sparse_options("dlgs", 0.01) == dict(density=0.01, controller="dynamic", merge="dp")
+    assert sparse_options("dlgs@0.001", 0.01)["density"] == 0.001
+    assert sparse_options("dlgs@auto", 0.01)["density"] == "auto"
+    assert sparse_options("dgc@0.05", 0.01) == dict(density=0.05, controller="dgc", merge="none")
+    assert is_merging("dlgs@auto") and not is_merging("dgc@0.05")
+    for bad, why in [
+        ("dense@0.01", "only the sparse methods"),
+        ("dlgs-none@auto", "needs the dp merge plan"),
+        ("dlgs@2", r"must be in \(0, 1\]"),
+        ("dlgs@x", "expected a number"),
+        ("dlgs@0.01,dlgs@0.01", "listed twice"),
+    ]:
+        with pytest.raises(SystemExit):
+            parse_args(["--methods", bad])
+        with pytest.raises(Exception, match=why):
+            _methods(bad)

@@ -247,3 +247,20 @@ def test_exchange_conserves_the_gradient_with_block_counts(coding):
             total_sent = sum(recs[rank][s][0][i] for s in range(4))
             err = np.abs(total_sent + recs[rank][-1][1][i] - total_in).max()
             assert err <= 1e-5 * np.abs(total_in).max(), (rank, i, err)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_float16_values_are_clipped_not_infinite_on_every_backend(backend):
+    be = _Backend(backend)
+    layout = GroupLayout((6,), (4,), "float16", "int32")
+    chunk = layout.new_chunk(be.ops, be.like)
+    source = np.array([1e5, -7e4, 3.0, 65519.0, -2.5, 0.0, 0.0], np.float32)
+    idx = np.array([0, 1, 2, 3], np.int64)
+    views = layout.member_views(be.ops, chunk, 0)
+    sent = layout.pack_into(
+        be.ops, views, 0, be.tensor(source), be.tensor(idx), be.tensor(np.array(4, np.int32))
+    )
+    want = [65504.0, -65504.0, 3.0, 65504.0]
+    assert list(np.asarray(be.host(sent), np.float64)) == want
+    values, _, counts = layout.decode(be.host(chunk))
+    assert list(values) == want and list(counts) == [4]

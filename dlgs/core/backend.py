@@ -76,6 +76,10 @@ class ArrayOps(Protocol):
     def gather_(self, src: T, idx: T, out: T) -> T:
         """``out[i] = src[idx[i]]``."""
 
+    def gather_clamped_(self, src: T, idx: T, out: T, bound: float) -> T:
+        """``out[i] = clip(src[idx[i]], -bound, bound)`` (float16 values on the
+        wire: no infinity from a finite gradient)."""
+
     def take(self, src: T, idx: T, out: T | None = None) -> T:
         """``src[idx]`` as a 1-D tensor (``src`` 1-D, ``idx`` an index vector),
         written into ``out`` (a reused buffer of that size and dtype) where the

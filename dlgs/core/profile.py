@@ -27,6 +27,7 @@ __all__ = [
     "choose_density",
     "calibrate",
     "contention",
+    "plan_at",
     "rescale",
     "PROFILE_VERSION",
 ]
@@ -241,6 +242,28 @@ class DensityChoice:
         return "\n".join([head, *rows])
 
 
+def plan_at(
+    profile: "Profile",
+    config: SparsityConfig,
+    density: float,
+    strategy: str = "dp",
+    *,
+    bucket_elements: int = 8192,
+    max_group: Optional[int] = None,
+) -> Plan:
+    """The ``strategy`` plan for ``profile``'s layers at ``density``
+    (:func:`build_spec`, then :func:`~dlgs.core.planner.plan_strategy`)."""
+    spec, eligible = build_spec(profile, config, density)
+    return plan_strategy(
+        spec,
+        strategy,
+        eligible=eligible,
+        bucket_elements=bucket_elements,
+        numel=[layer.numel for layer in profile.layers],
+        max_group=max_group,
+    )
+
+
 def choose_density(
     profile: "Profile",
     config: SparsityConfig,
@@ -263,14 +286,8 @@ def choose_density(
     tried: List[Tuple[float, float, float]] = []
     best: Optional[Tuple[float, float, Plan]] = None
     for d in dict.fromkeys(ladder):
-        spec, eligible = build_spec(profile, config, d)
-        plan = plan_strategy(
-            spec,
-            strategy,
-            eligible=eligible,
-            bucket_elements=bucket_elements,
-            numel=[layer.numel for layer in profile.layers],
-            max_group=max_group,
+        plan = plan_at(
+            profile, config, d, strategy, bucket_elements=bucket_elements, max_group=max_group
         )
         tried.append((d, plan.end, backprop))
         if plan.end <= bound:

@@ -42,15 +42,15 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from ._checks import check_int
 from .config import MERGE_STRATEGIES, MergeConfig
 from .exchange import StepRecord, StepTrace
-from .planner import CostModel, Plan, fit_cost_model, plan_strategy
+from .planner import CostModel, Plan, fit_cost_model
 from .profile import (
     DensityChoice,
     LayerProfile,
     Profile,
-    build_spec,
     calibrate,
     choose_density,
     contention,
+    plan_at,
     rescale,
 )
 
@@ -758,15 +758,14 @@ class OnlinePlanner:
         profile = self.profile
         index = {layer.name: i for i, layer in enumerate(ex.layers)}
         self.order = [index[layer.name] for layer in profile.layers]
-        spec, eligible = build_spec(profile, ex.config, d)
         strategy = "none" if self._fallback else self.strategy
         self._layerwise_in_force = strategy == "none"
-        plan = plan_strategy(
-            spec,
+        plan = plan_at(
+            profile,
+            ex.config,
+            d,
             strategy,
-            eligible=eligible,
             bucket_elements=self.bucket_elements,
-            numel=[layer.numel for layer in profile.layers],
             max_group=self.max_group,
         )
         self.plan = plan

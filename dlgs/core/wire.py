@@ -255,7 +255,7 @@ class GroupLayout:
             # Beyond float16's range a value would go infinite on the wire (and
             # into the residual): it is sent clipped, the rest stays in the
             # residual (the caller subtracts what was sent).
-            ops.copy_(values, ops.clamp(ops.take(source, idx), -FLOAT16_MAX, FLOAT16_MAX))
+            ops.gather_clamped_(source, idx, values, FLOAT16_MAX)
         else:
             ops.gather_(source, idx, values)
         if self.block16:

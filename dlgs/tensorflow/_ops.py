@@ -239,13 +239,20 @@ class TFOps:
         padded = tf.concat([found, _fill(size, fill)], 0)
         return tf.slice(padded, _ivec(0), _ivec(size))
 
-    def gather_(self, src, idx, out):
+    @staticmethod
+    def _gather(src, idx) -> tf.Tensor:
         view = _as_view(src)
         if view is not None and view.ratio == 1 and view.var.dtype == view.dtype:
-            vals = tf.gather(view.var, view.indices(idx))  # ResourceGather: no full read
-        else:
-            vals = tf.gather(_read(src), idx)
-        return self._update(out, vals)
+            return tf.gather(view.var, view.indices(idx))  # ResourceGather: no full read
+        return tf.gather(_read(src), idx)
+
+    def gather_(self, src, idx, out):
+        return self._update(out, self._gather(src, idx))
+
+    def gather_clamped_(self, src, idx, out, bound):
+        # Clipped and cast before the one write into ``out`` (a view of the chunk).
+        vals = tf.clip_by_value(self._gather(src, idx), -bound, bound)
+        return self._update(out, tf.cast(vals, _dtype(out)))
 
     def _scatter(self, dst, idx, vals, kind: str):
         view = _as_view(dst)

@@ -75,6 +75,11 @@ class TorchOps:
             return torch.index_select(src, 0, idx, out=out)
         return out.copy_(src.index_select(0, idx))
 
+    def gather_clamped_(self, src, idx, out, bound):
+        # One temporary, as gather_ into another dtype: the cast makes values
+        # beyond float16's range infinite, the clamp in place brings them back.
+        return out.copy_(src.index_select(0, idx)).clamp_(-bound, bound)
+
     def take(self, src, idx, out=None):
         if out is not None and out.dtype == src.dtype:
             return torch.index_select(src, 0, idx, out=out)
