@@ -131,7 +131,7 @@ class MethodTimes:
     def merge(self, other: "MethodTimes") -> None:
         """Pool another round's steps into this one. Bytes are averaged over
         rounds: a merge plan is re-profiled every round and may differ; the
-        message count is the latest round's."""
+        message count and the density (``@auto`` chooses anew) are the latest round's."""
         if other.wire_bytes != self.wire_bytes:
             logger.warning(
                 "%s: the plan changed between rounds (%d -> %d bytes on the wire); "
@@ -140,6 +140,15 @@ class MethodTimes:
                 self.wire_bytes,
                 other.wire_bytes,
             )
+        if other.density != self.density:
+            # density="auto" chooses again from every round's profile.
+            logger.warning(
+                "%s: the density changed between rounds (%s -> %s); reporting the latest",
+                self.method,
+                self.density,
+                other.density,
+            )
+            self.density = other.density
         total = self.wire_bytes * self.rounds + other.wire_bytes * other.rounds
         self.rounds += other.rounds
         self.wire_bytes = round(total / self.rounds)
@@ -243,11 +252,9 @@ def summarise(
                 "method": mine.method,
                 "workers": workers,
                 "density": (
-                    ""
-                    if base_method(mine.method) not in SPARSE_METHODS
-                    else density
-                    if mine.density is None
-                    else mine.density
+                    (density if mine.density is None else mine.density)
+                    if base_method(mine.method) in SPARSE_METHODS
+                    else ""
                 ),
                 "batch": batch,
                 "steps": len(it),
