@@ -349,7 +349,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     )
     logging.getLogger("dlgs").setLevel(logging.WARNING)
     rows: List[Dict] = []
-    # Seeds outermost: an interrupted run still has every method at the first seeds.
+    command = "python -m benchmarks.convergence " + shlex.join(
+        argv if argv is not None else sys.argv[1:]
+    )
+    # Seeds outermost, and the results written after each: an interrupted run
+    # still reports every method at the seeds it finished.
     for seed in seeds:
         for method in args.methods.split(","):
             run = run_fashion if args.task == "fashion" else run_ptb
@@ -358,14 +362,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             rows += [
                 dict(method=method, seed=seed, epoch=e, seconds=s, metric=m) for e, s, m in res
             ]
+        if hvd.rank() == 0:
+            args.out.mkdir(parents=True, exist_ok=True)
+            write_csv(rows, args.out / "convergence.csv", append=False)
+            text = report(rows, args.task, command, args.out)
+            (args.out / "convergence.md").write_text(text)
     if hvd.rank() == 0:
-        args.out.mkdir(parents=True, exist_ok=True)
-        write_csv(rows, args.out / "convergence.csv", append=False)
-        command = "python -m benchmarks.convergence " + shlex.join(
-            argv if argv is not None else sys.argv[1:]
-        )
-        text = report(rows, args.task, command, args.out)
-        (args.out / "convergence.md").write_text(text)
         print(text)
 
 

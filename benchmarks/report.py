@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from dlgs.core.catalog import DEFAULT_COMPUTE_FLOPS
+from dlgs.core.config import IndexCoding
 from dlgs.core.planner import plan_strategy
 from dlgs.core.profile import build_spec
 
@@ -609,9 +610,9 @@ def add_wire_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--index-coding",
-        choices=["auto", "int32", "block16"],
+        choices=[c.value for c in IndexCoding],
         default="auto",
-        help="sparse methods: how indices are sent (auto: 16-bit where smaller)",
+        help="sparse methods: how indices are sent (auto: the smallest per message)",
     )
 
 

@@ -52,6 +52,7 @@ from .report import (
     FRAMEWORKS,
     MODELS,
     add_wire_options,
+    base_method,
     framework_of,
     is_emulated,
     method_cell,
@@ -282,7 +283,9 @@ def report(out: Path, command: str) -> None:
             *judged,
             "",
         ]
-    for method in ("dlgs", "dlgs-none"):
+    # Every dlgs method of the run, with its own density (dlgs@0.001, dlgs@auto) too.
+    methods = dict.fromkeys(r["method"] for r in rows)
+    for method in (m for m in methods if base_method(m) in ("dlgs", "dlgs-none")):
         judged = goals(rows, method)
         if len(judged) > 2:
             lines += [

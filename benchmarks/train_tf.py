@@ -65,7 +65,9 @@ import dlgs.tensorflow  # noqa: E402
 from . import models_tf  # noqa: E402
 from .report import (
     LR,
+    SPARSE_METHODS,
     MethodTimes,
+    base_method,
     guard_verdict,
     is_merging,
     run_rounds,
@@ -253,7 +255,7 @@ def run_method(
             step(x, y)
 
     merging = is_merging(method)
-    sparse = sparse_options(method, density) is not None
+    sparse = base_method(method) in SPARSE_METHODS
     x, y = data
     out = MethodTimes(method)
     for i in range(warmup + steps):

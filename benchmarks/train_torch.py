@@ -27,6 +27,7 @@ from .emulate import EmulatedNet, Emulation, emulation_from, measure_layers
 from .models import LSTMLM, VGG16, BertSmall, ResNet20
 from .report import (
     LR,
+    SPARSE_METHODS,
     MethodTimes,
     base_method,
     guard_verdict,
@@ -164,7 +165,7 @@ def run_method(
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     opt = build_optimizer(method, model, density, profile_steps, wire)
     x, y = data
-    sparse = sparse_options(method, density) is not None
+    sparse = base_method(method) in SPARSE_METHODS
     out = MethodTimes(method)
     for i in range(warmup + steps):
         t0 = time.perf_counter()

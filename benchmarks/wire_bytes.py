@@ -67,6 +67,7 @@ def wire_row(sizes: Sequence[int], density: float, coding: str, value_dtype: str
     return dict(
         sparse_layers=len(plans),
         block16_layers=sum(lay.block16 for lay in chunks),
+        bitmap_layers=sum(lay.bitmap for lay in chunks),
         selected=selected,
         bytes=sent,
         bytes_per_element=sent / selected if selected else float("nan"),
@@ -80,7 +81,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         default="fashion,resnet20,vgg16,lstm,bert-small,"
         + ",".join(f"catalog:{m}" for m in CATALOG),
     )
-    parser.add_argument("--densities", default="0.01,0.001")
+    parser.add_argument("--densities", default="0.1,0.01,0.001")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/wire-bytes"))
     args = parser.parse_args(argv)
     rows = []
@@ -104,6 +105,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         "Sum of the real layouts' chunk bytes (values, indices, count words, block counts,",
         "fingerprints) of one rank's sparse layers, sent layer by layer, over their selected",
         "elements; library defaults otherwise (`min_sparse_size=1024`, `max_ratio=1`).",
+        "`auto` takes per message the smallest of int32 indices, block16 (2 bytes each plus",
+        "a count per 65,536 elements) and a bitmap (a bit per element and per slot).",
         "",
         "| model | parameters | density | sparse layers | " + " | ".join(labels) + " |",
         "|---|---:|---:|---:|" + "---:|" * len(labels),

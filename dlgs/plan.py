@@ -49,7 +49,7 @@ from dlgs.core.catalog import (
     catalog_model,
     catalog_profile,
 )
-from dlgs.core.config import SparsityConfig
+from dlgs.core.config import IndexCoding, SparsityConfig
 from dlgs.core.netmodel import allgather_cost, allreduce_cost
 from dlgs.core.planner import STRATEGIES, Plan, PlanSpec, plan_strategy, simulate
 from dlgs.core.profile import Profile, build_spec
@@ -243,9 +243,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     common.add_argument(
         "--index-coding",
-        choices=("auto", "int32", "block16"),
+        choices=[c.value for c in IndexCoding],
         default="auto",
-        help="how sparse indices are sent (default: auto, the smaller per message)",
+        help="how sparse indices are sent (default: auto, the smallest per message)",
     )
     common.add_argument(
         "--latency",

@@ -20,6 +20,7 @@ import numpy as np
 _DT = {
     "float32": np.float32,
     "float16": np.float16,
+    "uint8": np.uint8,
     "int16": np.int16,
     "int32": np.int32,
     "int64": np.int64,
@@ -121,6 +122,21 @@ class NumpyOps:
 
     def unsigned16(self, x):
         return np.asarray(x, np.int16).view(np.uint16).astype(np.int32)
+
+    def where_below(self, idx, bound, other):
+        return np.where(idx < bound, idx, other)
+
+    def set_bits_(self, out, positions, scratch):
+        scratch[...] = False
+        scratch[positions] = True
+        out[...] = np.packbits(scratch, bitorder="little")
+        return out
+
+    def unpack_bits(self, x):
+        return np.unpackbits(np.asarray(x, np.uint8), bitorder="little").astype(bool)
+
+    def minimum_(self, x, limits):
+        return np.minimum(x, limits, out=x)
 
     def add_offset_(self, dst, idx, offset):
         dst[...] = idx + offset

@@ -73,7 +73,9 @@ class Reference:
         value_bytes = 4 * math.ceil(cap * (4 if self.value_dtype == "float32" else 2) / 4)
         int32 = 4 * cap
         block16 = 4 * math.ceil(cap / 2) + 4 * (n // 65536)
-        index_bytes = {"int32": int32, "block16": block16, "auto": min(int32, block16)}
+        bitmap = 4 * math.ceil(math.ceil((n + cap) / 8) / 4)
+        index_bytes = {"int32": int32, "block16": block16, "bitmap": bitmap}
+        index_bytes["auto"] = min(index_bytes.values())
         message = value_bytes + index_bytes[self.index_coding]
         return k, cap, n >= self.min_sparse_size and message < 4 * n
 

@@ -16,6 +16,10 @@ def test_sixteen_bit_values_and_indices_cost_about_4_bytes_per_element():
     assert 4.0 <= after["bytes_per_element"] < 4.05
     assert after["selected"] == before["selected"] and after["block16_layers"] > 0
     assert [f[0] for f in FORMATS][0].startswith("int32")
+    # At density 0.1 a bit per element (and per slot) beats 2 bytes per index.
+    dense = wire_row(sizes, 0.1, "auto", "float16")
+    assert dense["bitmap_layers"] == dense["sparse_layers"]
+    assert 2 + 1.375 <= dense["bytes_per_element"] < 3.5
 
 
 def test_convergence_methods_parse_to_dlgs_options():

@@ -124,8 +124,12 @@ def test_plan_layers_sends_small_and_dense_enough_layers_dense():
         0
     ].sparse
     # ... 6 with 16-bit indices: below density 2/3
-    assert plan_layers([100_000], 0.66, SparsityConfig(density=0.66))[0].sparse
-    assert not plan_layers([100_000], 0.67, SparsityConfig(density=0.67))[0].sparse
+    block16 = dict(index_coding="block16")
+    assert plan_layers([100_000], 0.66, SparsityConfig(density=0.66, **block16))[0].sparse
+    assert not plan_layers([100_000], 0.67, SparsityConfig(density=0.67, **block16))[0].sparse
+    # ... and 4 + (1 + 1 / density) / 8 with a bitmap (auto): below about 0.94
+    assert plan_layers([100_000], 0.93, SparsityConfig(density=0.93))[0].sparse
+    assert not plan_layers([100_000], 0.95, SparsityConfig(density=0.95))[0].sparse
     capped = plan_layers([100_000], 0.01, SparsityConfig(density=0.01, max_ratio=1.5))[0]
     assert capped.capacity == 1500
 

@@ -127,8 +127,9 @@ def _sent(ex):
 
 @pytest.mark.parametrize("controller", ["dynamic", "topk", "dgc", "fixed"])
 @pytest.mark.parametrize("merged", [False, True])
-def test_nonfinite_on_one_rank_is_seen_everywhere_and_undone_exactly(controller, merged):
-    opts = dict(controller=controller)
+@pytest.mark.parametrize("coding", ["auto", "bitmap"])
+def test_nonfinite_on_one_rank_is_seen_everywhere_and_undone_exactly(controller, merged, coding):
+    opts = dict(controller=controller, index_coding=coding)
     if controller == "fixed":
         opts["threshold"] = 1.5
     faults = {3: (1, 0, math.nan), 6: (0, 2, math.inf), 8: (1, 1, math.nan)}  # step: rank, layer
@@ -265,6 +266,7 @@ CASES = {
     "float16_values": (dict(value_dtype="float16"), {}),
     "bfloat16_values_block16": (dict(value_dtype="bfloat16", index_coding="block16"), {}),
     "int32_indices": (dict(index_coding="int32"), {}),
+    "bitmap_indices": (dict(index_coding="bitmap", value_dtype="float16"), {}),
     # Stage 1 is too dense to pay (sent dense), then sparse; then a dense plan
     # flushes the residuals, then layer-wise again.
     "warmup_and_flush": (
@@ -426,7 +428,7 @@ def test_planner_replans_at_a_warmup_boundary_on_every_rank_and_round_trips():
     assert resumed == seen[-1][1], "the resumed exchange does not use the saved plan"
 
 
-@pytest.mark.parametrize("coding", ["int32", "block16"])
+@pytest.mark.parametrize("coding", ["int32", "block16", "bitmap"])
 def test_resuming_in_the_middle_of_a_warmup_stage_reproduces_the_run(coding):
     """DGC's warm-up recipe, a checkpoint taken in the middle of its second
     stage and loaded into fresh exchanges: every later step (the stage's end,

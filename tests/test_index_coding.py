@@ -86,7 +86,7 @@ def _message(rng, layout, kinds, be=None):
     return be.host(chunk), np.concatenate(want_idx), np.concatenate(want_val)
 
 
-@pytest.mark.parametrize("coding", ["int32", "block16", "auto"])
+@pytest.mark.parametrize("coding", ["int32", "block16", "bitmap", "auto"])
 @pytest.mark.parametrize("value_dtype", VALUE_DTYPES)
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_every_coding_decodes_exactly(coding, value_dtype, case):
@@ -115,6 +115,15 @@ def test_auto_picks_the_smaller_coding_from_sizes_alone():
     assert (
         sparse.chunk_bytes <= GroupLayout((100 * BLOCK,), (50,), "float32", "block16").chunk_bytes
     )
+    # Above a density of about 1/15, a bit per element beats 2 bytes per index.
+    dense = GroupLayout((10 * BLOCK,), (10 * BLOCK // 10,), "float16", "auto")
+    assert dense.index_coding is IndexCoding.BITMAP
+    for other in ("int32", "block16"):
+        assert (
+            dense.chunk_bytes < GroupLayout(dense.sizes, dense.caps, "float16", other).chunk_bytes
+        )
+    at_1_in_20 = GroupLayout((10 * BLOCK,), (10 * BLOCK // 20,), "float16", "auto")
+    assert at_1_in_20.index_coding is IndexCoding.BLOCK16
     # The fingerprint says which coding a chunk uses.
     assert wide.fingerprint != GroupLayout((10 * BLOCK,), (6554,), "float32", "int32").fingerprint
     # Bytes per selected element with float16 values: 4 plus the block counts.
@@ -126,7 +135,7 @@ def test_auto_picks_the_smaller_coding_from_sizes_alone():
 @pytest.mark.parametrize("world", [1, 3])
 @pytest.mark.parametrize("value_dtype", ["float32", "float16", "bfloat16"])
 def test_the_step_unpack_matches_the_reference_decoder(backend, world, value_dtype):
-    """Several messages of both codings and several ranks, packed and unpacked
+    """Several messages of every coding and several ranks, packed and unpacked
     at once (the exchange's path) by each framework's ops, against the host
     decoder's sum."""
     be = _Backend(backend)
@@ -137,7 +146,7 @@ def test_the_step_unpack_matches_the_reference_decoder(backend, world, value_dty
     for (sizes, caps, kind), coding in zip(CASES, ["block16", "int32", "block16", "auto"]):
         layouts.append(GroupLayout(sizes, caps, value_dtype, coding))
         kinds.append(kind)
-    assert {lay.index_coding for lay in layouts} == {IndexCoding.INT32, IndexCoding.BLOCK16}
+    assert {lay.index_coding for lay in layouts} == set(IndexCoding) - {IndexCoding.AUTO}
     plan = UnpackPlan.of(layouts, world)
     expect = np.zeros(plan.dense_size, np.float64)
     outputs = []
@@ -189,7 +198,7 @@ def _big_exchange(coding, average=False):
     return make
 
 
-@pytest.mark.parametrize("coding", ["int32", "block16"])
+@pytest.mark.parametrize("coding", ["int32", "block16", "bitmap"])
 def test_exchange_reconstructs_k_sparse_inputs_across_far_apart_blocks(coding):
     """Through the exchange, 3 ranks: a layer of 6 blocks whose non-zeros sit
     at its two ends (gaps of 5 blocks) is reconstructed exactly when each rank
@@ -221,7 +230,7 @@ def test_exchange_reconstructs_k_sparse_inputs_across_far_apart_blocks(coding):
                 assert np.array_equal(got, want)
 
 
-@pytest.mark.parametrize("coding", ["int32", "block16"])
+@pytest.mark.parametrize("coding", ["int32", "block16", "bitmap"])
 def test_exchange_conserves_the_gradient_with_block_counts(coding):
     """Dense random inputs, 4 steps: on every rank what it sent (decoded from
     its own chunks) plus its residual equals what it accumulated."""

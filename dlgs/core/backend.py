@@ -34,7 +34,7 @@ class ArrayOps(Protocol):
     # -- creation and views -------------------------------------------------
     def zeros(self, n: int, dtype: str, like: T) -> T:
         """1-D zeros of ``n`` elements, ``dtype`` in {float32, float16, bfloat16,
-        int16, int32, int64, bool}, on ``like``'s device."""
+        uint8, int16, int32, int64, bool}, on ``like``'s device."""
 
     def scalar(self, value: float, like: T) -> T:
         """0-d float32 tensor on ``like``'s device."""
@@ -114,6 +114,27 @@ class ArrayOps(Protocol):
 
     def unsigned16(self, x: T) -> T:
         """An int16 vector's bits read as unsigned, ``[0, 65535]``, as int32."""
+
+    def where_below(self, idx: T, bound: int, other: T) -> T:
+        """``idx[i]`` where it is below ``bound``, else ``other[i]`` (a new
+        integer vector of ``idx``'s dtype)."""
+
+    def set_bits_(self, out: T, positions: T, scratch: T | None) -> T:
+        """Write into the uint8 ``out`` the bitmap with the bits at
+        ``positions`` set (unique, below ``8 * len(out)``; bit ``p`` is bit
+        ``p % 8``, least significant first, of byte ``p // 8``) and every
+        other bit clear. ``scratch``: a bool buffer of ``8 * len(out)`` where
+        the framework writes in place, else None."""
+
+    def unpack_bits(self, x: T) -> T:
+        """The bits of the uint8 vector ``x``, least significant first: a
+        vector of ``8 * len(x)`` elements, nonzero exactly where a bit is set
+        (bool or the bit's value; the inverse of :meth:`set_bits_` for
+        :meth:`nonzero_static`)."""
+
+    def minimum_(self, x: T, limits: T) -> T:
+        """``x = min(x, limits)`` element-wise (integer vectors of one
+        length), in place where the framework can; use the return value."""
 
     def add_offset_(self, dst: T, idx: T, offset: int) -> T:
         """``dst[:] = idx + offset`` into an int32 ``dst``."""

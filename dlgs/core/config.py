@@ -58,19 +58,25 @@ class ValueDType(str, enum.Enum):
 class IndexCoding(str, enum.Enum):
     """How a sparse message carries its indices (``dlgs.core.wire``).
 
-    * ``AUTO`` (default): per message, whichever of the two below is smaller,
-      decided from the layers' sizes and capacities alone, so every rank
-      decides the same without a handshake.
+    * ``AUTO`` (default): per message, whichever of the three below is
+      smallest, decided from the layers' sizes and capacities alone, so every
+      rank decides the same without a handshake.
     * ``INT32``: 4 bytes per selected element.
     * ``BLOCK16``: each index's low 16 bits (2 bytes per element) and, per
       layer, one int32 count for each 65,536-element block boundary (how many
       selected indices lie below it); exact for any layer size. Smaller than
       int32 unless a layer sends fewer than one element per 32,768.
+    * ``BITMAP``: one bit per element of the layer (and one per slot of its
+      capacity, for the padding): ``(n + capacity) / 8`` bytes whatever the
+      number selected. Smaller than block16 above a density of about 1/15;
+      the receiver unpacks every bit of every rank's message (work in
+      proportion to the layer, not to the selection).
     """
 
     AUTO = "auto"
     INT32 = "int32"
     BLOCK16 = "block16"
+    BITMAP = "bitmap"
 
 
 @dataclass(frozen=True)
@@ -143,11 +149,12 @@ class SparsityConfig:
             keeps 11 bits of mantissa but tops out at 65504 (larger values are
             sent clipped, the rest waits in the residual); bfloat16 keeps
             float32's range with 8 bits of mantissa.
-        index_coding: ``"auto"`` (default), ``"int32"`` or ``"block16"``, see
-            :class:`IndexCoding`. ``auto`` sends about 2 bytes per index
-            instead of 4 at no loss (indices decode exactly) for a few more
-            device operations per step on the receiver; ``int32`` is the
-            simplest format.
+        index_coding: ``"auto"`` (default), ``"int32"``, ``"block16"`` or
+            ``"bitmap"``, see :class:`IndexCoding`. ``auto`` sends about 2
+            bytes per index instead of 4 (less than 2 above density 1/15, as a
+            bitmap) at no loss (indices decode exactly) for a few more device
+            operations per step on the receiver; ``int32`` is the simplest
+            format.
     """
 
     density: Union[float, str] = 0.01

@@ -33,7 +33,15 @@ from .backend import ArrayOps
 from .config import SparsityConfig, ValueDType
 from .consistency import RankMismatchError
 from .controller import ThresholdController, make_controller
-from .wire import DevicePart, GroupLayout, LayerPlan, UnpackPlan, plan_layers, unpack
+from .wire import (
+    DevicePart,
+    GroupLayout,
+    LayerPlan,
+    MemberViews,
+    UnpackPlan,
+    plan_layers,
+    unpack,
+)
 
 __all__ = [
     "Collectives",
@@ -226,7 +234,7 @@ class _Group:
         self.handle: Any = None
         self.verified = False
         # sparse: per member, its views of ``chunk`` (GroupLayout.member_views).
-        self.member_views: List[Tuple[Any, ...]] = []
+        self.member_views: List[MemberViews] = []
         # sparse: each member's view of the step's receive buffer (_Unpack.dense).
         self.outputs: List[Any] = []
 

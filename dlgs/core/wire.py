@@ -10,15 +10,20 @@ Indices (:class:`~dlgs.core.config.IndexCoding`) are int32 words that already
 include the member's offset in the group's *dense* buffer, or with ``block16``
 half-words holding each index's low 16 bits, the member's index space cut into
 blocks of 65,536 elements and, per block boundary, one int32 "block count" in
-the header: how many of the member's (ascending) indices lie below it. The
+the header: how many of the member's (ascending) indices lie below it; or with
+``bitmap`` one bit per element and per capacity slot of each member (byte
+aligned, least significant bit first): the selected elements' bits, and one
+bit past the element range for each unused slot, so every member has exactly
+``cap_i`` bits set and the j-th set bit is the j-th slot. The
 dense buffer has one extra "padding slot" per member (``dense_offset_i +
 n_i``): unused capacity points there with value 0, so unpacking never needs the
 number of selected values on the host. A step's sparse messages are unpacked
 together (:class:`UnpackPlan`): their outputs concatenated, a few gathers, one
-search over every block count (block16) and one scatter-add per index coding
-into one dense buffer where each message's part starts at its base, whatever
-the number of messages. A count of -1 says the member's gradient was
-non-finite on that rank (every receiver then marks the layer non-finite).
+search over every block count (block16), one unpacking of every bitmap and
+one scatter-add per index coding into one dense buffer where each message's
+part starts at its base, whatever the number of messages. A count of -1 says
+the member's gradient was non-finite on that rank (every receiver then marks
+the layer non-finite).
 
 The chunk size is fixed by the layout, so every step sends the same shape
 (Horovod's response cache hits and nothing renegotiates) and every rank's chunk
@@ -32,7 +37,7 @@ from __future__ import annotations
 import math
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -44,6 +49,7 @@ __all__ = [
     "DevicePart",
     "GroupLayout",
     "LayoutMismatchError",
+    "MemberViews",
     "UnpackPart",
     "UnpackPlan",
     "member_bytes",
@@ -77,16 +83,44 @@ def _blocks(n: int) -> int:
     return n // BLOCK + 1
 
 
+def _bitmap_bytes(n: int, cap: int) -> int:
+    """Bytes of a member's bitmap: a bit per element and per capacity slot."""
+    return -(-(n + cap) // 8)
+
+
 def resolve_coding(sizes: Sequence[int], caps: Sequence[int], coding: IndexCoding) -> IndexCoding:
     """The index coding a message uses: ``coding`` itself, or for ``auto`` the
-    smaller of int32 and block16 for these members (sizes only, so every rank
-    decides the same). Ties go to int32, the simpler decode."""
+    smallest of int32, block16 and bitmap for these members (sizes only, so
+    every rank decides the same). Ties go to the simpler decode, in that
+    order."""
     coding = IndexCoding(coding)
     if coding is not IndexCoding.AUTO:
         return coding
     total = sum(caps)
-    block16 = math.ceil(total / 2) + sum(_blocks(n) - 1 for n in sizes)
-    return IndexCoding.BLOCK16 if block16 < total else IndexCoding.INT32
+    words = {
+        IndexCoding.INT32: total,
+        IndexCoding.BLOCK16: math.ceil(total / 2) + sum(_blocks(n) - 1 for n in sizes),
+        IndexCoding.BITMAP: math.ceil(sum(map(_bitmap_bytes, sizes, caps)) / 4),
+    }
+    return min(words, key=words.__getitem__)  # the first of equals: dict order
+
+
+class MemberViews(NamedTuple):
+    """One member's views of its chunk (:meth:`GroupLayout.member_views`) and
+    what its coding needs to pack into them."""
+
+    values: Any
+    #: int32 or int16 index slots, or the member's bitmap bytes (uint8).
+    indices: Any
+    #: The count word.
+    word: Any
+    #: block16 with more than one block: the block-count words and boundaries.
+    counts: Any = None
+    bounds: Any = None
+    #: bitmap: a bool buffer of one bit per byte (None for a framework that
+    #: returns new tensors) and each slot's padding bit ``n + slot``.
+    scratch: Any = None
+    pads: Any = None
 
 
 def member_bytes(
@@ -111,7 +145,7 @@ class GroupLayout:
         value_dtype: dtype of values on the wire.
         index_coding: :class:`~dlgs.core.config.IndexCoding`; ``auto`` is
             resolved here (:func:`resolve_coding`), so ``index_coding`` is
-            always ``int32`` or ``block16`` once made.
+            never ``auto`` once made.
     """
 
     sizes: Tuple[int, ...]
@@ -146,6 +180,18 @@ class GroupLayout:
     def block16(self) -> bool:
         return self.index_coding is IndexCoding.BLOCK16
 
+    @property
+    def bitmap(self) -> bool:
+        return self.index_coding is IndexCoding.BITMAP
+
+    def bitmap_bytes(self, i: int) -> int:
+        """Bytes of member ``i``'s bitmap (bitmap coding)."""
+        return _bitmap_bytes(self.sizes[i], self.caps[i])
+
+    def bitmap_offset(self, i: int) -> int:
+        """Byte offset of member ``i``'s bitmap among the group's bitmaps."""
+        return sum(map(_bitmap_bytes, self.sizes[:i], self.caps[:i]))
+
     def blocks(self, i: int) -> int:
         """Index blocks of member ``i``: it sends ``blocks(i) - 1`` block
         counts (1 block, no count, with int32 indices or under 65,536
@@ -172,6 +218,8 @@ class GroupLayout:
     @property
     def index_words(self) -> int:
         cap = self.total_capacity
+        if self.bitmap:
+            return math.ceil(self.bitmap_offset(self.members) / 4)
         return math.ceil(cap / 2) if self.block16 else cap
 
     @property
@@ -201,8 +249,11 @@ class GroupLayout:
         return ops.narrow(ops.view_as(raw, self.value_dtype.value), 0, 0, self.total_capacity)
 
     def indices_view(self, ops: ArrayOps, chunk: Any) -> Any:
-        """All members' index slots: int32, or int16 (low 16 bits) with block16."""
+        """All members' index slots: int32, int16 (low 16 bits) with block16,
+        or with bitmap every member's bitmap bytes (uint8)."""
         raw = ops.narrow(chunk, 0, self.header_words + self.value_words, self.index_words)
+        if self.bitmap:
+            return ops.narrow(ops.view_as(raw, "uint8"), 0, 0, self.bitmap_offset(self.members))
         if not self.block16:
             return raw
         return ops.narrow(ops.view_as(raw, "int16"), 0, 0, self.total_capacity)
@@ -214,29 +265,31 @@ class GroupLayout:
         ops.copy_(head, ops.cast(ops.scalar(float(self.fingerprint), like), "int32"))
         return chunk
 
-    def member_views(self, ops: ArrayOps, chunk: Any, i: int) -> Tuple[Any, ...]:
-        """Member ``i``'s value slots, index slots, count word and (block16
-        with more than one block) block-count words and block boundaries in
-        ``chunk`` (views: make them once per chunk, then :meth:`pack_into`
-        every step)."""
-        cap, off = self.caps[i], self.value_offset(i)
+    def member_views(self, ops: ArrayOps, chunk: Any, i: int) -> MemberViews:
+        """Member ``i``'s value slots, index slots (or bitmap), count word and
+        what its coding needs besides (:class:`MemberViews`) in ``chunk``
+        (make them once per chunk, then :meth:`pack_into` every step)."""
+        n, cap, off = self.sizes[i], self.caps[i], self.value_offset(i)
+        values = ops.narrow(self.values_view(ops, chunk), 0, off, cap)
+        word = ops.narrow(chunk, 0, 1 + i, 1)
+        if self.bitmap:
+            nbytes = self.bitmap_bytes(i)
+            bits = ops.narrow(self.indices_view(ops, chunk), 0, self.bitmap_offset(i), nbytes)
+            scratch = ops.zeros(8 * nbytes, "bool", chunk) if ops.reuses_outputs else None
+            pads = ops.index_vector(n + np.arange(cap, dtype=np.int64), chunk)
+            return MemberViews(values, bits, word, scratch=scratch, pads=pads)
+        indices = ops.narrow(self.indices_view(ops, chunk), 0, off, cap)
         blocks = self.blocks(i)
-        counts = bounds = None
-        if blocks > 1:
-            counts = ops.narrow(chunk, 0, self.counts_offset(i), blocks - 1)
-            bounds = ops.index_vector(BLOCK * np.arange(1, blocks, dtype=np.int64), chunk)
-        return (
-            ops.narrow(self.values_view(ops, chunk), 0, off, cap),
-            ops.narrow(self.indices_view(ops, chunk), 0, off, cap),
-            ops.narrow(chunk, 0, 1 + i, 1),
-            counts,
-            bounds,
-        )
+        if blocks == 1:
+            return MemberViews(values, indices, word)
+        counts = ops.narrow(chunk, 0, self.counts_offset(i), blocks - 1)
+        bounds = ops.index_vector(BLOCK * np.arange(1, blocks, dtype=np.int64), chunk)
+        return MemberViews(values, indices, word, counts, bounds)
 
     def pack_into(
         self,
         ops: ArrayOps,
-        views: Tuple[Any, ...],
+        views: MemberViews,
         i: int,
         source: Any,
         idx: Any,
@@ -248,9 +301,10 @@ class GroupLayout:
         when its accumulated gradient was non-finite on this rank). int32
         indices are shifted to the member's place in the dense buffer; block16
         writes their low 16 bits and, per block boundary, how many indices lie
-        below it. float16 values are clipped to its range. Returns the values
-        as written (for the residual)."""
-        values, indices, word, counts, bounds = views
+        below it; bitmap sets their bits and a padding slot's ``n_i + slot``.
+        float16 values are clipped to its range. Returns the values as written
+        (for the residual)."""
+        values, indices, word, counts, bounds, scratch, pads = views
         if self.value_dtype is ValueDType.FLOAT16:
             # Beyond float16's range a value would go infinite on the wire (and
             # into the residual): it is sent clipped, the rest stays in the
@@ -258,7 +312,9 @@ class GroupLayout:
             ops.gather_clamped_(source, idx, values, FLOAT16_MAX)
         else:
             ops.gather_(source, idx, values)
-        if self.block16:
+        if self.bitmap:
+            ops.set_bits_(indices, ops.where_below(idx, self.sizes[i], pads), scratch)
+        elif self.block16:
             ops.copy_(indices, idx)  # wraps to the low 16 bits
             if counts is not None:
                 ops.count_below_(counts, idx, bounds)
@@ -288,6 +344,15 @@ class GroupLayout:
         indices = np.empty(cap, np.int64)
         for i in range(self.members):
             lo, hi = self.value_offset(i), self.value_offset(i) + self.caps[i]
+            if self.bitmap:
+                start, nbytes = self.bitmap_offset(i), self.bitmap_bytes(i)
+                region = slots.view(np.uint8)[start : start + nbytes].astype(np.int64)
+                bits = (region[:, None] >> np.arange(8)) & 1  # least significant first
+                pos = np.flatnonzero(bits.reshape(-1))
+                if pos.size != self.caps[i]:
+                    raise ValueError(f"member {i} has {pos.size} bits set, not {self.caps[i]}")
+                indices[lo:hi] = self.dense_offset(i) + np.minimum(pos, self.sizes[i])
+                continue
             if not self.block16:
                 indices[lo:hi] = slots[lo:hi]
                 continue
@@ -336,13 +401,17 @@ class UnpackPart:
     table[bucket + ordinals]`` where ``bucket`` counts the block ends at or
     below each slot's position (one search over every member's ends at once,
     shifted by ``end_offsets`` to the part's slot numbering) -- or, when no
-    member has a second block, ``low16(indices) + offsets``.
+    member has a second block, ``low16(indices) + offsets``. bitmap: the
+    bytes at ``indices`` unpacked to bits; the j-th set bit is slot j (each
+    member sets exactly its capacity), ``index = min(bit + offsets, limits)``
+    (a padding bit lands in its member's padding slot).
     """
 
     coding: IndexCoding
     #: Positions of the values, in units of the wire value dtype.
     values: np.ndarray
-    #: Positions of the indices: words (int32) or half-words (block16).
+    #: Positions of the indices: words (int32), half-words (block16) or
+    #: bytes (bitmap).
     indices: np.ndarray
     #: Per slot, what to add to its decoded index (None: nothing, or block16
     #: with block counts, which uses ``table`` instead).
@@ -355,6 +424,8 @@ class UnpackPart:
     slots: Optional[np.ndarray] = None
     ordinals: Optional[np.ndarray] = None
     table: Optional[np.ndarray] = None
+    #: bitmap: per slot, its member's padding slot (the largest index).
+    limits: Optional[np.ndarray] = None
 
 
 @dataclass(frozen=True)
@@ -392,7 +463,7 @@ class UnpackPlan:
                 start = int(words) + r * lay.chunk_words
                 counts.append(start + 1 + np.arange(lay.members, dtype=np.int64))
         parts = []
-        for coding in (IndexCoding.INT32, IndexCoding.BLOCK16):
+        for coding in (IndexCoding.INT32, IndexCoding.BLOCK16, IndexCoding.BITMAP):
             chosen = [
                 (lay, int(words), base)
                 for lay, words, base in zip(layouts, word_bases, bases)
@@ -421,8 +492,8 @@ def _part(
     its allgather output, dense base)."""
     per_word = 4 // _VALUE_BYTES[messages[0][0].value_dtype]
     values, indices, offsets = [], [], []
-    ends, end_offsets, ordinals, table = [], [], [], []
-    slot, ordinal = 0, 0
+    ends, end_offsets, ordinals, table, limits = [], [], [], [], []
+    slot, ordinal, first_bit = 0, 0, 0
     for r in range(world):
         for lay, words, base in messages:
             start = words + r * lay.chunk_words
@@ -433,6 +504,16 @@ def _part(
             if coding is IndexCoding.INT32:
                 indices.append(first_index + at)
                 offsets.append(np.full(cap, base, np.int64))
+                continue
+            if coding is IndexCoding.BITMAP:
+                nbytes = lay.bitmap_offset(lay.members)
+                indices.append(4 * first_index + np.arange(nbytes, dtype=np.int64))
+                for m in range(lay.members):
+                    first = base + lay.dense_offset(m)
+                    bit = first_bit + 8 * lay.bitmap_offset(m)
+                    offsets.append(np.full(lay.caps[m], first - bit, np.int64))
+                    limits.append(np.full(lay.caps[m], first + lay.sizes[m], np.int64))
+                first_bit += 8 * nbytes
                 continue
             indices.append(2 * first_index + at)
             for m in range(lay.members):
@@ -449,6 +530,8 @@ def _part(
     if coding is IndexCoding.INT32:
         off = cat(offsets)
         return UnpackPart(coding, cat(values), cat(indices), off if off.any() else None)
+    if coding is IndexCoding.BITMAP:
+        return UnpackPart(coding, cat(values), cat(indices), cat(offsets), limits=cat(limits))
     if not sum(len(e) for e in ends):
         return UnpackPart(coding, cat(values), cat(indices), cat(offsets))
     return UnpackPart(
@@ -500,13 +583,19 @@ class DevicePart:
         self, ops: ArrayOps, part: UnpackPart, value_dtype: ValueDType, wide: str, like: Any
     ):
         self.block16 = part.coding is IndexCoding.BLOCK16
+        self.bitmap = part.coding is IndexCoding.BITMAP
         vec = ops.index_vector
         self.values = vec(part.values, like)
         self.indices = vec(part.indices, like)
         # Shifted indices in ``wide`` (int32 where the buffer allows: one
         # operation; a wider sum is a cast more).
-        self.offsets = None
-        if part.offsets is not None:
+        self.offsets = self.limits = None
+        if self.bitmap:
+            # Bit positions come as the framework's index dtype: so do these.
+            assert part.offsets is not None and part.limits is not None
+            wide = "int64"
+            self.offsets, self.limits = vec(part.offsets, like), vec(part.limits, like)
+        elif part.offsets is not None:
             self.offsets = ops.cast(vec(part.offsets, like), wide)
         self.ends = self.end_offsets = self.slots = self.ordinals = self.table = None
         if part.ends is not None:
@@ -517,19 +606,25 @@ class DevicePart:
             self.slots = vec(part.slots, like)
             self.ordinals = vec(part.ordinals, like)
             self.table = ops.cast(vec(part.table, like), wide)
-        n = len(part.indices)
+        n, slots = len(part.indices), len(part.values)
+        self.slots_total = slots
         self.scratch: Tuple[Any, ...] = (None,) * 4
         if ops.reuses_outputs:
+            narrow = "uint8" if self.bitmap else "int16" if self.block16 else "int32"
             self.scratch = (
-                ops.zeros(n, value_dtype.value, like),
-                ops.zeros(n, "int16" if self.block16 else "int32", like),
-                ops.zeros(n, wide, like),
+                ops.zeros(slots, value_dtype.value, like),
+                ops.zeros(n, narrow, like),
+                ops.zeros(slots, wide, like),
                 ops.zeros(len(part.ends), "int32", like) if part.ends is not None else None,
             )
 
     def decode(self, ops: ArrayOps, words: Any) -> Any:
         """This part's slots' indices into the dense buffer (int64 or int32)."""
         s = self.scratch
+        if self.bitmap:
+            raw = ops.take(ops.view_as(words, "uint8"), self.indices, s[1])
+            bits = ops.nonzero_static(ops.unpack_bits(raw), self.slots_total, 0)
+            return ops.minimum_(ops.add_indices(bits, self.offsets, s[2]), self.limits)
         if not self.block16:
             idx = ops.take(words, self.indices, s[1])
             return ops.add_indices(idx, self.offsets, s[2]) if self.offsets is not None else idx

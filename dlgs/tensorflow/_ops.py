@@ -29,6 +29,7 @@ _DTYPES = {
     "float32": tf.float32,
     "float16": tf.float16,
     "bfloat16": tf.bfloat16,
+    "uint8": tf.uint8,
     "int16": tf.int16,
     "int32": tf.int32,
     "int64": tf.int64,
@@ -307,6 +308,30 @@ class TFOps:
     def unsigned16(self, x):
         return tf.bitwise.bitwise_and(tf.cast(_read(x), tf.int32), 0xFFFF)
 
+    def where_below(self, idx, bound, other):
+        idx = _read(idx)
+        return tf.where(idx < bound, idx, tf.cast(other, idx.dtype))
+
+    def set_bits_(self, out, positions, scratch):
+        # Positions are unique, so adding each bit's power of two into its
+        # byte sets it (no carries): one scatter, no bool buffer.
+        pos = tf.cast(_read(positions), tf.int32)
+        powers = tf.bitwise.left_shift(1, tf.bitwise.bitwise_and(pos, 7))
+        found = tf.scatter_nd(
+            tf.reshape(tf.bitwise.right_shift(pos, 3), _ivec(-1, 1)),
+            powers,
+            _ivec(self.numel(out)),
+        )
+        return self._update(out, tf.cast(found, tf.uint8))
+
+    def unpack_bits(self, x):
+        bits = tf.bitwise.bitwise_and(tf.reshape(_read(x), _ivec(-1, 1)), _bit_weights())
+        return tf.reshape(tf.not_equal(bits, 0), _ivec(-1))
+
+    def minimum_(self, x, limits):
+        x = _read(x)
+        return tf.minimum(x, tf.cast(limits, x.dtype))
+
     def add_offset_(self, dst, idx, offset):
         return self._update(dst, _vec(idx, tf.int32) + offset)
 
@@ -437,6 +462,15 @@ def _scalar_const(value: float, dtype: tf.DType) -> tf.Tensor:
     if t is None:
         with tf.init_scope():
             t = _CONSTS[key] = tf.constant(value, dtype)
+    return t
+
+
+def _bit_weights() -> tf.Tensor:
+    """The uint8 row ``[1, 2, 4, ..., 128]`` (cached)."""
+    t = _CONSTS.get("bits")
+    if t is None:
+        with tf.init_scope():
+            t = _CONSTS["bits"] = tf.constant([[1 << j for j in range(8)]], tf.uint8)
     return t
 
 

@@ -18,6 +18,7 @@ _DTYPES = {
     "float32": torch.float32,
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
+    "uint8": torch.uint8,
     "int16": torch.int16,
     "int32": torch.int32,
     "int64": torch.int64,
@@ -113,6 +114,22 @@ class TorchOps:
 
     def unsigned16(self, x):
         return x.to(torch.int32).bitwise_and_(0xFFFF)
+
+    def where_below(self, idx, bound, other):
+        return torch.where(torch.lt(idx, _const(bound, idx.dtype, idx.device)), idx, other)
+
+    def set_bits_(self, out, positions, scratch):
+        scratch.zero_().scatter_(0, positions, True)
+        # Distinct powers of two: the sum of a byte's bits fits in uint8.
+        bits = scratch.view(torch.uint8).view(-1, 8).mul(_bit_weights(out.device))
+        return torch.sum(bits, 1, dtype=torch.uint8, out=out)
+
+    def unpack_bits(self, x):
+        # Each bit's own value, not a bool: nonzero where set, one operation less.
+        return x.view(-1, 1).bitwise_and(_bit_weights(x.device)).view(-1)
+
+    def minimum_(self, x, limits):
+        return torch.minimum(x, limits, out=x)
 
     def add_offset_(self, dst, idx, offset):
         if not offset:
@@ -225,6 +242,15 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
     if x.dim() == 1:
         return x
     return x.view(-1) if x.is_contiguous() else x.reshape(-1)
+
+
+def _bit_weights(device: torch.device) -> torch.Tensor:
+    """The uint8 row ``[1, 2, 4, ..., 128]``, cached per device."""
+    key = ("bits", device)
+    t = _CONSTS.get(key)
+    if t is None:
+        t = _CONSTS[key] = torch.tensor([1 << j for j in range(8)], dtype=torch.uint8).to(device)
+    return t
 
 
 def _const(value: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
