@@ -70,6 +70,8 @@ def test_at_most_k_nonzeros_reconstructed_exactly(ranks):
         for case, rec in v.items():
             assert rec["max_diff"] == 0.0, f"rank {r} {case}: max |diff| {rec['max_diff']}"
         assert v["merged_groups"]["sparse_messages"] == 1
+        assert v["merged_bitmap"]["sparse_messages"] == 1
+        assert v["merged_bitmap"]["codings"] == ["bitmap"]
         assert v["merged_dense"]["messages"] == 1 and v["merged_dense"]["sparse_messages"] == 0
 
 

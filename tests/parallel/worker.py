@@ -152,6 +152,7 @@ def sparse_training_identical():
         "dgc": dict(density=0.05, controller="dgc", sample_ratio=0.1),
         "fixed": dict(density=0.05, controller="fixed", threshold=1e-3),
         "fp16_values": dict(density=0.05, value_dtype="float16"),
+        "bitmap_indices": dict(density=0.05, index_coding="bitmap"),
         "momentum_correction": dict(density=0.05, momentum=0.9),
         "warmup": dict(density=0.02, warmup=(0.25, 0.1), warmup_steps=2),
         "max_ratio": dict(density=0.05, max_ratio=1.5),
@@ -429,6 +430,7 @@ def exact_reconstruction():
         "fp16_exact_values": (dict(density=0.05, value_dtype="float16", controller="topk"), 3),
         "sum_op": (dict(density=0.05, controller="topk"), 3),
         "merged_groups": (dict(density=0.05, controller="topk"), 3),
+        "merged_bitmap": (dict(density=0.05, controller="topk", index_coding="bitmap"), 3),
         "merged_dense": (dict(density=0.05, controller="topk"), 2),
     }
     for name, (opts, steps) in cases.items():
@@ -443,7 +445,7 @@ def exact_reconstruction():
             **opts,
         )
         ex = opt.dlgs.exchange
-        if name == "merged_groups":
+        if name in ("merged_groups", "merged_bitmap"):
             ex.set_groups([[i for i, p in enumerate(ex.layer_plans()) if p.sparse]])
         if name == "merged_dense":
             ex.set_plan([(list(range(len(ex.layers))), False)])
@@ -468,6 +470,7 @@ def exact_reconstruction():
             "max_diff": worst,
             "messages": len(ex.groups),
             "sparse_messages": sum(1 for g in ex.groups if g.sparse),
+            "codings": sorted({g.layout.index_coding.value for g in ex.groups if g.sparse}),
         }
     return out
 
