@@ -53,6 +53,7 @@ from .report import (
     MODELS,
     add_wire_options,
     base_method,
+    density,
     framework_of,
     is_emulated,
     method_cell,
@@ -384,7 +385,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         default="torch",
         help=f"comma list of {', '.join(FRAMEWORKS)}; each cell runs once per framework",
     )
-    parser.add_argument("--density", type=float, default=0.01)
+    parser.add_argument("--density", type=density, default=0.01, help="sparse methods, in (0, 1]")
     add_wire_options(parser)  # passed on to benchmarks.train
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=10)
