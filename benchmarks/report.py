@@ -668,12 +668,19 @@ def accumulate(mine: Dict[str, "MethodTimes"], got: "MethodTimes", round_: int, 
     )
 
 
-def settle_steps(profile_steps: int) -> int:
+def settle_steps(profile_steps: int, auto: bool = False) -> int:
     """Steps before a merging method's plan is final and in force: one skipped,
     ``profile_steps`` profiled, the plan's first step (buffers re-laid),
     ``profile_steps`` timed under it for the refined plan, and that plan's
-    first step (see ``dlgs.core.profiler.OnlinePlanner``)."""
-    return 2 * profile_steps + 3
+    first step (see ``dlgs.core.profiler.OnlinePlanner``). With ``auto``
+    (``density="auto"``), room for the chosen density to be measured slower
+    and the earlier one timed again: ``profile_steps`` and a first step more."""
+    return 2 * profile_steps + 3 + (profile_steps + 1 if auto else 0)
+
+
+def is_auto(method: str) -> bool:
+    """Whether ``method`` asks for ``density="auto"`` (``dlgs@auto``)."""
+    return method.partition("@")[2] == "auto"
 
 
 def run_rounds(
@@ -723,7 +730,9 @@ def is_merging(method: str) -> bool:
 def warmup_steps(method: str, warmup: int, profile_steps: int) -> int:
     """Untimed steps before ``method`` is timed: ``--warmup``, raised for a
     merging method to :func:`settle_steps` so its final plan is in force."""
-    return max(warmup, settle_steps(profile_steps)) if is_merging(method) else warmup
+    if not is_merging(method):
+        return warmup
+    return max(warmup, settle_steps(profile_steps, is_auto(method)))
 
 
 def total_steps(args: argparse.Namespace) -> int:

@@ -69,6 +69,7 @@ from .report import (
     MethodTimes,
     base_method,
     guard_verdict,
+    is_auto,
     is_merging,
     run_rounds,
     settle_steps,
@@ -276,7 +277,7 @@ def run_method(
         elif i == warmup - 1 and merging and not last["tape"].dlgs.planner.settled:
             raise RuntimeError(
                 f"{method}: no final merge plan after {warmup} warm-up steps "
-                f"(expected one after {settle_steps(profile_steps)})"
+                f"(expected one after {settle_steps(profile_steps, is_auto(method))})"
             )
         if progress is not None:
             progress.update(1)

@@ -31,6 +31,7 @@ from .report import (
     MethodTimes,
     base_method,
     guard_verdict,
+    is_auto,
     is_merging,
     predicted_tails,
     run_rounds,
@@ -186,7 +187,7 @@ def run_method(
             if not opt.dlgs.planner.settled:
                 raise RuntimeError(
                     f"{method}: no final merge plan after {warmup} warm-up steps "
-                    f"(expected one after {settle_steps(profile_steps)})"
+                    f"(expected one after {settle_steps(profile_steps, is_auto(method))})"
                 )
         if progress is not None:
             progress.update(1)

@@ -32,14 +32,18 @@ def _auto(**kw):
 def test_a_fast_link_gets_dense_and_slower_links_lower_densities():
     chosen = []
     for bps in (1e12, 1e8, 1e7, 1e6, 1e5, 3e4):
-        choice = choose_density(_profile(bps), _auto())
-        # What it compared: every density tried, highest first, until one fit.
+        config = _auto()
+        choice = choose_density(_profile(bps), config)
+        # What it compared: every density, highest first, down to the floor.
         densities = [d for d, _, _ in choice.candidates]
-        assert densities == sorted(densities, reverse=True) and densities[0] == 1.0
-        assert choice.density == densities[-1] or not choice.fits
-        if choice.fits:
-            assert choice.candidates[-1][1] <= choice.bound
-            assert all(end > choice.bound for _, end, _ in choice.candidates[:-1])
+        assert densities == [1.0, *(d for d in AUTO_LADDER if d >= 0.001)]
+        ends = {d: end for d, end, _ in choice.candidates}
+        backprop = choice.candidates[0][2]
+        # The highest density within auto_slack of back-propagation after the fastest.
+        assert choice.bound == pytest.approx(min(ends.values()) + config.auto_slack * backprop)
+        assert ends[choice.density] <= choice.bound
+        assert all(ends[d] > choice.bound for d in densities if d > choice.density)
+        assert choice.fits == (ends[choice.density] <= backprop * (1 + config.auto_slack))
         chosen.append(choice.density)
     assert chosen[0] == 1.0, chosen
     assert chosen == sorted(chosen, reverse=True), chosen  # slower link, lower density
@@ -47,19 +51,19 @@ def test_a_fast_link_gets_dense_and_slower_links_lower_densities():
     assert set(chosen) <= {1.0, *AUTO_LADDER}
 
 
-def test_floor_slack_and_the_fastest_when_nothing_fits():
+def test_floor_slack_and_a_higher_density_when_nothing_hides():
     slow = _profile(1e5)  # even the floor cannot hide its communication
-    choice = choose_density(slow, _auto(density_floor=0.01))
+    choice = choose_density(slow, _auto(density_floor=0.01, auto_slack=0.0))
     assert not choice.fits and choice.density >= 0.01
     ends = {d: end for d, end, _ in choice.candidates}
     assert ends[choice.density] == min(ends.values())
     assert min(ends) == 0.01  # the floor is the last tried
-    # More slack: a higher density may end later.
-    mid = _profile(1e6)
-    tight = choose_density(mid, _auto(auto_slack=0.0)).density
-    loose = choose_density(mid, _auto(auto_slack=1.0)).density
-    assert loose >= tight and loose > 0.001
-    assert "density='auto' chose" in choose_density(mid, _auto()).describe()
+    # More slack: a higher density may end later, also when nothing hides.
+    for profile in (_profile(1e6), slow):
+        tight = choose_density(profile, _auto(auto_slack=0.0)).density
+        loose = choose_density(profile, _auto(auto_slack=1.0)).density
+        assert loose > tight, (tight, loose)
+    assert "density='auto' chose" in choose_density(_profile(1e6), _auto()).describe()
 
 
 def _grads(rank, step):
@@ -105,6 +109,61 @@ def test_every_rank_uses_the_chosen_density_and_a_checkpoint_keeps_it():
     # The first step runs at the starting density; the choice is in force after.
     assert seen[0][0] == 0.01 and seen[-1][0] == expect
     assert resumed_density == expect and resumed_layout == seen[-1][1]
+
+
+class _Clock:
+    """A rank's clock for the exchange and the planner: every reading moves it
+    a tick (so probes and layers take the same time whatever their size:
+    communication looks free and ``auto`` chooses dense); ``lag()`` makes the
+    step in progress end later."""
+
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        self.t += 1e-4
+        return self.t
+
+    def lag(self, seconds):
+        self.t += seconds
+
+
+@pytest.mark.parametrize("slow", [1.0, 0.01])
+def test_auto_keeps_a_density_only_if_its_steps_measure_no_slower(slow):
+    """The choice (dense) stays only where its timed steps prove it no slower
+    than the starting density's; else the starting density is back."""
+
+    def body(rank, comm):
+        clock = _Clock()
+        ex = SparseExchange(OPS, comm, _auto(), SIZES, clock=clock)
+        planner = OnlinePlanner("dp", profile_steps=2)
+        ex.step_hooks.append(planner)
+        seen = []
+        for s in range(16):
+            density = ex.density  # in force for this step
+            for i, g in enumerate(_grads(rank, s)):
+                ex.submit(i, g)
+            if density == slow:
+                clock.lag(0.5)  # far beyond the allowance and the noise margin
+            ex.wait()
+            seen.append(density)
+        choice = planner.density_choice
+        return seen, choice.density, choice.measured, choice.reverted, planner.settled
+
+    r0, r1 = LocalWorld(2).run(body)
+    assert r0 == r1, "ranks disagree on the check or the density"
+    seen, chosen, measured, reverted, settled = r0
+    # Profiled at the starting density, then dense (free communication, no
+    # selection cost) was chosen and its steps timed.
+    assert seen[0] == 0.01 and chosen == 1.0 and 1.0 in seen, seen
+    assert settled and measured["density"] == 1.0 and measured["before_density"] == 0.01
+    assert measured["allowance"] > 0  # a higher density may cost auto_slack more
+    if slow == 1.0:
+        assert measured["plan"] > measured["layerwise"] + 0.4
+        assert not measured["kept"] and reverted == 0.01 and seen[-1] == 0.01
+    else:
+        assert measured["plan"] < measured["layerwise"] - 0.4
+        assert measured["kept"] and reverted is None and seen[-1] == 1.0
 
 
 @pytest.mark.parametrize(

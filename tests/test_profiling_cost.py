@@ -233,3 +233,15 @@ def test_the_online_profile_is_calibrated_to_its_own_steps():
     assert p0 == p1, "ranks plan from different calibrated profiles"
     assert set(cal0) >= {"measured", "predicted", "scale", "contention", "calibrated"}
     assert p0.contention == cal0["contention"]
+
+
+def test_guard_with_prove_keeps_only_a_plan_shown_no_slower():
+    before = [1.00, 1.01, 0.99, 1.00, 1.02]
+    # Within the noise: the plain guard keeps it, a plan that must prove itself goes.
+    same = [1.01, 1.00, 1.02, 0.99, 1.01]
+    assert guard_verdict(before, same)["kept"] is True
+    assert guard_verdict(before, same, prove=True)["kept"] is False
+    # Clearly faster: kept either way; an allowance lets a slower one stay.
+    assert guard_verdict(before, [0.8] * 5, prove=True)["kept"] is True
+    v = guard_verdict(before, same, allowance=0.1, prove=True)
+    assert v["kept"] is True and v["allowance"] == 0.1

@@ -218,7 +218,15 @@ class DensityChoice:
     """What :func:`choose_density` chose and the numbers it compared.
 
     ``candidates``: ``(density, predicted end, back-propagation)`` seconds of
-    every density tried, highest first; ``bound``: the end it had to meet.
+    every density tried, highest first; ``bound``: the end the chosen one had
+    to meet (the fastest predicted end plus ``auto_slack`` of
+    back-propagation); ``fits``: whether the chosen one is predicted to end
+    within back-propagation plus ``auto_slack`` (its communication hidden).
+    ``measured``: after the steps under the choice were timed, the check
+    against the steps before it (:func:`~dlgs.core.profiler.guard_verdict`'s
+    record with ``density`` and ``before_density``); ``reverted``: the density
+    those steps measured slower than, now in force; None while untimed, or
+    kept.
     """
 
     density: float
@@ -226,19 +234,28 @@ class DensityChoice:
     fits: bool
     candidates: Tuple[Tuple[float, float, float], ...]
     plan: Plan
+    measured: Optional[Dict[str, Any]] = None
+    reverted: Optional[float] = None
 
     def describe(self) -> str:
+        backprop = self.candidates[0][2] if self.candidates else 0.0
+        fastest = min(end for _, end, _ in self.candidates) if self.candidates else 0.0
         head = (
-            f"density='auto' chose {self.density:g}: "
-            + (
-                "the highest density predicted to end within "
-                if self.fits
-                else "none is predicted to end within "
-            )
-            + f"{self.bound * 1e3:.3f} ms (back-propagation plus auto_slack)"
-            + ("" if self.fits else "; the fastest predicted one")
+            f"density='auto' chose {self.density:g}: the highest density predicted to end "
+            f"within {self.bound * 1e3:.3f} ms (the fastest, {fastest * 1e3:.3f} ms, plus "
+            f"auto_slack of back-propagation's {backprop * 1e3:.3f} ms); its communication is "
+            + ("predicted to hide" if self.fits else "not predicted to hide")
         )
         rows = [f"  {d:>8g}: predicted end {end * 1e3:.3f} ms" for d, end, _ in self.candidates]
+        m = self.measured
+        if m is not None and m.get("plan") is not None:
+            rows.append(
+                f"  measured: steps at {m['density']:g} ended at {m['plan'] * 1e3:.3f} ms "
+                f"(median), at {m['before_density']:g} before at {m['layerwise'] * 1e3:.3f} ms; "
+                f"it may end {m['allowance'] * 1e3:.3f} ms later, less a noise margin of "
+                f"{m['margin'] * 1e3:.3f} ms: "
+                + ("kept" if m["kept"] else f"back to {self.reverted:g}")
+            )
         return "\n".join([head, *rows])
 
 
@@ -275,27 +292,28 @@ def choose_density(
     """``density="auto"``: the highest density, from dense down the
     :data:`AUTO_LADDER` to ``config.density_floor``, whose plan (``strategy``
     at that density, from ``profile``) is predicted to end within
-    back-propagation times ``1 + config.auto_slack``; if none is, the one
-    predicted to end first (ties to the higher density). A pure function of
-    the profile and the config: every rank, given rank 0's profile, chooses
-    the same."""
+    ``config.auto_slack`` of back-propagation after the fastest of them.
+
+    Where some density's communication hides behind back-propagation, the
+    fastest ends with back-propagation (plus its selection cost) and this is
+    "within back-propagation plus the slack"; where none hides, it is the
+    highest density that costs at most the slack more than the fastest. A
+    pure function of the profile and the config: every rank, given rank 0's
+    profile, chooses the same."""
     floor = config.density_floor
     ladder = [1.0] + [d for d in AUTO_LADDER if floor < d < 1.0] + [floor]
     backprop = sum(layer.backward for layer in profile.layers)
-    bound = backprop * (1.0 + config.auto_slack)
-    tried: List[Tuple[float, float, float]] = []
-    best: Optional[Tuple[float, float, Plan]] = None
-    for d in dict.fromkeys(ladder):
-        plan = plan_at(
+    plans = {
+        d: plan_at(
             profile, config, d, strategy, bucket_elements=bucket_elements, max_group=max_group
         )
-        tried.append((d, plan.end, backprop))
-        if plan.end <= bound:
-            return DensityChoice(d, bound, True, tuple(tried), plan)
-        if best is None or plan.end < best[1]:
-            best = (d, plan.end, plan)
-    assert best is not None
-    return DensityChoice(best[0], bound, False, tuple(tried), best[2])
+        for d in dict.fromkeys(ladder)
+    }
+    tried = tuple((d, plan.end, backprop) for d, plan in plans.items())
+    bound = min(plan.end for plan in plans.values()) + config.auto_slack * backprop
+    density = next(d for d, plan in plans.items() if plan.end <= bound)
+    fits = plans[density].end <= backprop * (1.0 + config.auto_slack)
+    return DensityChoice(density, bound, fits, tried, plans[density])
 
 
 def layer_profiles(names: Sequence[str], numels: Sequence[int], backward: Sequence[float]):

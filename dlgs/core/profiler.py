@@ -165,6 +165,10 @@ class OnlinePlanner:
         self._fallback = False  # the guard rejected the plan: layer-wise in force
         self._layerwise_in_force = True  # what the profiled steps ran under
         self._before: Optional[List[float]] = None  # their measured ends
+        # density="auto": (density, measured ends, whether layer-wise) of the
+        # steps profiled before a choice that changed the density; the steps
+        # under the choice are checked against them once, in refinement.
+        self._auto_before: Optional[Tuple[float, List[float], bool]] = None
         self._refining = False  # timing steps under a fresh plan
         self._refine_armed = False
         self._plan_step = 0  # ex.step when the current plan was made
@@ -289,11 +293,12 @@ class OnlinePlanner:
                 return
             t0 = time.perf_counter()
             self.profile = self._measure(ex)
-            self._before = _ends(self._traces) if self._layerwise_in_force else None
+            ends = _ends(self._traces)
+            self._before = ends if self._layerwise_in_force else None
             self._traces = []
             self._fallback = False  # a fresh profile: the strategy's plan first
             if ex.config.auto:
-                self._choose_density(ex)
+                self._choose_density(ex, ends)
             self._replan(ex)
             self._refining = self.refine
             self._profile_seconds = time.perf_counter() - t0
@@ -307,6 +312,8 @@ class OnlinePlanner:
             self._traces.append(record.trace)
         if len(self._traces) >= self.profile_steps:
             assert self.profile is not None
+            if self._auto_reverted(ex):
+                return  # refine again, at the density measured faster
             keep = self._judge(ex)
             self.profile = self._measure(ex, self.profile)
             self._traces = []
@@ -338,6 +345,38 @@ class OnlinePlanner:
                 verdict["margin"] * 1e3,
             )
         return bool(verdict["kept"])
+
+    def _auto_reverted(self, ex) -> bool:
+        """``density="auto"``: whether the density chosen failed to prove
+        itself against the one before it. Its steps are kept only if they are
+        measured to end no later than those at the density before, by a
+        margin above the noise (:func:`guard_verdict` with ``prove``), or
+        later by at most ``auto_slack`` of back-propagation when the choice is
+        the higher density. Otherwise the earlier density is back in force and
+        refinement starts again under its plan. The cost model predicts the
+        communication, not what it costs a busy host; this measures it, once
+        per profile. Rank 0's verdict, broadcast, so every rank reverts or
+        keeps together."""
+        before, self._auto_before = self._auto_before, None
+        choice = self.density_choice
+        if before is None or choice is None or ex.density == before[0]:
+            return False
+        assert self.profile is not None
+        density, ends, layerwise = before
+        backprop = sum(layer.backward for layer in self.profile.layers)
+        allowance = ex.config.auto_slack * backprop if ex.density > density else 0.0
+        verdict = guard_verdict(ends, _ends(self._traces), allowance=allowance, prove=True)
+        verdict = self._broadcast(ex, {**verdict, "density": ex.density, "before_density": density})
+        kept = bool(verdict["kept"])
+        self.density_choice = replace(choice, measured=verdict, reverted=None if kept else density)
+        _log(ex, "dlgs at step %d: %s", ex.step, self.density_choice.describe())
+        if kept:
+            return False
+        if layerwise:
+            self._before = ends  # the guard compares with them again, same density
+        ex.set_density(density)
+        self._replan(ex)  # clears the traces; refinement goes on under this plan
+        return True
 
     def _check_drift(self, ex, record: StepRecord) -> None:
         """Re-profile when the measured step drifts from what the plan was made for.
@@ -475,6 +514,7 @@ class OnlinePlanner:
         self._baseline = None
         self._drifted = 0
         self._refining = False
+        self._auto_before = None
         if self._vote is not None:  # every rank has the same vote pending
             comm, handle = self._vote
             self._vote = None
@@ -729,9 +769,11 @@ class OnlinePlanner:
         return _fit_or_flat(sizes, times)
 
     # -- planning ----------------------------------------------------------------
-    def _choose_density(self, ex) -> None:
+    def _choose_density(self, ex, ends: Sequence[float] = ()) -> None:
         """``density="auto"``: the density from the fresh profile (rank 0's,
-        so every rank chooses the same), in force with the plan made next."""
+        so every rank chooses the same), in force with the plan made next.
+        ``ends``: the measured ends of the steps profiled (at the density in
+        force), which the steps under a new density are checked against."""
         assert self.profile is not None
         choice = choose_density(
             self.profile,
@@ -741,9 +783,12 @@ class OnlinePlanner:
             max_group=self.max_group,
         )
         self.density_choice = choice
+        self._auto_before = None
         if choice.density != ex.density:
             # The layer-wise steps timed so far were at another density: the
-            # guard has nothing to compare the plan with.
+            # guard has nothing to compare the plan with, but the choice has.
+            if ends and self.refine:
+                self._auto_before = (ex.density, list(ends), self._before is not None)
             self._before = None
             ex.set_density(choice.density)
         _log(ex, "dlgs at step %d: %s", ex.step, choice.describe())
@@ -841,7 +886,12 @@ _MEDIAN_SE = 1.2533 * 1.4826
 
 
 def guard_verdict(
-    layerwise: Sequence[float], plan: Sequence[float], z: float = 2.0, floor: float = 0.02
+    layerwise: Sequence[float],
+    plan: Sequence[float],
+    z: float = 2.0,
+    floor: float = 0.02,
+    allowance: float = 0.0,
+    prove: bool = False,
 ) -> Dict[str, Any]:
     """Whether a plan's timed steps justify keeping it against layer-wise ones.
 
@@ -850,12 +900,17 @@ def guard_verdict(
     difference of the two medians (each estimated from its median absolute
     deviation, robust to a few outlying steps), and at least ``floor`` of the
     layer-wise median. Within the margin the measurement cannot tell them
-    apart and the plan, which the cost model chose, stays.
+    apart and the plan, which the cost model chose, stays. ``allowance``
+    (seconds): how much slower the plan may be on top of the margin
+    (``density="auto"`` allows a higher density ``auto_slack``). With
+    ``prove`` the burden is the plan's: it is kept only if its median plus the
+    margin is within ``ma + allowance``, so that a difference the noise hides
+    keeps what ran before.
 
     Returns:
         The verdict with its inputs, as plain data: ``layerwise`` and ``plan``
         (medians, s), ``layerwise_steps`` and ``plan_steps`` (the samples),
-        ``margin`` (s) and ``kept``.
+        ``margin`` and ``allowance`` (s) and ``kept``.
     """
     a, b = list(layerwise), list(plan)
     if not a or not b:
@@ -865,6 +920,7 @@ def guard_verdict(
             "layerwise_steps": a,
             "plan_steps": b,
             "margin": 0.0,
+            "allowance": allowance,
             "kept": True,
         }
     ma, mb = statistics.median(a), statistics.median(b)
@@ -878,7 +934,8 @@ def guard_verdict(
         "layerwise_steps": a,
         "plan_steps": b,
         "margin": margin,
-        "kept": mb <= ma + margin,
+        "allowance": allowance,
+        "kept": mb + margin <= ma + allowance if prove else mb <= ma + allowance + margin,
     }
 
 
