@@ -777,7 +777,8 @@ def parse_args(argv: Optional[Sequence[str]] = None, description: str = "") -> a
         type=positive_int,
         default=10,
         help="untimed steps before each method is timed; merging methods (topk-buckets, "
-        "dlgs) take at least 2 x --profile-steps + 3, so that their final plan is in force",
+        "dlgs) take at least 2 x --profile-steps + 3 (dlgs@auto 3 x --profile-steps + 4), so "
+        "that their final plan is in force",
     )
     parser.add_argument(
         "--rounds",

@@ -19,6 +19,7 @@ SCENARIOS = [
     "merge_strategies",
     "drift_replans",
     "guard",
+    "auto_density",
     "exact_reconstruction",
     "conservation",
     "sparse_embedding",
@@ -162,6 +163,17 @@ def test_guard_keeps_a_plan_only_if_its_steps_measured_faster(ranks):
     g = kept["guard"]
     assert g["kept"] is True and g["plan"] < g["layerwise"], g
     assert kept["resumed_plan"] == kept["plan"]
+
+
+def test_auto_density_goes_back_together_when_its_choice_measures_slower(ranks):
+    r0, r1 = value(ranks, "auto_density")
+    assert r0 == r1, "ranks disagree on the density, its check or the parameters"
+    assert r0["settled"] and r0["seen"][0] == 0.01 and r0["seen"][-1] == 0.01, r0["seen"]
+    if r0["chosen"] != 0.01:  # its steps were slowed: measured slower, back to 0.01
+        assert r0["chosen"] in r0["seen"] and r0["measured"] is False, r0
+        assert r0["reverted"] == 0.01
+    assert r0["resumed_density"] == 0.01
+    assert len(set(r0["digests"])) == len(r0["digests"]), "parameters did not change"
 
 
 def test_drift_in_step_time_makes_every_rank_replan(ranks):

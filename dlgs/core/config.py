@@ -90,17 +90,22 @@ class SparsityConfig:
             PTB once warm-up is used. ``1.0`` sends every layer dense (exactly
             Horovod's allreduce). Start at 0.01. ``"auto"``: the merge planner
             picks it from its profile (:func:`dlgs.core.profile.choose_density`):
-            the highest density whose predicted communication ends within
-            back-propagation plus ``auto_slack``, between ``density_floor``
-            and dense; 0.01 (or the floor) until the first profile. Needs a
-            profiling ``merge`` (not ``"none"``); not with ``warmup``.
+            the highest density, between ``density_floor`` and dense,
+            predicted to end within ``auto_slack`` of back-propagation after
+            the fastest; with ``refine`` the steps under it are timed and it
+            is kept only if they end no later than the profiled ones (by a
+            margin above the noise, or ``auto_slack`` later for a higher
+            density), else 0.01 stays. 0.01 (or the floor) until the first
+            profile. Needs a profiling ``merge`` (not ``"none"``); not with
+            ``warmup``. See docs/options.md.
         density_floor: ``density="auto"`` only: the lowest density it may
             choose, in (0, 1]. Lower lets slow links still hide communication,
             at the accuracy cost of very sparse updates (0.001 needs warm-up,
             see ``warmup``).
-        auto_slack: ``density="auto"`` only: how far past the end of
-            back-propagation communication may be predicted to end, as a
-            fraction of back-propagation, >= 0. Larger picks higher densities
+        auto_slack: ``density="auto"`` only: how much later than the
+            fastest density's the chosen one may end (predicted, and measured
+            for one above the starting density), as a fraction of
+            back-propagation, >= 0. Larger picks higher densities
             (more accuracy) at the price of a slower step.
         controller: Threshold controller, see :class:`Controller`.
         max_ratio: Capacity of each layer's message as a multiple of its target
@@ -307,7 +312,8 @@ class MergeConfig:
             plan before it is refined; also the guard's samples on each side.
             More gives steadier medians and a guard that rejects smaller real
             differences; the final plan starts later (``2 * profile_steps + 3``
-            steps).
+            steps; ``3 * profile_steps + 4`` where ``density="auto"``'s choice
+            measures slower and the starting density is timed again).
         bucket_elements: elements per bucket for ``"buckets"``.
         max_group: most layers in one message for ``"dp"`` (None: any). Bounds
             planning time on models with hundreds of layers but forbids the

@@ -323,11 +323,7 @@ def _dp_mlp(seed: int, hidden: int, **options):
     opt = dlgs.torch.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.01),
         named_parameters=model.named_parameters(),
-        density=0.05,
-        min_sparse_size=64,
-        merge="dp",
-        profile_steps=2,
-        **options,
+        **{"density": 0.05, "min_sparse_size": 64, "merge": "dp", "profile_steps": 2, **options},
     )
     return model, opt
 
@@ -398,6 +394,39 @@ def guard():
             "digest": digest(model),
         }
     return out
+
+
+@scenario
+def auto_density():
+    """density="auto" on real ranks: whatever the profile makes it choose, steps
+    under a choice other than the starting 0.01 are made slow (a sleep before
+    the exchange's wait), so the measured check sends every rank back to 0.01
+    together; parameters stay identical and a checkpoint keeps the density."""
+    model, opt = _dp_mlp(13, 128, density="auto", density_floor=0.001)
+    ex, planner = opt.dlgs.exchange, opt.dlgs.planner
+    seen, digests = [], []
+    for s in range(14):
+        opt.zero_grad()
+        x, y = batch(s)
+        F.cross_entropy(model(x), y).backward()
+        seen.append(ex.density)
+        if ex.density != 0.01:
+            time.sleep(0.5)  # far above any scheduling noise of a loaded machine
+        opt.step()
+        digests.append(digest(model))
+    choice = planner.density_choice
+    ckpt = _checkpoint(model, opt)
+    model2, opt2 = _dp_mlp(13, 128, density="auto", density_floor=0.001)
+    opt2.load_state_dict(ckpt["opt"])
+    return {
+        "seen": seen,
+        "digests": digests,
+        "chosen": choice.density,
+        "measured": None if choice.measured is None else choice.measured["kept"],
+        "reverted": choice.reverted,
+        "settled": planner.settled,
+        "resumed_density": opt2.dlgs.exchange.density,
+    }
 
 
 def _sparse_grads(model, k_of, seed, shared_seed):
