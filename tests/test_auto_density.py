@@ -71,6 +71,14 @@ def _grads(rank, step):
     return [g.standard_normal(n).astype(np.float32) for _, n in SIZES]
 
 
+def _submit(ex, rank, step):
+    """Submit every layer's gradient of ``step``; the density in force for it."""
+    density = ex.density
+    for i, g in enumerate(_grads(rank, step)):
+        ex.submit(i, g)
+    return density
+
+
 def test_every_rank_uses_the_chosen_density_and_a_checkpoint_keeps_it():
     slow = _profile(1e7)
     expect = choose_density(slow, _auto()).density
@@ -82,9 +90,7 @@ def test_every_rank_uses_the_chosen_density_and_a_checkpoint_keeps_it():
         ex.step_hooks.append(planner)
         seen = []
         for s in range(4):
-            density = ex.density  # in force for this step
-            for i, g in enumerate(_grads(rank, s)):
-                ex.submit(i, g)
+            density = _submit(ex, rank, s)
             ex.wait()
             seen.append((density, [(g.members, g.sparse) for g in ex.groups]))
         state = ex.state_dict()
@@ -140,9 +146,7 @@ def test_auto_keeps_a_density_only_if_its_steps_measure_no_slower(slow):
         ex.step_hooks.append(planner)
         seen = []
         for s in range(16):
-            density = ex.density  # in force for this step
-            for i, g in enumerate(_grads(rank, s)):
-                ex.submit(i, g)
+            density = _submit(ex, rank, s)
             if density == slow:
                 clock.lag(0.5)  # far beyond the allowance and the noise margin
             ex.wait()

@@ -402,7 +402,7 @@ def auto_density():
     under a choice other than the starting 0.01 are made slow (a sleep before
     the exchange's wait), so the measured check sends every rank back to 0.01
     together; parameters stay identical and a checkpoint keeps the density."""
-    model, opt = _dp_mlp(13, 128, density="auto", density_floor=0.001)
+    model, opt = _dp_mlp(13, 128, density="auto", profile_budget=1.0)
     ex, planner = opt.dlgs.exchange, opt.dlgs.planner
     seen, digests = [], []
     for s in range(14):
@@ -416,7 +416,7 @@ def auto_density():
         digests.append(digest(model))
     choice = planner.density_choice
     ckpt = _checkpoint(model, opt)
-    model2, opt2 = _dp_mlp(13, 128, density="auto", density_floor=0.001)
+    model2, opt2 = _dp_mlp(13, 128, density="auto", profile_budget=1.0)
     opt2.load_state_dict(ckpt["opt"])
     return {
         "seen": seen,
