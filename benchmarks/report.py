@@ -126,6 +126,8 @@ class MethodTimes:
     rounds: int = 1
     #: Sparse methods: the density in force after the last step (``@auto``'s choice).
     density: Optional[float] = None
+    #: Sparse methods: :attr:`density` of each round pooled here, in order.
+    round_densities: List[float] = field(default_factory=list)
     #: Only on the ``dlgs`` method: :func:`predicted_tails` of its last round.
     predicted_tails: Dict[str, float] = field(default_factory=dict)
 
@@ -157,6 +159,7 @@ class MethodTimes:
         self.backward += other.backward
         self.step_wait += other.step_wait
         self.sparsify += other.sparsify
+        self.round_densities += other.round_densities
         self.messages = other.messages
         self.guard = other.guard
         self.predicted_tails = other.predicted_tails or self.predicted_tails
@@ -257,6 +260,7 @@ def summarise(
                     if base_method(mine.method) in SPARSE_METHODS
                     else ""
                 ),
+                "round_densities": "/".join(f"{d:g}" for d in mine.round_densities),
                 "batch": batch,
                 "steps": len(it),
                 "rounds": slowest.rounds,
@@ -338,8 +342,12 @@ def framework_of(row: Dict[str, Any]) -> str:
 
 
 def method_cell(row: Dict[str, Any]) -> str:
-    """The method's name; ``@auto`` with the density it chose."""
+    """The method's name; ``@auto`` with the density it chose (each round's,
+    where rounds chose differently)."""
     method = str(row["method"])
+    rounds = str(row.get("round_densities") or "").split("/")
+    if method.endswith("@auto") and len(set(rounds)) > 1:
+        return f"{method} (chose {', '.join(rounds)} by round)"
     if method.endswith("@auto") and row.get("density") not in ("", None):
         return f"{method} (chose {float(row['density']):g})"
     return method
@@ -654,6 +662,8 @@ def progress_bar(total: int, rank: int):
 
 def accumulate(mine: Dict[str, "MethodTimes"], got: "MethodTimes", round_: int, rank: int) -> None:
     """Add one round's times of ``got.method`` to this rank's results, and log them."""
+    if got.density is not None and not got.round_densities:
+        got.round_densities = [got.density]
     if got.method in mine:
         mine[got.method].merge(got)
     else:

@@ -67,3 +67,25 @@ def test_train_methods_take_their_own_density():
             parse_args(["--methods", bad])
         with pytest.raises(Exception, match=why):
             _methods(bad)
+
+
+def test_auto_reports_each_rounds_density_and_warms_up_for_its_check():
+    from benchmarks.report import (
+        MethodTimes,
+        accumulate,
+        method_cell,
+        settle_steps,
+        warmup_steps,
+    )
+
+    mine = {}
+    for density in (1.0, 0.01, 0.01):
+        accumulate(mine, MethodTimes("dlgs@auto", iteration=[0.1], density=density), 0, 0)
+    pooled = mine["dlgs@auto"]
+    assert pooled.round_densities == [1.0, 0.01, 0.01] and pooled.density == 0.01
+    row = {"method": "dlgs@auto", "density": 0.01, "round_densities": "1/0.01/0.01"}
+    assert method_cell(row) == "dlgs@auto (chose 1, 0.01, 0.01 by round)"
+    assert method_cell({**row, "round_densities": "0.01/0.01"}) == "dlgs@auto (chose 0.01)"
+    # Room for one return from the choice: profile_steps and a first step more.
+    assert settle_steps(3, auto=True) == settle_steps(3) + 4 == 13
+    assert warmup_steps("dlgs@auto", 3, 3) == 13 and warmup_steps("dlgs@0.01", 3, 3) == 9
