@@ -180,7 +180,9 @@ def predicted_tails(planner: Any, exchange: Any) -> Dict[str, float]:
     profile, plan = planner.profile, planner.plan
     if profile is None or plan is None:
         return {}
-    spec, eligible = build_spec(profile, exchange.config, exchange.density)
+    each = planner.ready_densities(exchange)  # density="auto"'s per-layer choice
+    density = exchange.density if each is None else each
+    spec, eligible = build_spec(profile, exchange.config, density)
     dense = [False] * len(spec.layers)
     half = replace(
         spec, layers=tuple(replace(x, dense_bytes=x.dense_bytes // 2) for x in spec.layers)

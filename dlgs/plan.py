@@ -52,7 +52,7 @@ from dlgs.core.catalog import (
 from dlgs.core.config import IndexCoding, SparsityConfig
 from dlgs.core.netmodel import allgather_cost, allreduce_cost
 from dlgs.core.planner import STRATEGIES, Plan, PlanSpec, plan_strategy, simulate
-from dlgs.core.profile import Profile, build_spec
+from dlgs.core.profile import Profile, build_spec, choose_density
 
 __all__ = [
     "CSV_FIELDS",
@@ -187,6 +187,13 @@ def _float_in(low: float, high: float, *, low_open: bool, what: str) -> Callable
     return parse
 
 
+def _density_arg(text: str) -> object:
+    """``--density``: a float in (0, 1], or ``auto`` (``show`` only)."""
+    if text == "auto":
+        return text
+    return _float_in(0, 1, low_open=True, what="a float in (0, 1] or 'auto'")(text)
+
+
 def _int_at_least(low: int) -> Callable[[str], int]:
     def parse(text: str) -> int:
         try:
@@ -231,9 +238,10 @@ def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
         "--density",
-        type=_type(_float_in(0, 1, low_open=True, what="a float in (0, 1]")),
+        type=_type(_density_arg),
         default=0.01,
-        help="fraction of each sparse layer sent (default: 0.01)",
+        help="fraction of each sparse layer sent (default: 0.01); show also takes 'auto': "
+        "the density (and per-layer densities) density='auto' would choose",
     )
     common.add_argument(
         "--value-dtype",
@@ -325,6 +333,11 @@ def build_parser() -> argparse.ArgumentParser:
         "buckets, greedy (MG-WFBP/OMGS rule) (default: dp)",
     )
     show.add_argument(
+        "--no-auto-layers",
+        action="store_true",
+        help="--density auto: one density for every layer (auto_layers=False)",
+    )
+    show.add_argument(
         "--bucket-elements",
         type=_type(_int_at_least(1)),
         default=8192,
@@ -380,7 +393,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _config(args: argparse.Namespace) -> SparsityConfig:
     return SparsityConfig(
-        density=args.density, value_dtype=args.value_dtype, index_coding=args.index_coding
+        density=args.density,
+        value_dtype=args.value_dtype,
+        index_coding=args.index_coding,
+        auto_layers=not getattr(args, "no_auto_layers", False),
     )
 
 
@@ -478,24 +494,40 @@ def _show(args: argparse.Namespace) -> int:
             f"ring model: {workers} workers, {format_bandwidth(bps)} links, "
             f"latency {args.latency * 1e6:g} us per step"
         )
-    spec, eligible = build_spec(profile, _config(args), args.density)
+    config = _config(args)
+    # The dense baselines do not depend on the density; auto's plan is its own.
+    spec, eligible = build_spec(profile, config, config.density_at(0))
     names = [layer.name for layer in spec.layers]
     n = len(spec.layers)
-    plan = plan_strategy(
-        spec,
-        args.merge,
-        eligible=eligible,
-        bucket_elements=args.bucket_elements,
-        numel=[layer.numel for layer in profile.layers],
-        max_group=args.max_group,
-        max_front=args.max_front,
-    )
+    chosen: List[str] = []
+    if config.auto:
+        choice = choose_density(
+            profile,
+            config,
+            args.merge,
+            bucket_elements=args.bucket_elements,
+            max_group=args.max_group,
+        )
+        plan = choice.plan
+        density = f"density 'auto' (chose {choice.density:g})"
+        chosen = [f"# {line}" for line in choice.describe().splitlines()]
+    else:
+        plan = plan_strategy(
+            spec,
+            args.merge,
+            eligible=eligible,
+            bucket_elements=args.bucket_elements,
+            numel=[layer.numel for layer in profile.layers],
+            max_group=args.max_group,
+            max_front=args.max_front,
+        )
+        density = f"density {args.density:g}"
     dense = plan_strategy(spec, "none", eligible=[False] * n)
     fused = simulate(spec, [(0, n - 1, False)], "dense-fused")
     lines = [
         f"# {source}",
-        f"# {network}; density {args.density:g}, values {args.value_dtype}, "
-        f"indices {args.index_coding}",
+        f"# {network}; {density}, values {args.value_dtype}, indices {args.index_coding}",
+        *chosen,
         plan.describe(names),
     ]
     if args.merge == "dp" and not plan.exact:
@@ -851,6 +883,8 @@ def _check_options(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
         except ValueError as err:
             parser.error(f"argument --profile: {args.profile}: {err}")
     if args.command != "show":
+        if args.density == "auto":
+            parser.error("argument --density: 'auto' is for show (simulate sweeps one density)")
         return
     if args.profile is None and args.model is None:
         parser.error(f"argument --model: required without --profile; one of {', '.join(MODELS)}")

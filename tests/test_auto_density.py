@@ -4,14 +4,27 @@ every rank, kept across a checkpoint; bad combinations are refused."""
 
 from __future__ import annotations
 
+import math
+from dataclasses import replace
+
 import numpy as np
 import pytest
-from local_world import OPS, LocalWorld
+from local_world import OPS, LocalWorld, run_steps
 
 from dlgs._options import build_configs
-from dlgs.core import SparseExchange, SparsityConfig
-from dlgs.core.planner import CostModel
-from dlgs.core.profile import AUTO_LADDER, LayerProfile, Profile, choose_density
+from dlgs.core import RankMismatchError, SparseExchange, SparsityConfig
+from dlgs.core.catalog import catalog_profile
+from dlgs.core.exchange import StepTrace
+from dlgs.core.planner import CostModel, simulate
+from dlgs.core.profile import (
+    AUTO_LADDER,
+    LayerProfile,
+    Profile,
+    build_spec,
+    choose_density,
+    plan_at,
+    raise_layers,
+)
 from dlgs.core.profiler import OnlinePlanner
 
 SIZES = [("w1", 262144), ("b1", 256), ("w2", 65536), ("b2", 10)]  # backward order
@@ -177,6 +190,7 @@ def test_auto_keeps_a_density_only_if_its_steps_measure_no_slower(slow):
         (dict(density="auto", warmup="dgc", warmup_steps=5), "warmup", ValueError),
         (dict(density="auto", density_floor=0.0), "density_floor", ValueError),
         (dict(density="auto", auto_slack=-0.1), "auto_slack", ValueError),
+        (dict(density="auto", auto_layers="yes"), "auto_layers", TypeError),
     ],
 )
 def test_bad_auto_options_name_the_parameter(kwargs, match, exc):
@@ -192,3 +206,215 @@ def test_auto_needs_a_profiling_merge_strategy():
     ex = SparseExchange(OPS, LocalWorld(1).comm(0), SparsityConfig(density=0.01), SIZES)
     with pytest.raises(RuntimeError, match="auto"):
         ex.set_density(0.1)
+
+
+# -- per-layer densities (auto_layers) -------------------------------------------
+
+
+@pytest.mark.parametrize("model, bps", [("resnet50", 1e9), ("vgg16", 1e8), ("bert-base", 1e10)])
+def test_per_layer_densities_fill_the_bound_and_no_layer_can_rise_further(model, bps):
+    profile = catalog_profile(model, world_size=8, bandwidth_bps=bps)
+    config = SparsityConfig(density="auto")
+    choice = choose_density(profile, config)
+    flat = choose_density(profile, replace(config, auto_layers=False))
+    assert flat.layers == () and flat.density == choice.density
+    assert flat.plan.end <= choice.bound
+    # Some layers rose, none fell, each to a rung of the ladder; more sent.
+    layers = choice.layers
+    assert len(layers) == len(profile.layers)
+    assert min(layers) == choice.density and max(layers) > choice.density
+    assert set(layers) <= {choice.density, *AUTO_LADDER}
+    numel = [layer.numel for layer in profile.layers]
+    assert sum(d * n for d, n in zip(layers, numel)) > choice.density * sum(numel)
+    # The plan in force is the planner's at these densities, within the bound.
+    assert choice.plan.end == plan_at(profile, config, layers).end <= choice.bound
+    assert "layers raised above" in choice.describe()
+    # Maximal: under the messages searched, one more rung for any layer it
+    # sends sparse (that stays sparse-worthy there) ends past the bound.
+    base = plan_at(profile, config, choice.density)
+    each = raise_layers(profile, config, choice.density, base, choice.bound)
+    part = [(g.first, g.last, g.sparse) for g in base.groups]
+    spec = build_spec(profile, config, each)[0]
+    assert simulate(spec, part).end <= choice.bound
+    rungs = sorted(d for d in AUTO_LADDER if choice.density < d < 1.0)
+    tried = 0
+    for i in (i for g in base.groups if g.sparse for i in g.members):
+        higher = [d for d in rungs if d > each[i]]
+        if not higher:
+            continue
+        up = list(each)
+        up[i] = higher[0]
+        spec_up, eligible = build_spec(profile, config, up)
+        if eligible[i]:
+            tried += 1
+            assert simulate(spec_up, part).end > choice.bound, (i, each[i], higher[0])
+    assert tried > 0
+
+
+# w1 and w2 sparse (min_sparse_size 1024), each at its own density.
+LAYERS = [0.05, 0.01, 0.002, 0.01]
+
+
+def _own_densities(rank, comm, **options):
+    ex = SparseExchange(OPS, comm, _auto(controller="topk", **options), SIZES, average=False)
+    ex.set_density(0.01, LAYERS)
+    return ex
+
+
+def test_each_layer_is_sent_at_its_own_density_and_reconstructed_exactly():
+    ks = [math.ceil(d * n) for d, (_, n) in zip(LAYERS, SIZES)]
+
+    def grads(rank, step):  # at most k_i non-zeros in each sparse layer
+        g = np.random.default_rng(10 * step + rank)
+        out = []
+        for (_, n), k in zip(SIZES, ks):
+            x = np.zeros(n, np.float32)
+            m = k if n >= 1024 else n
+            x[g.choice(n, m, replace=False)] = g.integers(1, 9, m) * g.choice([-1, 1], m)
+            out.append(x)
+        return out
+
+    def record(rank, ex, out):
+        plans = [(layer.plan.k, ex.is_sparse(layer)) for layer in ex.layers]
+        return plans, [np.array(out[i]) for i in range(len(SIZES))]
+
+    recs = run_steps(LocalWorld(2, average=False), _own_densities, grads, 2, record)
+    for s in range(2):
+        plans, outs = recs[0][s]
+        assert plans == [(ks[0], True), (ks[1], False), (ks[2], True), (ks[3], False)]
+        assert recs[1][s][0] == plans
+        for got, want in zip(outs, (a + b for a, b in zip(grads(0, s), grads(1, s)))):
+            assert np.array_equal(got, want)
+
+
+def test_per_layer_densities_conserve_the_gradient():
+    """Dense random inputs: what each rank sent (k_i of layer i, decoded from
+    its own messages) plus its residual equals what it accumulated."""
+
+    def grads(rank, step):
+        g = np.random.default_rng(100 + 10 * step + rank)
+        return [g.standard_normal(n).astype(np.float32) for _, n in SIZES]
+
+    def record(rank, ex, out):
+        sent = {}
+        for group in ex.groups:
+            if group.sparse:
+                vals, idx, counts = group.layout.decode(group.chunk)
+                dense = np.zeros(group.layout.dense_size)
+                np.add.at(dense, idx, vals)
+                sent[group.members[0]] = (dense[:-1], int(counts[0]))
+        resid = {i: np.asarray(ex.layers[i].residual[:-1], np.float64) for i in sent}
+        return sent, resid
+
+    steps = 3
+    recs = run_steps(LocalWorld(2, average=False), _own_densities, grads, steps, record)
+    for rank in range(2):
+        assert sorted(recs[rank][0][0]) == [0, 2]
+        for i in (0, 2):
+            counts = {recs[rank][s][0][i][1] for s in range(steps)}
+            assert counts == {math.ceil(LAYERS[i] * SIZES[i][1])}
+            total_in = sum(grads(rank, s)[i].astype(np.float64) for s in range(steps))
+            total_sent = sum(recs[rank][s][0][i][0] for s in range(steps))
+            err = np.abs(total_sent + recs[rank][-1][1][i] - total_in).max()
+            assert err <= 1e-5 * np.abs(total_in).max(), (rank, i, err)
+
+
+def test_per_layer_densities_survive_a_checkpoint_and_ranks_must_agree_on_them():
+    def body(rank, comm):
+        ex = _own_densities(rank, comm)
+        for s in range(2):
+            _submit(ex, rank, s)
+            ex.wait()
+        state = ex.state_dict()
+        fresh = SparseExchange(OPS, comm, _auto(controller="topk"), SIZES, average=False)
+        fresh.load_state_dict(state, like=None)
+        _submit(fresh, rank, 2)
+        fresh.wait()
+        ks = [layer.plan.k for layer in fresh.layers]
+        other = dict(state, auto_layers=[0.05, 0.01, 0.004, 0.01] if rank else LAYERS)
+        late = SparseExchange(OPS, comm, _auto(controller="topk"), SIZES, average=False)
+        try:
+            late.load_state_dict(other, like=None)
+            error = None
+        except RankMismatchError as err:
+            error = str(err)
+        return state["auto_layers"], fresh.densities, ks, error
+
+    for saved, densities, ks, error in LocalWorld(2).run(body):
+        assert saved == LAYERS and densities == tuple(LAYERS)
+        assert ks == [math.ceil(d * n) for d, (_, n) in zip(LAYERS, SIZES)]
+        assert error is not None and "density" in error
+
+
+def test_the_planner_puts_each_layer_at_its_chosen_density_on_every_rank():
+    # Ready order differs from the exchange's layer order: the planner maps by name.
+    ready = tuple(reversed(_profile(1e6).layers))
+    profile = replace(_profile(1e6), layers=ready)
+    choice = choose_density(profile, _auto())
+    assert choice.layers and max(choice.layers) > choice.density
+
+    def body(rank, comm):
+        ex = SparseExchange(OPS, comm, _auto(), SIZES)
+        ex.step_hooks.append(OnlinePlanner("dp", profile=profile))
+        for s in range(3):
+            _submit(ex, rank, s)
+            ex.wait()
+        return ex.density, ex.densities, [layer.plan.k for layer in ex.layers]
+
+    r0, r1 = LocalWorld(2).run(body)
+    assert r0 == r1
+    density, densities, ks = r0
+    want = {layer.name: d for layer, d in zip(ready, choice.layers)}
+    assert density == choice.density
+    assert densities == tuple(want[name] for name, _ in SIZES)
+    assert ks == [max(1, math.ceil(want[name] * n)) for name, n in SIZES]
+
+
+@pytest.mark.parametrize(
+    "layers, match, exc",
+    [
+        ([0.1, 0.1], r"one density per layer \(4\)", ValueError),
+        ([0.1, 0.0, 0.1, 0.1], r"layers\[1\]", ValueError),
+        ([0.1, 1.5, 0.1, 0.1], r"layers\[1\]", ValueError),
+        ("0.1", "sequence of densities", TypeError),
+    ],
+)
+def test_bad_per_layer_densities_name_the_parameter(layers, match, exc):
+    ex = SparseExchange(OPS, LocalWorld(1).comm(0), _auto(), SIZES)
+    with pytest.raises(exc, match=match):
+        ex.set_density(0.01, layers)
+
+
+@pytest.mark.parametrize("slow", [True, False])
+def test_a_per_layer_choice_is_checked_against_the_start_and_undone_together(slow):
+    """The check of a choice whose global density equals the starting one but
+    whose layers rose: it runs (the choice sends more), may end up to
+    auto_slack later, and a revert puts every layer back on every rank. The
+    timed steps are set directly (as refinement would have traced them)."""
+    profile = _profile(1e6)
+    start = choose_density(profile, _auto()).density  # pretend it was the start
+
+    def body(rank, comm):
+        ex = SparseExchange(OPS, comm, _auto(), SIZES)
+        planner = OnlinePlanner("dp", profile=profile)
+        ex.step_hooks.append(planner)
+        for s in range(3):
+            _submit(ex, rank, s)
+            ex.wait()
+        chosen = ex.densities
+        planner._auto_before = (start, [0.2] * 3, False)
+        late = 0.2 + (0.5 if slow else -0.1)
+        planner._traces = [StepTrace(arrive={0: 0.0}, waited=late) for _ in range(3)]
+        reverted = planner._auto_reverted(ex)
+        _submit(ex, rank, 3)
+        ex.wait()
+        return chosen, reverted, ex.densities, planner.density_choice.measured
+
+    r0, r1 = LocalWorld(2).run(body)
+    assert r0[:3] == r1[:3]
+    chosen, reverted, after, measured = r0
+    assert min(chosen) == start and max(chosen) > start
+    assert measured["density"] == start == measured["before_density"]
+    assert measured["allowance"] > 0  # the raised layers send more than the start
+    assert reverted == slow
+    assert after == ((start,) * len(SIZES) if slow else chosen)

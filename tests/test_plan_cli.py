@@ -18,7 +18,7 @@ from dlgs.core.catalog import DEFAULT_LATENCY_S, MODELS, catalog_model, catalog_
 from dlgs.core.config import SparsityConfig
 from dlgs.core.netmodel import allgather_cost, allreduce_cost
 from dlgs.core.planner import plan_dp, plan_strategy, simulate
-from dlgs.core.profile import Profile, build_spec
+from dlgs.core.profile import Profile, build_spec, choose_density
 from dlgs.plan import CSV_FIELDS, METHODS, format_bandwidth, main, parse_bandwidth
 
 # Parameter counts of the reference implementations (torchvision ResNet-50 and
@@ -192,6 +192,7 @@ def test_parse_bandwidth_rejects(text):
         (["simulate", "--bandwidths", "1gbit,x"], "--bandwidths"),
         (["simulate", "--workers", "2,0"], "--workers"),
         (["simulate", "--models", "ptb-lstm,alexnet"], "--models"),
+        (["simulate", "--density", "auto"], "--density"),
     ],
 )
 def test_cli_rejects_bad_options(argv, option, capsys):
@@ -226,6 +227,18 @@ def test_show_prints_plan_and_speedup(capsys):
     assert float(m.group(1)) == pytest.approx(dense.end / plan.end, abs=0.006)
     assert float(m.group(1)) > 1  # 1 Gbit/s, 8 workers: communication-bound
     assert f"{plan.end * 1e3:.3f} ms" in out
+
+
+@pytest.mark.parametrize("layers", [True, False])
+def test_show_density_auto_prints_the_choice_and_its_plan(layers, capsys):
+    argv = ["show", "--model", "vgg16", "--workers", "8", "--bandwidth", "1gbit"]
+    assert main(argv + ["--density", "auto"] + ([] if layers else ["--no-auto-layers"])) == 0
+    out = capsys.readouterr().out
+    prof = catalog_profile("vgg16", world_size=8, bandwidth_bps=1e9)
+    choice = choose_density(prof, SparsityConfig(density="auto", auto_layers=layers))
+    assert f"density 'auto' (chose {choice.density:g})" in out
+    assert ("layers raised above" in out) == layers == bool(choice.layers)
+    assert f"predicted end {choice.plan.end * 1e3:.3f} ms" in out
 
 
 @pytest.mark.parametrize("merge", ["none", "all", "buckets", "greedy"])

@@ -107,6 +107,13 @@ class SparsityConfig:
             for one above the starting density), as a fraction of
             back-propagation, >= 0. Larger picks higher densities
             (more accuracy) at the price of a slower step.
+        auto_layers: ``density="auto"`` only: also raise single layers above
+            the chosen density where their extra bytes are predicted to fit
+            in the same bound (:func:`dlgs.core.profile.raise_layers`);
+            usually the layers whose gradients are ready early, which have
+            the rest of back-propagation to hide behind. More of the gradient
+            sent for the same predicted step time; False: one density for
+            every layer.
         controller: Threshold controller, see :class:`Controller`.
         max_ratio: Capacity of each layer's message as a multiple of its target
             ``k = ceil(density * n)``; messages have a fixed size so that no
@@ -165,6 +172,7 @@ class SparsityConfig:
     density: Union[float, str] = 0.01
     density_floor: float = 0.001
     auto_slack: float = 0.05
+    auto_layers: bool = True
     controller: Controller = Controller.DYNAMIC
     max_ratio: float = 1.0
     min_sparse_size: int = 1024
@@ -187,6 +195,8 @@ class SparsityConfig:
             check_float("density", self.density, low=0, high=1, low_open=True)
         check_float("density_floor", self.density_floor, low=0, high=1, low_open=True)
         check_float("auto_slack", self.auto_slack, low=0)
+        if not isinstance(self.auto_layers, bool):
+            raise TypeError(f"auto_layers must be a bool, got {type(self.auto_layers).__name__}")
         object.__setattr__(self, "controller", _member(Controller, "controller", self.controller))
         object.__setattr__(
             self, "value_dtype", _member(ValueDType, "value_dtype", self.value_dtype)

@@ -224,8 +224,12 @@ class Engine:
         if ex is None:
             return "dlgs: no step yet (the exchange is built at the first gradient)"
         sparse = sum(1 for g in ex.groups if g.sparse)
+        each = ex.densities
+        density = f"density {ex.density:g}" + (
+            f" (per layer {min(each):g} to {max(each):g})" if max(each) > min(each) else ""
+        )
         lines = [
-            f"dlgs at step {ex.step}: density {ex.density:g}, {len(ex.layers)} layers in "
+            f"dlgs at step {ex.step}: {density}, {len(ex.layers)} layers in "
             f"{len(ex.groups)} messages ({sparse} sparse), {ex.wire_bytes()} bytes per step "
             "from this rank"
             if ex.groups

@@ -344,6 +344,8 @@ class SparseExchange:
         self._density: Optional[float] = None
         # density="auto": what the planner chose (None: not yet, AUTO_START).
         self._auto_density: Optional[float] = None
+        # ... and with auto_layers, each layer's (self.layers order), or None.
+        self._auto_layers: Optional[Tuple[float, ...]] = None
         self._scratch_abs: Any = None
         self._scratch_mask: Any = None
         # The controller's vector_keys state of every sparse layer, one host
@@ -426,15 +428,28 @@ class SparseExchange:
             return self._auto_density
         return self.config.density_at(self.step)
 
-    def set_density(self, density: float) -> None:
+    @property
+    def densities(self) -> Tuple[float, ...]:
+        """Each layer's density in force (:attr:`layers` order): :attr:`density`
+        for every layer, unless ``density="auto"`` chose per-layer densities."""
+        if self._auto_layers is not None:
+            return self._auto_layers
+        return (self.density,) * len(self.layers)
+
+    def set_density(self, density: float, layers: Optional[Sequence[float]] = None) -> None:
         """With ``density="auto"``: the density chosen (by the planner, the
-        same on every rank), in force from the next step's layout."""
+        same on every rank), in force from the next step's layout; ``layers``:
+        each layer's own (:attr:`layers` order), or None for ``density`` in
+        every layer."""
         if not self.config.auto:
             raise RuntimeError("set_density() needs density='auto' (the density is fixed)")
         if self._submitted:
             raise RuntimeError("set_density() in the middle of a step")
         check_float("density", density, low=0, high=1, low_open=True)
-        self._auto_density = float(density)
+        each = None if layers is None else _layer_densities(layers, len(self.layers))
+        if (float(density), each) != (self._auto_density, self._auto_layers):
+            self._density = None  # lay out again at the next step
+        self._auto_density, self._auto_layers = float(density), each
 
     def trace_next_step(self) -> None:
         """Time the next step layer by layer (:class:`StepTrace` in its
@@ -471,7 +486,7 @@ class SparseExchange:
         return layer.group >= 0 and self.groups[layer.group].sparse
 
     def layer_plans(self) -> List[LayerPlan]:
-        return plan_layers([layer.numel for layer in self.layers], self.density, self.config)
+        return plan_layers([layer.numel for layer in self.layers], self.densities, self.config)
 
     # -- layout ----------------------------------------------------------------
     def _group_lists(self, plans: List[LayerPlan]) -> List[Tuple[List[int], bool]]:
@@ -503,6 +518,7 @@ class SparseExchange:
             if groups is not None:
                 self._plan = [(list(members), sparse) for members, sparse in groups]
         plans = self.layer_plans()
+        densities = self.densities
         ops = self.ops
         groups = self._group_lists(plans)
         for layer in self.layers:
@@ -520,7 +536,7 @@ class SparseExchange:
                 if self.config.momentum and layer.velocity is None:
                     layer.velocity = ops.zeros(layer.numel + 1, "float32", like)
                 if old is None or old.k != plan.k or not layer.ctrl:
-                    layer.ctrl = self.controller.init_state(ops, like, density)
+                    layer.ctrl = self.controller.init_state(ops, like, densities[i])
             else:
                 layer.residual_next = None  # a dense layer flushes its residual
             if self.config.momentum and layer.velocity is not None:
@@ -1083,6 +1099,7 @@ class SparseExchange:
             "size": self.comm.size,
             "config": self.config.to_dict(),
             "auto_density": self._auto_density,
+            "auto_layers": None if self._auto_layers is None else list(self._auto_layers),
             "layers": layers,
         }
 
@@ -1107,6 +1124,9 @@ class SparseExchange:
         """
         own, restart = self.check_state_dict(state)
         saved = state["layers"]
+        auto_layers = state.get("auto_layers")
+        if auto_layers is not None:
+            auto_layers = _layer_densities(auto_layers, len(self.layers))
         plan = state.get("plan")
         self._check_resume_agrees(state)
         # -- everything checked: apply -------------------------------------
@@ -1125,18 +1145,19 @@ class SparseExchange:
                 "(residuals are kept)",
                 ", ".join(restart),
             )
-        old = (self.step, self._plan, self._auto_density)
+        old = (self.step, self._plan, self._auto_density, self._auto_layers)
         self.step = state["step"]
         self._plan = [(list(m), s) for m, s in plan] if plan is not None else None
         # The density the planner chose stays in force (before the planner
         # re-plans from its saved profile at it).
         self._auto_density = state.get("auto_density") if self.config.auto else None
+        self._auto_layers = auto_layers if self.config.auto else None
         try:
             for hook in self.step_hooks:
                 if hasattr(hook, "load_state_dict"):
                     hook.load_state_dict(state.get("hooks", {}).get(_hook_key(hook), {}), self)
         except Exception:
-            self.step, self._plan, self._auto_density = old
+            self.step, self._plan, self._auto_density, self._auto_layers = old
             raise
         self._density = None
         self._relayout(like)
@@ -1153,7 +1174,7 @@ class SparseExchange:
             "step": state["step"],
             "plan": repr(state.get("plan")),
             "hooks": zlib.crc32(repr(state.get("hooks", {})).encode()),
-            "density": state.get("auto_density"),
+            "density": (state.get("auto_density"), state.get("auto_layers")),
         }
         gathered = self.comm.allgather_object(summary, f"{self.prefix}.resume")
         problems = [
@@ -1210,6 +1231,12 @@ class SparseExchange:
             flat = [i for members, _ in plan for i in members]
             if len(set(flat)) != len(flat) or any(not 0 <= i < len(self.layers) for i in flat):
                 raise ValueError(f"dlgs state holds a plan for another model: {plan!r:.80}")
+        auto_layers = state.get("auto_layers")
+        if auto_layers is not None:
+            try:
+                _layer_densities(auto_layers, len(self.layers))
+            except (TypeError, ValueError) as err:
+                raise ValueError(f"dlgs state auto_layers: {err}") from None
         cfg = state.get("config") or {}
         now = self.config.to_dict()
         restart = [
@@ -1222,7 +1249,7 @@ class SparseExchange:
 
     def _restore_layers(self, saved: Dict[str, Any], like: Any, own: bool, restart: List[str]):
         ops = self.ops
-        for layer in self.layers:
+        for layer, density in zip(self.layers, self.densities):
             entry = saved[layer.name]
             plan = layer.plan
             assert plan is not None  # set by _relayout above
@@ -1241,7 +1268,7 @@ class SparseExchange:
                     ops.mul_(buf, 0.0)
                     if own and entry[attr] is not None:
                         ops.copy_(buf, entry[attr])
-            fresh = self.controller.init_state(ops, like, self.density)
+            fresh = self.controller.init_state(ops, like, density)
             ctrl = entry.get("controller") or {}
             if not restart and entry.get("k") == plan.k and set(ctrl) == set(fresh):
                 # Each entry in the kind of its fresh value: Python numbers (the
@@ -1301,6 +1328,17 @@ class StepHook(Protocol):
     """
 
     def __call__(self, exchange: "SparseExchange", record: StepRecord) -> None: ...
+
+
+def _layer_densities(values: Sequence[float], n: int) -> Tuple[float, ...]:
+    """``values`` as one density per layer, each checked."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        raise TypeError(f"layers must be a sequence of densities, got {type(values).__name__}")
+    if len(values) != n:
+        raise ValueError(f"layers must hold one density per layer ({n}), got {len(values)}")
+    for i, d in enumerate(values):
+        check_float(f"layers[{i}]", d, low=0, high=1, low_open=True)
+    return tuple(float(d) for d in values)
 
 
 def _plan(layer: _Layer) -> LayerPlan:

@@ -28,6 +28,7 @@ __all__ = [
     "calibrate",
     "contention",
     "plan_at",
+    "raise_layers",
     "rescale",
     "PROFILE_VERSION",
 ]
@@ -185,9 +186,10 @@ def _valid(check: Callable[..., None], *args: Any, **kwargs: Any) -> None:
 
 
 def build_spec(
-    profile: Profile, config: SparsityConfig, density: float
+    profile: Profile, config: SparsityConfig, density: Union[float, Sequence[float]]
 ) -> Tuple[PlanSpec, List[bool]]:
-    """The planner's input at ``density``, and which layers the per-layer rule
+    """The planner's input at ``density`` (one for every layer, or one per
+    layer in the profile's ready order), and which layers the per-layer rule
     (``min_sparse_size``, sparse smaller than dense) would send sparse."""
     plans = plan_layers([layer.numel for layer in profile.layers], density, config)
     layers = []
@@ -226,7 +228,10 @@ class DensityChoice:
     against the steps before it (:func:`~dlgs.core.profiler.guard_verdict`'s
     record with ``density`` and ``before_density``); ``reverted``: the density
     those steps measured slower than, now in force; None while untimed, or
-    kept.
+    kept. ``layers``: with ``config.auto_layers``, every layer's density in
+    the profile's ready order, ``density`` or higher where a layer's extra
+    bytes are predicted to fit within ``bound`` (:func:`raise_layers`); empty
+    when every layer is at ``density``. ``plan`` is the plan at these.
     """
 
     density: float
@@ -236,6 +241,7 @@ class DensityChoice:
     plan: Plan
     measured: Optional[Dict[str, Any]] = None
     reverted: Optional[float] = None
+    layers: Tuple[float, ...] = ()
 
     def describe(self) -> str:
         backprop = self.candidates[0][2] if self.candidates else 0.0
@@ -247,6 +253,16 @@ class DensityChoice:
             + ("predicted to hide" if self.fits else "not predicted to hide")
         )
         rows = [f"  {d:>8g}: predicted end {end * 1e3:.3f} ms" for d, end, _ in self.candidates]
+        raised = [(i, d) for i, d in enumerate(self.layers) if d > self.density]
+        if raised:
+            names = self.plan.names or tuple(str(i) for i in range(len(self.layers)))
+            shown = ", ".join(f"{names[i]} {d:g}" for i, d in raised[:6])
+            more = f" and {len(raised) - 6} more" if len(raised) > 6 else ""
+            rows.append(
+                f"  {len(raised)} of {len(self.layers)} layers raised above {self.density:g} "
+                f"(their extra bytes predicted to fit within the bound): {shown}{more}; "
+                f"predicted end {self.plan.end * 1e3:.3f} ms"
+            )
         m = self.measured
         if m is not None and m.get("plan") is not None:
             rows.append(
@@ -262,14 +278,15 @@ class DensityChoice:
 def plan_at(
     profile: "Profile",
     config: SparsityConfig,
-    density: float,
+    density: Union[float, Sequence[float]],
     strategy: str = "dp",
     *,
     bucket_elements: int = 8192,
     max_group: Optional[int] = None,
 ) -> Plan:
-    """The ``strategy`` plan for ``profile``'s layers at ``density``
-    (:func:`build_spec`, then :func:`~dlgs.core.planner.plan_strategy`)."""
+    """The ``strategy`` plan for ``profile``'s layers at ``density`` (one, or
+    one per layer in ready order): :func:`build_spec`, then
+    :func:`~dlgs.core.planner.plan_strategy`."""
     spec, eligible = build_spec(profile, config, density)
     return plan_strategy(
         spec,
@@ -312,8 +329,56 @@ def choose_density(
     tried = tuple((d, plan.end, backprop) for d, plan in plans.items())
     bound = min(plan.end for plan in plans.values()) + config.auto_slack * backprop
     density = next(d for d, plan in plans.items() if plan.end <= bound)
-    fits = plans[density].end <= backprop * (1.0 + config.auto_slack)
-    return DensityChoice(density, bound, fits, tried, plans[density])
+    plan = plans[density]
+    layers: Tuple[float, ...] = ()
+    if config.auto_layers:
+        each = raise_layers(profile, config, density, plan, bound)
+        if any(d > density for d in each):
+            # Re-planned at the raised densities; the search kept the chosen
+            # plan's messages, which the merge planner may now improve on.
+            raised = plan_at(
+                profile,
+                config,
+                each,
+                strategy,
+                bucket_elements=bucket_elements,
+                max_group=max_group,
+            )
+            if raised.end <= bound:
+                plan, layers = raised, each
+    fits = plan.end <= backprop * (1.0 + config.auto_slack)
+    return DensityChoice(density, bound, fits, tried, plan, layers=layers)
+
+
+def raise_layers(
+    profile: "Profile", config: SparsityConfig, density: float, plan: Plan, bound: float
+) -> Tuple[float, ...]:
+    """Per-layer densities (ready order) at or above ``density``, highest first
+    where a layer has the time to hide more: the layers ``plan`` sends sparse
+    go up the :data:`AUTO_LADDER` one rung at a time, round after round in
+    ready order, as long as ``plan``'s messages at the new densities are
+    predicted to end by ``bound`` and the layer's sparse message stays smaller
+    than its dense gradient. A layer whose gradient is ready early has the rest
+    of back-propagation to hide its bytes behind, one ready last has almost
+    none, so the early ones usually rise. A pure function of its arguments."""
+    rungs = [density] + sorted(d for d in AUTO_LADDER if density < d < 1.0)
+    sized = [build_spec(profile, config, d) for d in rungs]
+    spec = sized[0][0]
+    part = [(g.first, g.last, g.sparse) for g in plan.groups]
+    layers = list(spec.layers)
+    level = [0] * len(layers)
+    sparse = [i for g in plan.groups if g.sparse for i in g.members]
+    changed = True
+    while changed:
+        changed = False
+        for i in sparse:
+            up = level[i] + 1
+            if up == len(rungs) or not sized[up][1][i]:
+                continue
+            trial = layers[:i] + [sized[up][0].layers[i]] + layers[i + 1 :]
+            if simulate(replace(spec, layers=tuple(trial)), part).end <= bound:
+                layers, level[i], changed = trial, up, True
+    return tuple(rungs[lv] for lv in level)
 
 
 def layer_profiles(names: Sequence[str], numels: Sequence[int], backward: Sequence[float]):
@@ -324,7 +389,7 @@ def layer_profiles(names: Sequence[str], numels: Sequence[int], backward: Sequen
 def calibrate(
     profile: Profile,
     config: SparsityConfig,
-    density: float,
+    density: Union[float, Sequence[float]],
     modes: Sequence[bool],
     measured_end: float,
     tolerance: float = 0.02,

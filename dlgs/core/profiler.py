@@ -204,6 +204,7 @@ class OnlinePlanner:
         self.order: List[int] = []
         self._traces: List[StepTrace] = []
         self._density: Optional[float] = None  # density the current plan is for
+        self._each: Optional[List[float]] = None  # ... and per layer (ready order)
         #: What planning has cost this rank so far, and what sparse steps saved:
         #: ``seconds`` (host time inside this hook: probes, broadcasts,
         #: planning, bookkeeping), ``bytes`` (this rank's part of the probe
@@ -359,12 +360,15 @@ class OnlinePlanner:
         keeps together."""
         before, self._auto_before = self._auto_before, None
         choice = self.density_choice
-        if before is None or choice is None or ex.density == before[0]:
+        if before is None or choice is None or ex.densities == (before[0],) * len(ex.layers):
             return False
         assert self.profile is not None
         density, ends, layerwise = before
         backprop = sum(layer.backward for layer in self.profile.layers)
-        allowance = ex.config.auto_slack * backprop if ex.density > density else 0.0
+        # A choice that sends more elements than the start may end later.
+        sent = sum(d * layer.numel for d, layer in zip(ex.densities, ex.layers))
+        higher = sent > density * sum(layer.numel for layer in ex.layers)
+        allowance = ex.config.auto_slack * backprop if higher else 0.0
         verdict = guard_verdict(ends, _ends(self._traces), allowance=allowance, prove=True)
         verdict = self._broadcast(ex, {**verdict, "density": ex.density, "before_density": density})
         kept = bool(verdict["kept"])
@@ -525,8 +529,9 @@ class OnlinePlanner:
         for the new density from the same profile, which the exchange applies in
         this layout, or None to keep the current one. Every rank re-plans at the
         same step, from the same profile, so every rank returns the same plan."""
-        if self.profile is not None and self.plan is not None and density != self._density:
-            return self._replan(ex, density, defer=False)
+        if self.profile is not None and self.plan is not None:
+            if (density, self.ready_densities(ex)) != (self._density, self._each):
+                return self._replan(ex, density, defer=False)
         return None
 
     # -- measuring ---------------------------------------------------------------
@@ -586,7 +591,8 @@ class OnlinePlanner:
                 sum(layer.backward for layer in layers),
                 ex.wire_bytes(),
             )
-            self.calibration["contention"] = gamma
+            # A new dict: the old one came from a broadcast and may be shared.
+            self.calibration = {**self.calibration, "contention": gamma}
             if gamma > 0:
                 _log(
                     ex,
@@ -653,7 +659,9 @@ class OnlinePlanner:
         if not ends:
             return profile
         modes = [ex.is_sparse(ex.layers[i]) for i in order]
-        out, fit = calibrate(profile, ex.config, ex.density, modes, statistics.median(ends))
+        each = self.ready_densities(ex, order)
+        density = ex.density if each is None else each
+        out, fit = calibrate(profile, ex.config, density, modes, statistics.median(ends))
         self.calibration = {**fit, "contention": 0.0}  # a fresh layer-wise profile
         if fit["calibrated"]:
             _log(
@@ -784,14 +792,31 @@ class OnlinePlanner:
         )
         self.density_choice = choice
         self._auto_before = None
-        if choice.density != ex.density:
+        layers = None
+        if choice.layers:
+            index = {layer.name: i for i, layer in enumerate(self.profile.layers)}
+            layers = [choice.layers[index[layer.name]] for layer in ex.layers]
+        if layers is not None or choice.density != ex.density:
             # The layer-wise steps timed so far were at another density: the
             # guard has nothing to compare the plan with, but the choice has.
             if ends and self.refine:
                 self._auto_before = (ex.density, list(ends), self._before is not None)
             self._before = None
-            ex.set_density(choice.density)
+            ex.set_density(choice.density, layers)
         _log(ex, "dlgs at step %d: %s", ex.step, choice.describe())
+
+    def ready_densities(self, ex, order: Optional[Sequence[int]] = None) -> Optional[List[float]]:
+        """Each layer's density in force in ready order (``order``: exchange
+        indices, default the profile's), or None where every layer is at
+        ``ex.density`` (``density="auto"``'s per-layer choice, else None)."""
+        each = ex.densities
+        if all(d == ex.density for d in each):
+            return None
+        if order is None:
+            assert self.profile is not None
+            index = {layer.name: i for i, layer in enumerate(ex.layers)}
+            order = [index[layer.name] for layer in self.profile.layers]
+        return [each[i] for i in order]
 
     def _replan(
         self, ex, density: Optional[float] = None, *, defer: bool = True
@@ -799,16 +824,17 @@ class OnlinePlanner:
         """Plan from the profile; with ``defer`` set the plan on the exchange
         (from the next step), else only return it (``on_density``)."""
         assert self.profile is not None
-        d = ex.density if density is None else density
         profile = self.profile
         index = {layer.name: i for i, layer in enumerate(ex.layers)}
         self.order = [index[layer.name] for layer in profile.layers]
         strategy = "none" if self._fallback else self.strategy
         self._layerwise_in_force = strategy == "none"
+        d = ex.density if density is None else density
+        each = self.ready_densities(ex)
         plan = plan_at(
             profile,
             ex.config,
-            d,
+            d if each is None else each,
             strategy,
             bucket_elements=self.bucket_elements,
             max_group=self.max_group,
@@ -820,7 +846,7 @@ class OnlinePlanner:
         if self._refining:
             self._traces = []  # steps timed under the previous plan no longer count
         self._ratios, self._baseline = [], None  # calibrate drift against this plan
-        self._density = d
+        self._density, self._each = d, each
         groups = [([self.order[p] for p in g.members], g.sparse) for g in plan.groups]
         if defer:
             ex.set_plan(groups)

@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -668,11 +668,18 @@ class LayerPlan:
         return self.sparse_bytes if self.sparse else self.numel * 4
 
 
-def plan_layers(sizes: Sequence[int], density: float, config: SparsityConfig) -> List[LayerPlan]:
-    """Target count, capacity and sparse/dense decision of each layer."""
+def plan_layers(
+    sizes: Sequence[int], density: Union[float, Sequence[float]], config: SparsityConfig
+) -> List[LayerPlan]:
+    """Target count, capacity and sparse/dense decision of each layer, at one
+    ``density`` for all or a density per layer (``density="auto"``'s
+    per-layer choice)."""
+    each = [float(density)] * len(sizes) if isinstance(density, (int, float)) else density
+    if len(each) != len(sizes):
+        raise ValueError(f"density must have one entry per layer ({len(sizes)}), got {len(each)}")
     plans = []
-    for n in sizes:
-        k = max(1, math.ceil(density * n))
+    for n, d in zip(sizes, each):
+        k = max(1, math.ceil(d * n))
         cap = min(n, math.ceil(config.max_ratio * k))
         coding = config.index_coding
         # Sparse only where its message (less the count word) beats the dense one.

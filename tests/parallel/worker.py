@@ -399,9 +399,10 @@ def guard():
 @scenario
 def auto_density():
     """density="auto" on real ranks: whatever the profile makes it choose, steps
-    under a choice other than the starting 0.01 are made slow (a sleep before
-    the exchange's wait), so the measured check sends every rank back to 0.01
-    together; parameters stay identical and a checkpoint keeps the density."""
+    under a choice other than the starting 0.01 (or with layers raised above
+    it) are made slow (a sleep before the exchange's wait), so the measured
+    check sends every rank back to 0.01 in every layer together; parameters
+    stay identical and a checkpoint keeps the density."""
     model, opt = _dp_mlp(13, 128, density="auto", profile_budget=1.0)
     ex, planner = opt.dlgs.exchange, opt.dlgs.planner
     seen, digests = [], []
@@ -410,7 +411,7 @@ def auto_density():
         x, y = batch(s)
         F.cross_entropy(model(x), y).backward()
         seen.append(ex.density)
-        if ex.density != 0.01:
+        if set(ex.densities) != {0.01}:  # another density, or layers raised
             time.sleep(0.5)  # far above any scheduling noise of a loaded machine
         opt.step()
         digests.append(digest(model))
@@ -422,10 +423,12 @@ def auto_density():
         "seen": seen,
         "digests": digests,
         "chosen": choice.density,
+        "chosen_layers": list(choice.layers),
         "measured": None if choice.measured is None else choice.measured["kept"],
         "reverted": choice.reverted,
         "settled": planner.settled,
         "resumed_density": opt2.dlgs.exchange.density,
+        "resumed_densities": sorted(set(opt2.dlgs.exchange.densities)),
     }
 
 
