@@ -53,6 +53,7 @@ from dlgs.core.config import IndexCoding, SparsityConfig
 from dlgs.core.netmodel import allgather_cost, allreduce_cost
 from dlgs.core.planner import STRATEGIES, Plan, PlanSpec, plan_strategy, simulate
 from dlgs.core.profile import Profile, build_spec, choose_density
+from dlgs.core.wire import plan_layers
 
 __all__ = [
     "CSV_FIELDS",
@@ -552,6 +553,20 @@ def _show(args: argparse.Namespace) -> int:
             f"{dense.end / plan.end:.2f}x layer-wise, {fused.end / plan.end:.2f}x fused",
         ),
     ]
+    if config.auto and choice.layers:
+        # What the raised layers add: elements selected in the plan's sparse messages.
+        numel = [layer.numel for layer in profile.layers]
+        sparse = [i for g in plan.groups if g.sparse for i in g.members]
+        each = [plan_layers([numel[i]], d, config)[0].k for i, d in enumerate(choice.layers)]
+        one = [plan_layers([numel[i]], choice.density, config)[0].k for i in range(n)]
+        ours, flat = sum(each[i] for i in sparse), sum(one[i] for i in sparse)
+        rows.append(
+            (
+                "elements sent sparse per step",
+                f"{ours} at the per-layer densities, {flat} at {choice.density:g} "
+                f"(+{100 * (ours - flat) / max(1, flat):.0f}%)",
+            )
+        )
     width = max(len(label) for label, _ in rows) + 1
     lines += [""] + [f"{label + ':':<{width}} {value}" for label, value in rows]
     print("\n".join(lines))
