@@ -108,7 +108,8 @@ def test_every_rank_uses_the_chosen_density_and_a_checkpoint_keeps_it():
             seen.append((density, [(g.members, g.sparse) for g in ex.groups]))
         state = ex.state_dict()
         fresh = SparseExchange(OPS, comm, _auto(), SIZES)
-        fresh.step_hooks.append(OnlinePlanner("dp"))
+        resumed = OnlinePlanner("dp")
+        fresh.step_hooks.append(resumed)
         fresh.load_state_dict(state, like=None)
         for i, g in enumerate(_grads(rank, 4)):
             fresh.submit(i, g)
@@ -117,17 +118,19 @@ def test_every_rank_uses_the_chosen_density_and_a_checkpoint_keeps_it():
             seen,
             fresh.density,
             [(g.members, g.sparse) for g in fresh.groups],
+            resumed.density_choice.density,
             [np.array(out[i]) for i in range(len(SIZES))],
         )
 
     r0, r1 = LocalWorld(2).run(body)
-    assert r0[:3] == r1[:3], "ranks chose or laid out differently"
-    for a, b in zip(r0[3], r1[3]):
+    assert r0[:4] == r1[:4], "ranks chose or laid out differently"
+    for a, b in zip(r0[4], r1[4]):
         assert np.array_equal(a, b)
-    seen, resumed_density, resumed_layout, _ = r0
+    seen, resumed_density, resumed_layout, resumed_choice, _ = r0
     # The first step runs at the starting density; the choice is in force after.
     assert seen[0][0] == 0.01 and seen[-1][0] == expect
     assert resumed_density == expect and resumed_layout == seen[-1][1]
+    assert resumed_choice == expect  # describe() still shows the choice
 
 
 class _Clock:
@@ -181,6 +184,44 @@ def test_auto_keeps_a_density_only_if_its_steps_measure_no_slower(slow):
     else:
         assert measured["plan"] < measured["layerwise"] - 0.4
         assert measured["kept"] and reverted is None and seen[-1] == 1.0
+
+
+def test_a_checkpoint_taken_during_the_check_resumes_the_check():
+    """Saved after the choice (dense) was made and before its steps were
+    judged: the resumed planner times the choice again and, its steps being
+    slow, goes back to the starting density on every rank."""
+
+    def body(rank, comm):
+        clock = _Clock()
+        ex = SparseExchange(OPS, comm, _auto(), SIZES, clock=clock)
+        planner = OnlinePlanner("dp", profile_steps=2)
+        ex.step_hooks.append(planner)
+        for s in range(16):
+            _submit(ex, rank, s)
+            ex.wait()
+            if planner._auto_before is not None:  # the check is pending
+                break
+        state = ex.state_dict()
+        assert state["hooks"] and ex.density == 1.0
+        fresh = SparseExchange(OPS, comm, _auto(), SIZES, clock=clock)
+        resumed = OnlinePlanner("dp", profile_steps=2)
+        fresh.step_hooks.append(resumed)
+        fresh.load_state_dict(state, like=None)
+        seen = []
+        for s in range(s + 1, s + 9):
+            density = _submit(fresh, rank, s)
+            if density == 1.0:
+                clock.lag(0.5)
+            fresh.wait()
+            seen.append(density)
+        choice = resumed.density_choice
+        return seen, choice.measured, choice.reverted, resumed.settled
+
+    r0, r1 = LocalWorld(2).run(body)
+    assert r0 == r1, "ranks disagree on the resumed check"
+    seen, measured, reverted, settled = r0
+    assert seen[0] == 1.0 and seen[-1] == 0.01, seen
+    assert not measured["kept"] and reverted == 0.01 and settled
 
 
 @pytest.mark.parametrize(

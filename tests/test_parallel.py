@@ -173,6 +173,7 @@ def test_auto_density_goes_back_together_when_its_choice_measures_slower(ranks):
         # Its steps were slowed: measured slower, back to 0.01 in every layer.
         assert r0["measured"] is False and r0["reverted"] == 0.01, r0
         assert r0["chosen"] in r0["seen"]
+        assert r0["resumed_reverted"] == 0.01  # the check's outcome is in the checkpoint
     assert r0["resumed_density"] == 0.01 and r0["resumed_densities"] == [0.01]
     assert len(set(r0["digests"])) == len(r0["digests"]), "parameters did not change"
 

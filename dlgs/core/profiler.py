@@ -799,8 +799,12 @@ class OnlinePlanner:
         if layers is not None or choice.density != ex.density:
             # The layer-wise steps timed so far were at another density: the
             # guard has nothing to compare the plan with, but the choice has.
-            if ends and self.refine:
-                self._auto_before = (ex.density, list(ends), self._before is not None)
+            if self.refine:
+                # Rank 0's, like the verdict: a checkpoint then saves the same
+                # check on every rank.
+                shared: List[float] = self._broadcast(ex, list(ends))
+                if shared:
+                    self._auto_before = (ex.density, shared, self._before is not None)
             self._before = None
             ex.set_density(choice.density, layers)
         _log(ex, "dlgs at step %d: %s", ex.step, choice.describe())
@@ -855,10 +859,15 @@ class OnlinePlanner:
 
     # -- checkpoints -------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
+        before, choice = self._auto_before, self.density_choice
         return {
             "profile": self.profile.to_dict() if self.profile is not None else None,
             "fallback": self._fallback,
             "guard_result": self.guard_result,
+            # density="auto" in the middle of its check: the steps it compares with.
+            "auto_check": None if before is None else [before[0], list(before[1]), before[2]],
+            # ... and its check's outcome, shown again by describe() after a resume.
+            "auto_measured": None if choice is None else [choice.measured, choice.reverted],
         }
 
     def load_state_dict(self, state: Dict[str, Any], ex) -> None:
@@ -877,6 +886,26 @@ class OnlinePlanner:
         self._traces = []
         self._refining = False  # a saved profile was measured (and refined) already
         self.plan = None
+        self._auto_before, self.density_choice = None, None
+        check, measured = state.get("auto_check"), state.get("auto_measured")
+        if self.profile is not None and ex.config.auto and (check or measured):
+            # The choice is a pure function of the profile: made again, with
+            # its check's outcome if it had one.
+            choice = choose_density(
+                self.profile,
+                ex.config,
+                self.strategy,
+                bucket_elements=self.bucket_elements,
+                max_group=self.max_group,
+            )
+            if measured:
+                choice = replace(choice, measured=measured[0], reverted=measured[1])
+            self.density_choice = choice
+            if check:
+                # Saved during the check: the choice is timed again and
+                # compared with the saved steps.
+                self._auto_before = (float(check[0]), [float(e) for e in check[1]], bool(check[2]))
+                self._refining = self.refine
         if self.profile is not None:
             self._replan(ex)
 

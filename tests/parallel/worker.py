@@ -429,6 +429,7 @@ def auto_density():
         "settled": planner.settled,
         "resumed_density": opt2.dlgs.exchange.density,
         "resumed_densities": sorted(set(opt2.dlgs.exchange.densities)),
+        "resumed_reverted": opt2.dlgs.planner.density_choice.reverted,
     }
 
 
