@@ -208,8 +208,8 @@ def test_a_checkpoint_taken_during_the_check_resumes_the_check():
         fresh.step_hooks.append(resumed)
         fresh.load_state_dict(state, like=None)
         seen = []
-        for s in range(s + 1, s + 9):
-            density = _submit(fresh, rank, s)
+        for step in range(s + 1, s + 9):
+            density = _submit(fresh, rank, step)
             if density == 1.0:
                 clock.lag(0.5)
             fresh.wait()
