@@ -342,3 +342,38 @@ def run_steps(
         return out
 
     return world.run(body)
+
+
+def sent_values(ex) -> Dict[int, np.ndarray]:
+    """This rank's last sent values per sparse layer (float64, the layer's
+    size), decoded from its own send buffers: what error feedback must
+    account for (sent + residual = accumulated input)."""
+    sent = {}
+    for group in ex.groups:
+        if group.sparse:
+            lay = group.layout
+            dense = np.zeros(lay.dense_size, np.float64)
+            vals, idx, _ = lay.decode(group.chunk)
+            np.add.at(dense, idx, vals)
+            for m, i in enumerate(group.members):
+                start = lay.dense_offset(m)
+                sent[i] = dense[start : start + lay.sizes[m]]
+    return sent
+
+
+def sent_and_residuals(rank, ex, out):
+    """A :func:`run_steps` record: :func:`sent_values` and the residuals of
+    the same layers (float64)."""
+    sent = sent_values(ex)
+    return sent, {i: np.asarray(ex.layers[i].residual[:-1], np.float64) for i in sent}
+
+
+def assert_conserved(grads, recs, rank, layers, steps, rtol=1e-5) -> None:
+    """Error feedback loses nothing: on ``rank``, over ``steps`` steps recorded
+    by :func:`sent_and_residuals`, what each of ``layers`` sent plus its last
+    residual equals the gradients it was given."""
+    for i in layers:
+        total_in = sum(grads(rank, s)[i].astype(np.float64) for s in range(steps))
+        total_sent = sum(recs[rank][s][0][i] for s in range(steps))
+        err = np.abs(total_sent + recs[rank][-1][1][i] - total_in).max()
+        assert err <= rtol * np.abs(total_in).max(), (rank, i, err)

@@ -9,7 +9,7 @@ import math
 
 import numpy as np
 import pytest
-from local_world import OPS, LocalWorld, run_steps
+from local_world import OPS, LocalWorld, run_steps, sent_values
 from reference import Reference
 
 from dlgs.core import RankMismatchError, SparseExchange, SparsityConfig
@@ -110,21 +110,6 @@ def test_several_messages_from_three_ranks_are_unpacked_together_exactly(value_d
                 assert np.array_equal(got, want), (s, rank, sizes[i][0])
 
 
-def _sent(ex):
-    """This rank's last sent values per sparse layer, decoded from its send buffer."""
-    sent = {}
-    for group in ex.groups:
-        if group.sparse:
-            lay = group.layout
-            dense = np.zeros(lay.dense_size, np.float64)
-            vals, idx, _ = lay.decode(group.chunk)
-            np.add.at(dense, idx, vals)
-            for m, i in enumerate(group.members):
-                start = lay.dense_offset(m)
-                sent[i] = dense[start : start + lay.sizes[m]]
-    return sent
-
-
 @pytest.mark.parametrize("controller", ["dynamic", "topk", "dgc", "fixed"])
 @pytest.mark.parametrize("merged", [False, True])
 @pytest.mark.parametrize("coding", ["auto", "bitmap"])
@@ -190,7 +175,7 @@ def test_residual_is_kept_in_unscaled_units():
 
     def record(rank, ex, out):
         return {
-            "sent": {i: v.copy() for i, v in _sent(ex).items()},
+            "sent": {i: v.copy() for i, v in sent_values(ex).items()},
             "resid": {i: ex.layers[i].residual[:-1].astype(np.float64) for i in SPARSE},
         }
 
@@ -210,7 +195,7 @@ def test_outputs_come_back_in_scaled_units():
         return exchange(comm, density=0.05, controller="topk", loss_scale=lambda: scale)
 
     def record(rank, ex, out):
-        return {i: np.array(out[i]) for i in range(len(SIZES))}, _sent(ex)
+        return {i: np.array(out[i]) for i in range(len(SIZES))}, sent_values(ex)
 
     recs = run_steps(LocalWorld(2), make, lambda r, s: gaussian(r, s, scale=scale), 1, record)
     for i in SPARSE:

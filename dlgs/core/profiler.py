@@ -777,19 +777,25 @@ class OnlinePlanner:
         return _fit_or_flat(sizes, times)
 
     # -- planning ----------------------------------------------------------------
-    def _choose_density(self, ex, ends: Sequence[float] = ()) -> None:
-        """``density="auto"``: the density from the fresh profile (rank 0's,
-        so every rank chooses the same), in force with the plan made next.
-        ``ends``: the measured ends of the steps profiled (at the density in
-        force), which the steps under a new density are checked against."""
+    def _auto_choice(self, ex) -> DensityChoice:
+        """:func:`~dlgs.core.profile.choose_density` from the profile, with
+        this planner's merge options: the same on every rank."""
         assert self.profile is not None
-        choice = choose_density(
+        return choose_density(
             self.profile,
             ex.config,
             self.strategy,
             bucket_elements=self.bucket_elements,
             max_group=self.max_group,
         )
+
+    def _choose_density(self, ex, ends: Sequence[float] = ()) -> None:
+        """``density="auto"``: the density from the fresh profile (rank 0's,
+        so every rank chooses the same), in force with the plan made next.
+        ``ends``: the measured ends of the steps profiled (at the density in
+        force), which the steps under a new density are checked against."""
+        assert self.profile is not None
+        choice = self._auto_choice(ex)
         self.density_choice = choice
         self._auto_before = None
         layers = None
@@ -891,13 +897,7 @@ class OnlinePlanner:
         if self.profile is not None and ex.config.auto and (check or measured):
             # The choice is a pure function of the profile: made again, with
             # its check's outcome if it had one.
-            choice = choose_density(
-                self.profile,
-                ex.config,
-                self.strategy,
-                bucket_elements=self.bucket_elements,
-                max_group=self.max_group,
-            )
+            choice = self._auto_choice(ex)
             if measured:
                 choice = replace(choice, measured=measured[0], reverted=measured[1])
             self.density_choice = choice
