@@ -903,6 +903,10 @@ def _check_options(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
         return
     if args.profile is None and args.model is None:
         parser.error(f"argument --model: required without --profile; one of {', '.join(MODELS)}")
+    if args.no_auto_layers and args.density != "auto":
+        parser.error("argument --no-auto-layers: only with --density auto")
+    if args.density == "auto" and args.max_front != 256:
+        parser.error("argument --max-front: not with --density auto (it plans with the default)")
     if args.profile is not None and args.workers is not None and args.bandwidth is None:
         parser.error(
             "argument --workers: with --profile it needs --bandwidth too (the profile's "

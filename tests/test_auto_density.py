@@ -25,7 +25,7 @@ from dlgs.core.profile import (
     plan_at,
     raise_layers,
 )
-from dlgs.core.profiler import OnlinePlanner
+from dlgs.core.profiler import OnlinePlanner, _AutoCheck
 
 SIZES = [("w1", 262144), ("b1", 256), ("w2", 65536), ("b2", 10)]  # backward order
 
@@ -168,6 +168,17 @@ def test_auto_keeps_a_density_only_if_its_steps_measure_no_slower(slow):
             ex.wait()
             seen.append(density)
         choice = planner.density_choice
+        # A checkpoint after the check (and the refinement it led to): the
+        # resumed planner shows the same choice and outcome, at the same density.
+        fresh = SparseExchange(OPS, comm, _auto(), SIZES, clock=clock)
+        resumed = OnlinePlanner("dp", profile_steps=2)
+        fresh.step_hooks.append(resumed)
+        fresh.load_state_dict(ex.state_dict(), like=None)
+        again = resumed.density_choice
+        saved = ("density", "bound", "candidates", "reverted", "measured")
+        assert [getattr(again, k) for k in saved] == [getattr(choice, k) for k in saved]
+        assert fresh.densities == ex.densities and resumed.settled
+        assert again.describe().splitlines()[-1] == choice.describe().splitlines()[-1]
         return seen, choice.density, choice.measured, choice.reverted, planner.settled
 
     r0, r1 = LocalWorld(2).run(body)
@@ -270,25 +281,28 @@ def test_per_layer_densities_fill_the_bound_and_no_layer_can_rise_further(model,
     # The plan in force is the planner's at these densities, within the bound.
     assert choice.plan.end == plan_at(profile, config, layers).end <= choice.bound
     assert "layers raised above" in choice.describe()
-    # Maximal: under the messages searched, one more rung for any layer it
-    # sends sparse (that stays sparse-worthy there) ends past the bound.
-    base = plan_at(profile, config, choice.density)
-    each = raise_layers(profile, config, choice.density, base, choice.bound)
-    part = [(g.first, g.last, g.sparse) for g in base.groups]
-    spec = build_spec(profile, config, each)[0]
-    assert simulate(spec, part).end <= choice.bound
+    # Maximal: raise_layers, asked again under the plan in force, either finds
+    # nothing or a raise whose own plan would end past the bound (where the
+    # rounds stopped); and under those messages, one more rung for any layer
+    # sent sparse (that stays sparse-worthy there) ends past the bound.
+    plan = choice.plan
+    again = raise_layers(profile, config, layers, plan, choice.bound)
+    if again != layers:
+        assert plan_at(profile, config, again).end > choice.bound
+    part = [(g.first, g.last, g.sparse) for g in plan.groups]
+    assert simulate(build_spec(profile, config, again)[0], part).end <= choice.bound
     rungs = sorted(d for d in AUTO_LADDER if choice.density < d < 1.0)
     tried = 0
-    for i in (i for g in base.groups if g.sparse for i in g.members):
-        higher = [d for d in rungs if d > each[i]]
+    for i in (i for g in plan.groups if g.sparse for i in g.members):
+        higher = [d for d in rungs if d > again[i]]
         if not higher:
             continue
-        up = list(each)
+        up = list(again)
         up[i] = higher[0]
         spec_up, eligible = build_spec(profile, config, up)
         if eligible[i]:
             tried += 1
-            assert simulate(spec_up, part).end > choice.bound, (i, each[i], higher[0])
+            assert simulate(spec_up, part).end > choice.bound, (i, again[i], higher[0])
     assert tried > 0
 
 
@@ -359,6 +373,13 @@ def test_per_layer_densities_survive_a_checkpoint_and_ranks_must_agree_on_them()
         _submit(fresh, rank, 2)
         fresh.wait()
         ks = [layer.plan.k for layer in fresh.layers]
+        # auto_layers turned off since: one density for every layer again.
+        flat = SparseExchange(OPS, comm, _auto(auto_layers=False), SIZES, average=False)
+        flat.load_state_dict(state, like=None)
+        # A checkpoint from before per-layer densities: the density alone.
+        old = SparseExchange(OPS, comm, _auto(), SIZES, average=False)
+        old.load_state_dict({k: v for k, v in state.items() if k != "auto_layers"}, like=None)
+        assert flat.densities == old.densities == (0.01,) * len(SIZES)
         other = dict(state, auto_layers=[0.05, 0.01, 0.004, 0.01] if rank else LAYERS)
         late = SparseExchange(OPS, comm, _auto(controller="topk"), SIZES, average=False)
         try:
@@ -372,6 +393,19 @@ def test_per_layer_densities_survive_a_checkpoint_and_ranks_must_agree_on_them()
         assert saved == LAYERS and densities == tuple(LAYERS)
         assert ks == [math.ceil(d * n) for d, (_, n) in zip(LAYERS, SIZES)]
         assert error is not None and "density" in error
+
+
+def test_a_new_choice_replaces_per_layer_densities_in_force():
+    """A re-profile's choice of one density for every layer, equal to the
+    density in force, still clears the per-layer densities in force."""
+    ex = SparseExchange(OPS, LocalWorld(1).comm(0), _auto(), SIZES)
+    ex.step_hooks.append(OnlinePlanner("dp", profile=_profile(1e12)))  # dense, none raised
+    ex.set_density(1.0, [1.0, 0.25, 0.25, 0.25])  # as an earlier profile might have
+    assert ex.auto_layers is not None
+    for s in range(2):
+        _submit(ex, 0, s)
+        ex.wait()
+    assert ex.auto_layers is None and ex.densities == (1.0,) * len(SIZES)
 
 
 def test_the_planner_puts_each_layer_at_its_chosen_density_on_every_rank():
@@ -430,7 +464,7 @@ def test_a_per_layer_choice_is_checked_against_the_start_and_undone_together(slo
             _submit(ex, rank, s)
             ex.wait()
         chosen = ex.densities
-        planner._auto_before = (start, [0.2] * 3, False)
+        planner._auto_before = _AutoCheck(start, None, [0.2] * 3, False)
         late = 0.2 + (0.5 if slow else -0.1)
         planner._traces = [StepTrace(arrive={0: 0.0}, waited=late) for _ in range(3)]
         reverted = planner._auto_reverted(ex)

@@ -193,6 +193,8 @@ def test_parse_bandwidth_rejects(text):
         (["simulate", "--workers", "2,0"], "--workers"),
         (["simulate", "--models", "ptb-lstm,alexnet"], "--models"),
         (["simulate", "--density", "auto"], "--density"),
+        (["show", "--model", "vgg16", "--no-auto-layers"], "--no-auto-layers"),
+        (["show", "--model", "vgg16", "--density", "auto", "--max-front", "9"], "--max-front"),
     ],
 )
 def test_cli_rejects_bad_options(argv, option, capsys):

@@ -226,7 +226,7 @@ class Engine:
         sparse = sum(1 for g in ex.groups if g.sparse)
         each = ex.densities
         density = f"density {ex.density:g}" + (
-            f" (per layer {min(each):g} to {max(each):g})" if max(each) > min(each) else ""
+            f" (per layer {min(each):g} to {max(each):g})" if ex.auto_layers is not None else ""
         )
         lines = [
             f"dlgs at step {ex.step}: {density}, {len(ex.layers)} layers in "

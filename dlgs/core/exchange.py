@@ -423,7 +423,9 @@ class SparseExchange:
 
     @property
     def density(self) -> float:
-        """Density in force for the current step."""
+        """Density in force for the current step; with ``density="auto"``'s
+        per-layer choice, the one chosen for every layer, which some layers
+        exceed (:attr:`densities`)."""
         if self._auto_density is not None:
             return self._auto_density
         return self.config.density_at(self.step)
@@ -435,6 +437,12 @@ class SparseExchange:
         if self._auto_layers is not None:
             return self._auto_layers
         return (self.density,) * len(self.layers)
+
+    @property
+    def auto_layers(self) -> Optional[Tuple[float, ...]]:
+        """With ``density="auto"``: the per-layer densities in force
+        (:attr:`layers` order), or None when every layer is at :attr:`density`."""
+        return self._auto_layers
 
     def set_density(self, density: float, layers: Optional[Sequence[float]] = None) -> None:
         """With ``density="auto"``: the density chosen (by the planner, the
@@ -1151,7 +1159,9 @@ class SparseExchange:
         # The density the planner chose stays in force (before the planner
         # re-plans from its saved profile at it).
         self._auto_density = state.get("auto_density") if self.config.auto else None
-        self._auto_layers = auto_layers if self.config.auto else None
+        # With auto_layers turned off since, one density for every layer.
+        per_layer = self.config.auto and self.config.auto_layers
+        self._auto_layers = auto_layers if per_layer else None
         try:
             for hook in self.step_hooks:
                 if hasattr(hook, "load_state_dict"):
@@ -1332,7 +1342,7 @@ class StepHook(Protocol):
 
 def _layer_densities(values: Sequence[float], n: int) -> Tuple[float, ...]:
     """``values`` as one density per layer, each checked."""
-    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
         raise TypeError(f"layers must be a sequence of densities, got {type(values).__name__}")
     if len(values) != n:
         raise ValueError(f"layers must hold one density per layer ({n}), got {len(values)}")

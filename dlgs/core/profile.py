@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, replace
+from numbers import Real
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -243,6 +244,47 @@ class DensityChoice:
     reverted: Optional[float] = None
     layers: Tuple[float, ...] = ()
 
+    def summary(self) -> Dict[str, Any]:
+        """Plain data for a checkpoint (:meth:`from_summary`): all but the plan,
+        the per-layer densities by layer name."""
+        names = self.plan.names
+        layers = dict(zip(names, self.layers)) if self.layers and names else {}
+        return {
+            "density": self.density,
+            "bound": self.bound,
+            "fits": self.fits,
+            "candidates": [list(c) for c in self.candidates],
+            "layers": layers,
+            "measured": self.measured,
+            "reverted": self.reverted,
+        }
+
+    @classmethod
+    def from_summary(cls, summary: Dict[str, Any], plan: Plan) -> "DensityChoice":
+        """The choice saved by :meth:`summary`, with ``plan`` (the plan now in
+        force) in place of the one it was made with.
+
+        Raises:
+            ValueError: ``summary`` is malformed (names ``auto_choice``).
+        """
+        try:
+            by_name = summary.get("layers") or {}
+            layers = tuple(float(by_name[n]) for n in plan.names) if by_name else ()
+            return cls(
+                float(summary["density"]),
+                float(summary["bound"]),
+                bool(summary["fits"]),
+                tuple((float(d), float(e), float(b)) for d, e, b in summary["candidates"]),
+                plan,
+                summary.get("measured"),
+                summary.get("reverted"),
+                layers,
+            )
+        except (AttributeError, KeyError, TypeError, ValueError):
+            raise ValueError(
+                f"dlgs planner state auto_choice is malformed: {summary!r:.80}"
+            ) from None
+
     def describe(self) -> str:
         backprop = self.candidates[0][2] if self.candidates else 0.0
         fastest = min(end for _, end, _ in self.candidates) if self.candidates else 0.0
@@ -265,8 +307,10 @@ class DensityChoice:
             )
         m = self.measured
         if m is not None and m.get("plan") is not None:
+            raised_note = " (layers raised)" if self.layers else ""
             rows.append(
-                f"  measured: steps at {m['density']:g} ended at {m['plan'] * 1e3:.3f} ms "
+                f"  measured: steps at {m['density']:g}{raised_note} ended at "
+                f"{m['plan'] * 1e3:.3f} ms "
                 f"(median), at {m['before_density']:g} before at {m['layerwise'] * 1e3:.3f} ms; "
                 f"it may end {m['allowance'] * 1e3:.3f} ms later, less a noise margin of "
                 f"{m['margin'] * 1e3:.3f} ms: "
@@ -316,7 +360,13 @@ def choose_density(
     "within back-propagation plus the slack"; where none hides, it is the
     highest density that costs at most the slack more than the fastest. A
     pure function of the profile and the config: every rank, given rank 0's
-    profile, chooses the same."""
+    profile, chooses the same.
+
+    With ``config.auto_layers``, single layers then rise above that density
+    (:func:`raise_layers`, alternating with re-planning at the raised
+    densities, at most :data:`_RAISE_ROUNDS` rounds) while the plan still ends
+    within the same bound; the choice's ``layers``, ``plan`` and ``fits`` are
+    then at the raised densities."""
     floor = config.density_floor
     ladder = [1.0] + [d for d in AUTO_LADDER if floor < d < 1.0] + [floor]
     backprop = sum(layer.backward for layer in profile.layers)
@@ -330,43 +380,58 @@ def choose_density(
     bound = min(plan.end for plan in plans.values()) + config.auto_slack * backprop
     density = next(d for d, plan in plans.items() if plan.end <= bound)
     plan = plans[density]
-    layers: Tuple[float, ...] = ()
-    if config.auto_layers:
-        each = raise_layers(profile, config, density, plan, bound)
-        if any(d > density for d in each):
-            # Re-planned at the raised densities; the search kept the chosen
-            # plan's messages, which the merge planner may now improve on.
-            raised = plan_at(
-                profile,
-                config,
-                each,
-                strategy,
-                bucket_elements=bucket_elements,
-                max_group=max_group,
-            )
-            if raised.end <= bound:
-                plan, layers = raised, each
+    each: Tuple[float, ...] = (density,) * len(profile.layers)
+    for _ in range(_RAISE_ROUNDS if config.auto_layers else 0):
+        # Raised under the plan's messages, then re-planned at the raised
+        # densities (the merge planner may group them better, leaving room
+        # to raise more), until no layer can rise.
+        higher = raise_layers(profile, config, each, plan, bound)
+        if higher == each:
+            break
+        raised = plan_at(
+            profile, config, higher, strategy, bucket_elements=bucket_elements, max_group=max_group
+        )
+        if raised.end > bound:
+            break
+        plan, each = raised, higher
+    layers = each if any(d > density for d in each) else ()
     fits = plan.end <= backprop * (1.0 + config.auto_slack)
     return DensityChoice(density, bound, fits, tried, plan, layers=layers)
 
 
+#: The most rounds of raising and re-planning :func:`choose_density` makes.
+_RAISE_ROUNDS = 4
+
+
 def raise_layers(
-    profile: "Profile", config: SparsityConfig, density: float, plan: Plan, bound: float
+    profile: "Profile",
+    config: SparsityConfig,
+    density: Union[float, Sequence[float]],
+    plan: Plan,
+    bound: float,
 ) -> Tuple[float, ...]:
-    """Per-layer densities (ready order) at or above ``density``, highest first
-    where a layer has the time to hide more: the layers ``plan`` sends sparse
-    go up the :data:`AUTO_LADDER` one rung at a time, round after round in
-    ready order, as long as ``plan``'s messages at the new densities are
-    predicted to end by ``bound`` and the layer's sparse message stays smaller
-    than its dense gradient. A layer whose gradient is ready early has the rest
-    of back-propagation to hide its bytes behind, one ready last has almost
-    none, so the early ones usually rise. A pure function of its arguments."""
-    rungs = [density] + sorted(d for d in AUTO_LADDER if density < d < 1.0)
+    """Per-layer densities (ready order) at or above ``density`` (one for
+    every layer, or each layer's: rungs of the :data:`AUTO_LADDER` above the
+    lowest), higher where a layer has the time to hide more: the layers
+    ``plan`` sends sparse go up the ladder one rung at a time, round after
+    round in ready order, as long as ``plan``'s messages at the new densities
+    are predicted to end by ``bound`` and the layer's sparse message stays
+    smaller than its dense gradient. A pure function of its arguments."""
+    if isinstance(density, (int, float, Real)):
+        start = [float(density)] * len(profile.layers)
+    else:
+        start = [float(d) for d in density]
+    base = min(start)
+    rungs = [base] + sorted(d for d in AUTO_LADDER if base < d < 1.0)
+    if not set(start) <= set(rungs):
+        raise ValueError(
+            f"density must be rungs of AUTO_LADDER above its lowest, got {start!r:.80}"
+        )
     sized = [build_spec(profile, config, d) for d in rungs]
+    level = [rungs.index(d) for d in start]
     spec = sized[0][0]
     part = [(g.first, g.last, g.sparse) for g in plan.groups]
-    layers = list(spec.layers)
-    level = [0] * len(layers)
+    layers = [sized[lv][0].layers[i] for i, lv in enumerate(level)]
     sparse = [i for g in plan.groups if g.sparse for i in g.members]
     changed = True
     while changed:

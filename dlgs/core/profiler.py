@@ -37,7 +37,7 @@ import pickle
 import statistics
 import time
 from dataclasses import replace
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from ._checks import check_int
 from .config import MERGE_STRATEGIES, MergeConfig
@@ -165,10 +165,10 @@ class OnlinePlanner:
         self._fallback = False  # the guard rejected the plan: layer-wise in force
         self._layerwise_in_force = True  # what the profiled steps ran under
         self._before: Optional[List[float]] = None  # their measured ends
-        # density="auto": (density, measured ends, whether layer-wise) of the
-        # steps profiled before a choice that changed the density; the steps
-        # under the choice are checked against them once, in refinement.
-        self._auto_before: Optional[Tuple[float, List[float], bool]] = None
+        # density="auto": the steps profiled before a choice that changed the
+        # densities; the steps under the choice are checked against them
+        # once, in refinement.
+        self._auto_before: Optional[_AutoCheck] = None
         self._refining = False  # timing steps under a fresh plan
         self._refine_armed = False
         self._plan_step = 0  # ex.step when the current plan was made
@@ -348,37 +348,39 @@ class OnlinePlanner:
         return bool(verdict["kept"])
 
     def _auto_reverted(self, ex) -> bool:
-        """``density="auto"``: whether the density chosen failed to prove
-        itself against the one before it. Its steps are kept only if they are
-        measured to end no later than those at the density before, by a
-        margin above the noise (:func:`guard_verdict` with ``prove``), or
-        later by at most ``auto_slack`` of back-propagation when the choice is
-        the higher density. Otherwise the earlier density is back in force and
-        refinement starts again under its plan. The cost model predicts the
-        communication, not what it costs a busy host; this measures it, once
-        per profile. Rank 0's verdict, broadcast, so every rank reverts or
-        keeps together."""
+        """``density="auto"``: whether the densities chosen failed to prove
+        themselves against those before. The steps under them are kept only
+        if they are measured to end no later than those before, by a margin
+        above the noise (:func:`guard_verdict` with ``prove``), or later by at
+        most ``auto_slack`` of back-propagation when the choice sends more
+        elements (density times size, summed over the layers). Otherwise the
+        densities before are back in force and refinement starts again under
+        their plan. The cost model predicts the communication, not what it
+        costs a busy host; this measures it, once per profile. Rank 0's
+        verdict, broadcast, so every rank reverts or keeps together."""
         before, self._auto_before = self._auto_before, None
         choice = self.density_choice
-        if before is None or choice is None or ex.densities == (before[0],) * len(ex.layers):
+        if before is None or choice is None or ex.densities == before.densities(ex):
             return False
         assert self.profile is not None
-        density, ends, layerwise = before
         backprop = sum(layer.backward for layer in self.profile.layers)
-        # A choice that sends more elements than the start may end later.
-        sent = sum(d * layer.numel for d, layer in zip(ex.densities, ex.layers))
-        higher = sent > density * sum(layer.numel for layer in ex.layers)
+        numel = [layer.numel for layer in ex.layers]
+        sent = sum(d * n for d, n in zip(ex.densities, numel))
+        higher = sent > sum(d * n for d, n in zip(before.densities(ex), numel))
         allowance = ex.config.auto_slack * backprop if higher else 0.0
-        verdict = guard_verdict(ends, _ends(self._traces), allowance=allowance, prove=True)
-        verdict = self._broadcast(ex, {**verdict, "density": ex.density, "before_density": density})
+        verdict = guard_verdict(before.ends, _ends(self._traces), allowance=allowance, prove=True)
+        verdict = self._broadcast(
+            ex, {**verdict, "density": ex.density, "before_density": before.density}
+        )
         kept = bool(verdict["kept"])
-        self.density_choice = replace(choice, measured=verdict, reverted=None if kept else density)
+        reverted = None if kept else before.density
+        self.density_choice = replace(choice, measured=verdict, reverted=reverted)
         _log(ex, "dlgs at step %d: %s", ex.step, self.density_choice.describe())
         if kept:
             return False
-        if layerwise:
-            self._before = ends  # the guard compares with them again, same density
-        ex.set_density(density)
+        if before.layerwise:
+            self._before = before.ends  # the guard compares with them again
+        ex.set_density(before.density, before.layers)
         self._replan(ex)  # clears the traces; refinement goes on under this plan
         return True
 
@@ -525,9 +527,10 @@ class OnlinePlanner:
             comm.synchronize(handle)
 
     def on_density(self, ex, density: float) -> Optional[List[Tuple[List[int], bool]]]:
-        """The density changed (the exchange is re-laying out for it): the plan
-        for the new density from the same profile, which the exchange applies in
-        this layout, or None to keep the current one. Every rank re-plans at the
+        """The density or the per-layer densities changed (the exchange is
+        re-laying out for them): the plan for them from the same profile,
+        which the exchange applies in this layout, or None to keep the
+        current one. Every rank re-plans at the
         same step, from the same profile, so every rank returns the same plan."""
         if self.profile is not None and self.plan is not None:
             if (density, self.ready_densities(ex)) != (self._density, self._each):
@@ -801,16 +804,18 @@ class OnlinePlanner:
         layers = None
         if choice.layers:
             index = {layer.name: i for i, layer in enumerate(self.profile.layers)}
-            layers = [choice.layers[index[layer.name]] for layer in ex.layers]
-        if layers is not None or choice.density != ex.density:
-            # The layer-wise steps timed so far were at another density: the
+            layers = tuple(choice.layers[index[layer.name]] for layer in ex.layers)
+        if (layers or (choice.density,) * len(ex.layers)) != ex.densities:
+            # The layer-wise steps timed so far were at other densities: the
             # guard has nothing to compare the plan with, but the choice has.
             if self.refine:
                 # Rank 0's, like the verdict: a checkpoint then saves the same
                 # check on every rank.
                 shared: List[float] = self._broadcast(ex, list(ends))
                 if shared:
-                    self._auto_before = (ex.density, shared, self._before is not None)
+                    self._auto_before = _AutoCheck(
+                        ex.density, ex.auto_layers, shared, self._before is not None
+                    )
             self._before = None
             ex.set_density(choice.density, layers)
         _log(ex, "dlgs at step %d: %s", ex.step, choice.describe())
@@ -870,13 +875,20 @@ class OnlinePlanner:
             "profile": self.profile.to_dict() if self.profile is not None else None,
             "fallback": self._fallback,
             "guard_result": self.guard_result,
-            # density="auto" in the middle of its check: the steps it compares with.
-            "auto_check": None if before is None else [before[0], list(before[1]), before[2]],
-            # ... and its check's outcome, shown again by describe() after a resume.
-            "auto_measured": None if choice is None else [choice.measured, choice.reverted],
+            # density="auto": its last choice (what describe() shows) and, in
+            # the middle of its check, the steps it compares with.
+            "auto_choice": None if choice is None else choice.summary(),
+            "auto_check": None if before is None else before.to_state(),
         }
 
     def load_state_dict(self, state: Dict[str, Any], ex) -> None:
+        # density="auto"'s entries, validated before anything changes.
+        check = state.get("auto_check")
+        if check is not None:
+            check = _AutoCheck.from_state(check, len(ex.layers))
+        summary = state.get("auto_choice")
+        if summary is not None:
+            DensityChoice.from_summary(summary, Plan(()))
         profile = state.get("profile")
         self.profile = Profile.from_dict(profile) if profile is not None else None
         if self.profile is not None and self.profile.world_size != ex.comm.size:
@@ -887,27 +899,60 @@ class OnlinePlanner:
                 ex.comm.size,
             )
             self.profile = None
+        if not (ex.config.auto and self.profile is not None):
+            summary = check = None
+        elif not self.refine:
+            check = None
         self._fallback = bool(state.get("fallback", False))
         self.guard_result = state.get("guard_result")
         self._traces = []
-        self._refining = False  # a saved profile was measured (and refined) already
+        # A saved profile was measured (and refined) already, unless the
+        # checkpoint was taken during density="auto"'s check: the choice is
+        # then timed again and compared with the saved steps.
+        self._refining = check is not None
+        self._auto_before = check
         self.plan = None
-        self._auto_before, self.density_choice = None, None
-        check, measured = state.get("auto_check"), state.get("auto_measured")
-        if self.profile is not None and ex.config.auto and (check or measured):
-            # The choice is a pure function of the profile: made again, with
-            # its check's outcome if it had one.
-            choice = self._auto_choice(ex)
-            if measured:
-                choice = replace(choice, measured=measured[0], reverted=measured[1])
-            self.density_choice = choice
-            if check:
-                # Saved during the check: the choice is timed again and
-                # compared with the saved steps.
-                self._auto_before = (float(check[0]), [float(e) for e in check[1]], bool(check[2]))
-                self._refining = self.refine
+        self.density_choice = None
         if self.profile is not None:
             self._replan(ex)
+            if summary is not None:
+                assert self.plan is not None
+                self.density_choice = DensityChoice.from_summary(summary, self.plan)
+
+
+class _AutoCheck(NamedTuple):
+    """``density="auto"``'s pending check: the densities in force before the
+    choice (``layers``: per layer, or None for ``density`` in every layer),
+    the measured ends of the steps timed at them, and whether those steps
+    were sent layer by layer (the guard compares with them then)."""
+
+    density: float
+    layers: Optional[Tuple[float, ...]]
+    ends: List[float]
+    layerwise: bool
+
+    def densities(self, ex) -> Tuple[float, ...]:
+        return self.layers if self.layers is not None else (self.density,) * len(ex.layers)
+
+    def to_state(self) -> List[Any]:
+        layers = None if self.layers is None else list(self.layers)
+        return [self.density, layers, list(self.ends), self.layerwise]
+
+    @classmethod
+    def from_state(cls, state: Any, n_layers: int) -> "_AutoCheck":
+        """Raises ValueError naming ``auto_check`` when ``state`` is malformed."""
+        try:
+            density, layers, ends, layerwise = state
+            layers = None if layers is None else tuple(float(d) for d in layers)
+            out = cls(float(density), layers, [float(e) for e in ends], bool(layerwise))
+        except (TypeError, ValueError):
+            raise ValueError(f"dlgs planner state auto_check is malformed: {state!r:.80}") from None
+        if out.layers is not None and len(out.layers) != n_layers:
+            raise ValueError(
+                f"dlgs planner state auto_check holds {len(out.layers)} densities for "
+                f"{n_layers} layers"
+            )
+        return out
 
 
 def _log(ex, msg: str, *args: Any, level: int = logging.INFO) -> None:

@@ -37,6 +37,7 @@ from __future__ import annotations
 import math
 import zlib
 from dataclasses import dataclass, field
+from numbers import Real
 from typing import Any, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -674,7 +675,10 @@ def plan_layers(
     """Target count, capacity and sparse/dense decision of each layer, at one
     ``density`` for all or a density per layer (``density="auto"``'s
     per-layer choice)."""
-    each = [float(density)] * len(sizes) if isinstance(density, (int, float)) else density
+    if isinstance(density, (int, float, Real)):
+        each = [float(density)] * len(sizes)
+    else:
+        each = [float(d) for d in density]
     if len(each) != len(sizes):
         raise ValueError(f"density must have one entry per layer ({len(sizes)}), got {len(each)}")
     plans = []
