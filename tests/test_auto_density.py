@@ -22,6 +22,7 @@ from dlgs.core.profile import (
     Profile,
     build_spec,
     choose_density,
+    fit_link,
     plan_at,
     raise_layers,
 )
@@ -179,11 +180,13 @@ def test_auto_keeps_a_density_only_if_its_steps_measure_no_slower(slow):
         assert [getattr(again, k) for k in saved] == [getattr(choice, k) for k in saved]
         assert fresh.densities == ex.densities and resumed.settled
         assert again.describe().splitlines()[-1] == choice.describe().splitlines()[-1]
-        return seen, choice.density, choice.measured, choice.reverted, planner.settled
+        link = planner.calibration.get("link")
+        beta = planner.profile.allreduce.beta
+        return seen, choice.density, choice.measured, choice.reverted, planner.settled, link, beta
 
     r0, r1 = LocalWorld(2).run(body)
     assert r0 == r1, "ranks disagree on the check or the density"
-    seen, chosen, measured, reverted, settled = r0
+    seen, chosen, measured, reverted, settled, link, allreduce_beta = r0
     # Profiled at the starting density, then dense (free communication, no
     # selection cost) was chosen and its steps timed.
     assert seen[0] == 0.01 and chosen == 1.0 and 1.0 in seen, seen
@@ -192,9 +195,13 @@ def test_auto_keeps_a_density_only_if_its_steps_measure_no_slower(slow):
     if slow == 1.0:
         assert measured["plan"] > measured["layerwise"] + 0.4
         assert not measured["kept"] and reverted == 0.01 and seen[-1] == 0.01
+        # The dense steps' lateness taught the model the link: the profile's
+        # collectives now charge at least a ring over the fitted link.
+        assert link > 0 and allreduce_beta >= link * (1 - 1e-9)
     else:
         assert measured["plan"] < measured["layerwise"] - 0.4
         assert measured["kept"] and reverted is None and seen[-1] == 1.0
+        assert link is None
 
 
 def test_a_checkpoint_taken_during_the_check_resumes_the_check():
@@ -304,6 +311,25 @@ def test_per_layer_densities_fill_the_bound_and_no_layer_can_rise_further(model,
             tried += 1
             assert simulate(spec_up, part).end > choice.bound, (i, again[i], higher[0])
     assert tried > 0
+
+
+def test_fit_link_makes_the_plan_end_when_it_was_measured_to():
+    profile = _profile(1e12)  # the probes saw bytes as free
+    config = _auto()
+    dense = [(i, i, False) for i in range(len(SIZES))]
+    before = simulate(build_spec(profile, config, 1.0)[0], dense).end
+    fitted, info = fit_link(profile, config, 1.0, dense, 2 * before)
+    assert info["fitted"] == 1.0 and info["predicted"] == pytest.approx(before)
+    after = simulate(build_spec(fitted, config, 1.0)[0], dense).end
+    assert after == pytest.approx(2 * before, rel=1e-6)
+    x = info["seconds_per_byte"]
+    # A ring over that link: (P-1) x per chunk byte, 2(P-1)/P x per buffer byte.
+    assert fitted.allgather.beta == pytest.approx(max(profile.allgather.beta, x))
+    assert fitted.allreduce.beta == pytest.approx(max(profile.allreduce.beta, x))
+    assert fitted.allreduce.alpha == profile.allreduce.alpha  # latency untouched
+    # Steps no later than predicted teach nothing.
+    same, info = fit_link(profile, config, 1.0, dense, before)
+    assert same is profile and info["fitted"] == 0.0
 
 
 # w1 and w2 sparse (min_sparse_size 1024), each at its own density.

@@ -28,6 +28,7 @@ __all__ = [
     "choose_density",
     "calibrate",
     "contention",
+    "fit_link",
     "plan_at",
     "raise_layers",
     "rescale",
@@ -492,6 +493,64 @@ def calibrate(
         mid = (lo + hi) / 2
         lo, hi = (lo, mid) if end(mid) >= measured_end else (mid, hi)
     return rescale(profile, hi, profile.contention), {**info, "scale": hi, "calibrated": 1.0}
+
+
+def fit_link(
+    profile: Profile,
+    config: SparsityConfig,
+    density: Union[float, Sequence[float]],
+    partition: Sequence[Tuple[int, int, bool]],
+    measured_end: float,
+    tolerance: float = 0.02,
+) -> Tuple[Profile, Dict[str, float]]:
+    """The profile's per-byte costs raised to a ring link fitted to steps that
+    ended later than predicted: the steps ran ``partition`` (ready order) at
+    ``density`` and their median measured end was ``measured_end`` seconds.
+
+    The probes are small (the byte ledger bounds them), and a small collective
+    can fit in a link's buffers or a shaper's burst: they may see bytes as
+    nearly free. When a plan that sent many bytes measures more than
+    ``tolerance`` later than predicted, this finds the inverse bandwidth ``x``
+    (seconds per byte of one link) at which it would have ended then, by
+    bisection, and charges each collective at least what a ring charges over
+    such a link: ``(P-1) x`` per byte of an allgather's chunk, ``2(P-1)/P x``
+    per byte of an allreduce. A prediction already as late is left alone.
+
+    Returns:
+        The profile, and ``{"measured", "predicted", "seconds_per_byte",
+        "fitted"}`` (``predicted``: before; ``fitted``: 1.0 or 0.0).
+    """
+    p = profile.world_size
+
+    def at(x: float) -> Profile:
+        ag, ar = profile.allgather, profile.allreduce
+        return replace(
+            profile,
+            allgather=replace(ag, beta=max(ag.beta, (p - 1) * x)),
+            allreduce=replace(ar, beta=max(ar.beta, 2 * (p - 1) / p * x)),
+        )
+
+    def end(x: float) -> float:
+        return simulate(build_spec(at(x), config, density)[0], partition).end
+
+    predicted = end(0.0)
+    info = {"measured": measured_end, "predicted": predicted, "seconds_per_byte": 0.0}
+    info["fitted"] = 0.0
+    if p < 2 or not measured_end > (1 + tolerance) * predicted:
+        return profile, info
+    hi = 1e-9
+    while end(hi) < measured_end and hi < _SLOWEST_LINK:
+        hi *= 4
+    lo = 0.0
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if end(mid) >= measured_end else (mid, hi)
+    return at(hi), {**info, "seconds_per_byte": hi, "fitted": 1.0}
+
+
+#: :func:`fit_link` looks no further than this many seconds per byte (a link
+#: of 0.8 Mbit/s): beyond it, the lateness is not the link's.
+_SLOWEST_LINK = 1e-5
 
 
 def contention(

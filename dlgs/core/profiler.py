@@ -50,6 +50,7 @@ from .profile import (
     calibrate,
     choose_density,
     contention,
+    fit_link,
     plan_at,
     rescale,
 )
@@ -378,11 +379,35 @@ class OnlinePlanner:
         _log(ex, "dlgs at step %d: %s", ex.step, self.density_choice.describe())
         if kept:
             return False
+        if higher and verdict.get("plan") is not None:
+            self._fit_link(ex, verdict["plan"])
         if before.layerwise:
             self._before = before.ends  # the guard compares with them again
         ex.set_density(before.density, before.layers)
         self._replan(ex)  # clears the traces; refinement goes on under this plan
         return True
+
+    def _fit_link(self, ex, measured: float) -> None:
+        """The choice that sent more measured slower than the profile
+        predicted it: the link is slower than the probes saw
+        (:func:`~dlgs.core.profile.fit_link`), and the plans made from here on
+        (at the densities before it) know it. From rank 0's median, so every
+        rank fits the same."""
+        assert self.profile is not None and self.plan is not None
+        each = self.ready_densities(ex)
+        part = [(g.first, g.last, g.sparse) for g in self.plan.groups]
+        density = ex.density if each is None else each
+        self.profile, fit = fit_link(self.profile, ex.config, density, part, measured)
+        self.calibration = {**self.calibration, "link": fit["seconds_per_byte"]}
+        if fit["fitted"]:
+            _log(
+                ex,
+                "dlgs: the steps under density='auto''s choice ended at %.3g ms, predicted "
+                "%.3g ms: collectives now cost at least a ring over a %.3g Mbit/s link",
+                fit["measured"] * 1e3,
+                fit["predicted"] * 1e3,
+                8 / fit["seconds_per_byte"] / 1e6,
+            )
 
     def _check_drift(self, ex, record: StepRecord) -> None:
         """Re-profile when the measured step drifts from what the plan was made for.
