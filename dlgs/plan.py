@@ -557,9 +557,9 @@ def _show(args: argparse.Namespace) -> int:
         # What the raised layers add: elements selected in the plan's sparse messages.
         numel = [layer.numel for layer in profile.layers]
         sparse = [i for g in plan.groups if g.sparse for i in g.members]
-        each = [plan_layers([numel[i]], d, config)[0].k for i, d in enumerate(choice.layers)]
-        one = [plan_layers([numel[i]], choice.density, config)[0].k for i in range(n)]
-        ours, flat = sum(each[i] for i in sparse), sum(one[i] for i in sparse)
+        each = plan_layers(numel, choice.layers, config)
+        one = plan_layers(numel, choice.density, config)
+        ours, flat = sum(each[i].k for i in sparse), sum(one[i].k for i in sparse)
         rows.append(
             (
                 "elements sent sparse per step",

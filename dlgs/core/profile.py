@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, replace
-from numbers import Real
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from ._checks import check_float, check_int
 from .config import SparsityConfig
 from .planner import CostModel, LayerCost, Plan, PlanSpec, plan_strategy, simulate
-from .wire import plan_layers
+from .wire import per_layer, plan_layers
 
 __all__ = [
     "AUTO_LADDER",
@@ -418,10 +417,7 @@ def raise_layers(
     round in ready order, as long as ``plan``'s messages at the new densities
     are predicted to end by ``bound`` and the layer's sparse message stays
     smaller than its dense gradient. A pure function of its arguments."""
-    if isinstance(density, (int, float, Real)):
-        start = [float(density)] * len(profile.layers)
-    else:
-        start = [float(d) for d in density]
+    start = per_layer(density, len(profile.layers))
     base = min(start)
     rungs = [base] + sorted(d for d in AUTO_LADDER if base < d < 1.0)
     if not set(start) <= set(rungs):
@@ -534,8 +530,12 @@ def fit_link(
         return simulate(build_spec(at(x), config, density)[0], partition).end
 
     predicted = end(0.0)
-    info = {"measured": measured_end, "predicted": predicted, "seconds_per_byte": 0.0}
-    info["fitted"] = 0.0
+    info = {
+        "measured": measured_end,
+        "predicted": predicted,
+        "seconds_per_byte": 0.0,
+        "fitted": 0.0,
+    }
     if p < 2 or not measured_end > (1 + tolerance) * predicted:
         return profile, info
     hi = 1e-9

@@ -555,8 +555,8 @@ class OnlinePlanner:
         """The density or the per-layer densities changed (the exchange is
         re-laying out for them): the plan for them from the same profile,
         which the exchange applies in this layout, or None to keep the
-        current one. Every rank re-plans at the
-        same step, from the same profile, so every rank returns the same plan."""
+        current one. Every rank re-plans at the same step, from the same
+        profile, so every rank returns the same plan."""
         if self.profile is not None and self.plan is not None:
             if (density, self.ready_densities(ex)) != (self._density, self._each):
                 return self._replan(ex, density, defer=False)
@@ -870,7 +870,7 @@ class OnlinePlanner:
         strategy = "none" if self._fallback else self.strategy
         self._layerwise_in_force = strategy == "none"
         d = ex.density if density is None else density
-        each = self.ready_densities(ex)
+        each = self.ready_densities(ex, self.order)
         plan = plan_at(
             profile,
             ex.config,

@@ -669,16 +669,20 @@ class LayerPlan:
         return self.sparse_bytes if self.sparse else self.numel * 4
 
 
+def per_layer(density: Union[float, Sequence[float]], n: int) -> List[float]:
+    """``density`` as a list of floats: ``n`` copies of one, or each of a sequence."""
+    if isinstance(density, (int, float, Real)):
+        return [float(density)] * n
+    return [float(d) for d in density]
+
+
 def plan_layers(
     sizes: Sequence[int], density: Union[float, Sequence[float]], config: SparsityConfig
 ) -> List[LayerPlan]:
     """Target count, capacity and sparse/dense decision of each layer, at one
     ``density`` for all or a density per layer (``density="auto"``'s
     per-layer choice)."""
-    if isinstance(density, (int, float, Real)):
-        each = [float(density)] * len(sizes)
-    else:
-        each = [float(d) for d in density]
+    each = per_layer(density, len(sizes))
     if len(each) != len(sizes):
         raise ValueError(f"density must have one entry per layer ({len(sizes)}), got {len(each)}")
     plans = []
