@@ -204,6 +204,31 @@ def test_auto_keeps_a_density_only_if_its_steps_measure_no_slower(slow):
         assert link is None
 
 
+def test_a_revert_restores_the_per_layer_densities_before_the_choice():
+    """Steps under a new choice measured slower than steps under per-layer
+    densities (an earlier choice): those per-layer densities come back, not
+    their single density."""
+    earlier = (0.01, 0.01, 0.02, 0.01)
+
+    def body(rank, comm):
+        ex = SparseExchange(OPS, comm, _auto(), SIZES)
+        planner = OnlinePlanner("dp", profile=_profile(1e6))
+        ex.step_hooks.append(planner)
+        for s in range(3):
+            _submit(ex, rank, s)
+            ex.wait()
+        planner._auto_before = _AutoCheck(0.01, earlier, [0.2] * 3, False)
+        planner._traces = [StepTrace(arrive={0: 0.0}, waited=0.7) for _ in range(3)]
+        reverted = planner._auto_reverted(ex)
+        _submit(ex, rank, 3)
+        ex.wait()
+        return reverted, ex.densities, [layer.plan.k for layer in ex.layers]
+
+    for reverted, densities, ks in LocalWorld(2).run(body):
+        assert reverted and densities == earlier
+        assert ks == [max(1, math.ceil(d * n)) for d, (_, n) in zip(earlier, SIZES)]
+
+
 def test_a_checkpoint_taken_during_the_check_resumes_the_check():
     """Saved after the choice (dense) was made and before its steps were
     judged: the resumed planner times the choice again and, its steps being
