@@ -46,6 +46,16 @@ _ELASTICITY_RANGE = (1.0, 20.0)
 _ELASTICITY_SMOOTHING = 0.2
 _INTEGRAL_GAIN = 0.2
 _MAX_DRIFT = math.log(2.0)
+# The loop gain each layer learns (delta-bar-delta): halved when the count
+# crosses the target from one step to the next, raised by a quarter while it
+# stays on one side, within [_MIN_GAIN, 1]. Error feedback is itself a
+# correcting loop (a step that sends too little leaves more in the residual for
+# the next), so a full correction overshoots and can lock into a 2-cycle of
+# bursts and empty steps; errors within _GAIN_DEADBAND count as on target.
+_MIN_GAIN = 1.0 / 16.0
+_GAIN_DOWN = 0.5
+_GAIN_UP = 1.25
+_GAIN_DEADBAND = math.log(1.25)
 
 
 class ThresholdController:
@@ -130,7 +140,7 @@ class _Dynamic(ThresholdController):
     for all layers. On the device a step costs one fused multiply-add per layer.
     """
 
-    vector_keys = ("factor", "prev_factor", "prev_count", "elasticity", "drift")
+    vector_keys = ("factor", "prev_factor", "prev_count", "elasticity", "drift", "gain")
 
     def init_state(self, ops, like, density):
         e0 = min(max(math.log(1.0 / density), _ELASTICITY_RANGE[0]), _ELASTICITY_RANGE[1])
@@ -140,6 +150,7 @@ class _Dynamic(ThresholdController):
             "prev_count": 0.0,
             "elasticity": e0,
             "drift": 0.0,
+            "gain": 1.0,
             # Steps since the last anchor; the first step always anchors.
             "since_anchor": -1,
         }
@@ -186,7 +197,7 @@ class _Dynamic(ThresholdController):
             vectors[key][...] = new[key]
 
 
-def _advance(factor, prev, prev_count, e, drift, count, k1):
+def _advance(factor, prev, prev_count, e, drift, gain, count, k1):
     """The update, element-wise over NumPy vectors: the new value of each of
     :attr:`_Dynamic.vector_keys`. The new ``prev_factor`` is the old ``factor``
     itself, so it is written first (:data:`_WRITE_ORDER`)."""
@@ -200,13 +211,23 @@ def _advance(factor, prev, prev_count, e, drift, count, k1):
         observed = np.clip(-np.log(c1 / (prev_count + 1.0)) / safe, *_ELASTICITY_RANGE)
         e = np.where(moved, e + _ELASTICITY_SMOOTHING * (observed - e), e)
         ratio = c1 / k1
+        # The gain: down where the error changed sign since the last step (an
+        # overshoot), up where it kept its sign; no previous count, no change.
+        err, prev_err = np.log(ratio), np.log((prev_count + 1.0) / k1)
+        big = (np.abs(err) > _GAIN_DEADBAND) & (np.abs(prev_err) > _GAIN_DEADBAND) & has_prev
+        gain = np.where(
+            big & (err * prev_err < 0),
+            gain * _GAIN_DOWN,
+            np.where(big, gain * _GAIN_UP, gain),
+        )
+        gain = np.clip(gain, _MIN_GAIN, 1.0)
         # Integral action on the *linear* error: it cancels the lag behind a
         # steady drift of the tail's shape, and it centres the mean of count/k
         # (what bandwidth sees) rather than its geometric mean.
         drift = np.clip(
             drift + _INTEGRAL_GAIN * np.clip(ratio - 1.0, -1.0, 3.0) / e, -_MAX_DRIFT, _MAX_DRIFT
         )
-        step = np.clip(np.log(ratio) / e + drift, -_MAX_STEP, _MAX_STEP)
+        step = np.clip(gain * (err / e + drift), -_MAX_STEP, _MAX_STEP)
         new_factor = np.clip(factor * np.exp(step), _THETA_MIN, _THETA_MAX)
     return {
         "prev_factor": np.copy(factor),
@@ -214,11 +235,12 @@ def _advance(factor, prev, prev_count, e, drift, count, k1):
         "prev_count": c1 - 1.0,
         "elasticity": e,
         "drift": drift,
+        "gain": gain,
     }
 
 
 # In-place writes: ``prev_factor`` takes the old ``factor`` before it changes.
-_WRITE_ORDER = ("prev_factor", "factor", "prev_count", "elasticity", "drift")
+_WRITE_ORDER = ("prev_factor", "factor", "prev_count", "elasticity", "drift", "gain")
 
 _CONTROLLERS = {
     Controller.DYNAMIC: _Dynamic,
