@@ -364,8 +364,9 @@ def choose_density(
 
     With ``config.auto_layers``, single layers then rise above that density
     (:func:`raise_layers`, alternating with re-planning at the raised
-    densities, at most :data:`_RAISE_ROUNDS` rounds) while the plan still ends
-    within the same bound; the choice's ``layers``, ``plan`` and ``fits`` are
+    densities, until no layer can rise: every round raises a layer a rung, so
+    at most layers x rungs rounds) while the plan still ends within the same
+    bound; the choice's ``layers``, ``plan`` and ``fits`` are
     then at the raised densities."""
     floor = config.density_floor
     ladder = [1.0] + [d for d in AUTO_LADDER if floor < d < 1.0] + [floor]
@@ -381,7 +382,8 @@ def choose_density(
     density = next(d for d, plan in plans.items() if plan.end <= bound)
     plan = plans[density]
     each: Tuple[float, ...] = (density,) * len(profile.layers)
-    for _ in range(_RAISE_ROUNDS if config.auto_layers else 0):
+    rounds = len(profile.layers) * len(AUTO_LADDER) if config.auto_layers else 0
+    for _ in range(rounds):
         # Raised under the plan's messages, then re-planned at the raised
         # densities (the merge planner may group them better, leaving room
         # to raise more), until no layer can rise.
@@ -397,10 +399,6 @@ def choose_density(
     layers = each if any(d > density for d in each) else ()
     fits = plan.end <= backprop * (1.0 + config.auto_slack)
     return DensityChoice(density, bound, fits, tried, plan, layers=layers)
-
-
-#: The most rounds of raising and re-planning :func:`choose_density` makes.
-_RAISE_ROUNDS = 4
 
 
 def raise_layers(
