@@ -13,6 +13,7 @@ from local_world import OPS, LocalWorld, run_steps, sent_values
 from reference import Reference
 
 from dlgs.core import RankMismatchError, SparseExchange, SparsityConfig
+from dlgs.core import controller as controller_module
 
 SIZES = [("w1", 4096), ("b1", 64), ("w2", 2048), ("b2", 10)]  # backward order
 SPARSE = {0, 2}
@@ -479,8 +480,11 @@ def test_float16_values_beyond_its_range_are_sent_clipped_and_the_rest_kept():
         assert steps[-1][2] == 0.0
 
 
+@pytest.mark.parametrize("learnt", [True, False], ids=["gain", "no-gain"])
 @pytest.mark.parametrize("burst, least", [(False, 0.9), (True, 0.85)])
-def test_dynamic_controller_sends_its_target_every_step_not_in_bursts(burst, least):
+def test_dynamic_controller_sends_its_target_every_step_not_in_bursts(
+    burst, least, learnt, monkeypatch
+):
     """With error feedback, a full correction of the threshold overshoots: a
     step that sent too little leaves more in the residual for the next, so a
     controller that corrects the whole error on top of that locks into a
@@ -488,9 +492,12 @@ def test_dynamic_controller_sends_its_target_every_step_not_in_bursts(burst, lea
     carries well under ``density`` on average (the PTB LSTM's layers at 0.001
     sent 44% of k). The learnt loop gain damps it: at density 0.001 with the
     capacity at k, the steps send at least 90% of k on average (85% with a few
-    hot coordinates), and the count stays near k. Without the gain (the
-    2026-12-03 controller) these gradients sent 80% (hot coordinates: 74%) and
-    the count's log-ratio to k spread 0.60 (0.69)."""
+    hot coordinates), and the count stays near k. Without the gain (pinned at
+    1, the 2026-12-03 controller: the ``no-gain`` cases) these gradients send
+    about 80% (hot coordinates: 74%) and the count's log-ratio to k spreads
+    0.60 (0.69): both checks fail there."""
+    if not learnt:
+        monkeypatch.setattr(controller_module, "_MIN_GAIN", 1.0)
     n = 160_000
 
     def grads(rank, step):
@@ -502,7 +509,7 @@ def test_dynamic_controller_sends_its_target_every_step_not_in_bursts(burst, lea
 
     def record(rank, ex, out):
         row = ex.stats()[0]
-        return row["sent"], row["selected"], row["k"]
+        return row["sent"], row["selected"], row["k"], float(ex.layers[0].ctrl["gain"])
 
     recs = run_steps(
         LocalWorld(1),
@@ -513,7 +520,14 @@ def test_dynamic_controller_sends_its_target_every_step_not_in_bursts(burst, lea
         300,
         record,
     )[0]
-    sent, selected, k = np.array(recs[50:], np.float64).T
+    sent, selected, k, gain = np.array(recs[50:], np.float64).T
     assert k[0] == 160
-    assert sent.mean() >= least * k[0], sent.mean() / k[0]
-    assert np.std(np.log((selected + 1) / (k + 1))) <= 0.35
+    on_target = sent.mean() >= least * k[0]
+    steady = np.std(np.log((selected + 1) / (k + 1))) <= 0.35
+    if learnt:
+        assert gain.min() < 1.0  # the gain did act
+        assert on_target, sent.mean() / k[0]
+        assert steady
+    else:
+        assert (gain == 1.0).all()
+        assert not on_target and not steady

@@ -8,11 +8,14 @@ The dynamic controller is the method's core idea: no sort on the hot path. It
 keeps ``theta`` from the previous step and corrects it from how many elements
 that step selected, in log space::
 
-    theta <- theta * ((c + 1) / (k + 1)) ** (1 / e)
+    theta <- theta * exp(g * (log((c + 1) / (k + 1)) / e + drift))
 
 where ``e = -dlog(count)/dlog(theta)`` is the tail's elasticity, estimated by a
 smoothed secant over successive steps and started at ``ln(1/density)`` (exact
-for an exponential tail, which is what SIDCo fits to gradients). Every
+for an exponential tail, which is what SIDCo fits to gradients), ``drift`` an
+integral term on the linear error ``c/k - 1``, and ``g`` in ``[1/16, 1]`` a loop
+gain each layer learns (halved where the count crossed the target since the
+last step, up by a quarter where it stayed on one side). Every
 ``anchor_every`` steps ``theta`` is reset to the exact top-k threshold, as
 Ok-Topk does every 32 iterations, which bounds drift.
 
