@@ -450,6 +450,16 @@ def test_resuming_in_the_middle_of_a_warmup_stage_reproduces_the_run(coding):
                 assert np.array_equal(x, y), (rank, cut + s, i)
 
 
+def _controller_gradient(n, step, burst):
+    """Step ``step``'s Gaussian gradient of ``n`` elements; with ``burst``, its
+    first 500 coordinates far above the rest, by a factor that varies by step."""
+    g = np.random.default_rng(step)
+    x = g.standard_normal(n).astype(np.float32)
+    if burst:
+        x[:500] *= 20 * g.random()
+    return x
+
+
 def test_a_checkpoint_keeps_the_controllers_learnt_gain():
     """The loop gain a layer learnt survives a checkpoint: resumed from a state
     whose gain has fallen below 1, the next steps give the same bits as the run
@@ -457,16 +467,10 @@ def test_a_checkpoint_keeps_the_controllers_learnt_gain():
     n, cut, steps = 160_000, 60, 80
     cfg = SparsityConfig(density=0.001, min_sparse_size=256)
 
-    def grads(step):
-        g = np.random.default_rng(step)
-        x = g.standard_normal(n).astype(np.float32)
-        x[:500] *= 20 * g.random()
-        return x
-
     def run(ex, first, last):
         outs = []
         for s in range(first, last):
-            ex.submit(0, grads(s))
+            ex.submit(0, _controller_gradient(n, s, burst=True))
             outs.append(np.array(ex.wait()[0]))
         return outs
 
@@ -541,11 +545,7 @@ def test_dynamic_controller_sends_its_target_every_step_not_in_bursts(
     n = 160_000
 
     def grads(rank, step):
-        g = np.random.default_rng(step)
-        x = g.standard_normal(n).astype(np.float32)
-        if burst:  # a few coordinates far above the rest, by a varying factor
-            x[:500] *= 20 * g.random()
-        return [x]
+        return [_controller_gradient(n, step, burst)]
 
     def record(rank, ex, out):
         row = ex.stats()[0]
