@@ -7,14 +7,17 @@ PY := $(VENV)/bin/python
 install:
 	bash tools/install.sh
 
+# Every test but the slow (convergence) ones, then those if the 15-minute budget allows
+# (tools/run_tests.py says so when they do not fit).
 test: install
-	$(PY) -m pytest -q tests
+	$(PY) tools/run_tests.py
 
 test-fast: install
 	$(PY) -m pytest -q tests -m "not slow"
 
 # The main job: dense Horovod against dlgs on the PTB LSTM, 2 workers on a 1 Gbit/s
-# local cluster (network namespaces + tc when root; plain loopback otherwise).
+# local cluster (network namespaces + tc when root; plain loopback otherwise), the
+# methods interleaved in 3 rounds so that each sees the same machine.
 # Results go to bench-results/main (ignored by git); `make bench BENCH_OUT=benchmarks/results/main`
 # refreshes the committed ones.
 BENCH_OUT ?= bench-results/main
@@ -22,7 +25,7 @@ BENCH_OUT ?= bench-results/main
 bench: install
 	$(PY) -m benchmarks.cluster --workers 2 --bandwidth 1gbit -- \
 	  $(PY) -m benchmarks.train --model lstm --batch 20 --methods no-comm,dense,dlgs \
-	  --steps 20 --warmup 10 --out $(BENCH_OUT)
+	  --steps 20 --warmup 10 --rounds 3 --out $(BENCH_OUT)
 
 bench-kernels: install
 	$(PY) -m benchmarks.kernels --sizes 1e4,1e5,1e6,1e7,2.5e7 --out benchmarks/results/kernels-cpu

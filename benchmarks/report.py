@@ -277,6 +277,7 @@ def summarise(
                 "step_wait_s": _median_or_blank(slowest.step_wait),
                 "sparsify_s": _median_or_blank(slowest.sparsify),
                 "efficiency_vs_nocomm": "",
+                "bound_noise": "",
                 "speedup_vs_dense": "",
                 "predicted_step_s": "",
                 "prediction_error": "",
@@ -286,6 +287,7 @@ def summarise(
             }
         )
     by = {r["method"]: r["median_step_s"] for r in rows}
+    bound = next((r for r in rows if r["method"] == "no-comm"), None)
     tails = next((t.predicted_tails for t in per_rank[0] if t.predicted_tails), {})
     for r in rows:
         if "no-comm" in by and r["method"] in tails:
@@ -294,9 +296,25 @@ def summarise(
             r["prediction_error"] = r["predicted_step_s"] / r["median_step_s"] - 1
         if "no-comm" in by:
             r["efficiency_vs_nocomm"] = by["no-comm"] / r["median_step_s"]
+            r["bound_noise"] = beats_bound(r, bound)
         if "dense" in by:
             r["speedup_vs_dense"] = by["dense"] / r["median_step_s"]
     return rows
+
+
+def beats_bound(row: Dict[str, Any], bound: Optional[Dict[str, Any]]) -> str:
+    """``"noise"`` when ``row``'s median step is below the no-comm bound's p10:
+    faster than the compute alone by more than the bound's own spread, which
+    communication cannot do, so the difference is the machine's noise and no
+    result. Empty otherwise (and for the bound itself)."""
+    if bound is None or row is bound or row["method"] == "no-comm":
+        return ""
+    return "noise" if float(row["median_step_s"]) < float(bound["p10"]) else ""
+
+
+def _efficiency_cell(row: Dict[str, Any]) -> str:
+    cell = _fmt(row["efficiency_vs_nocomm"], 100, ".0f", "%")
+    return cell + " (noise)" if row.get("bound_noise") == "noise" else cell
 
 
 def write_csv(rows: Sequence[Dict[str, Any]], path: Path, append: bool) -> List[Dict[str, Any]]:
@@ -411,10 +429,19 @@ def format_markdown(
             f"{' (guard: layer-wise)' if r.get('guard') == 'layer-wise' else ''} "
             f"| {_fmt(r['backward_s'], 1e3, '.1f')} | {_fmt(r.get('sparsify_s'), 1e3, '.1f')} "
             f"| {_fmt(r['step_wait_s'], 1e3, '.1f')} "
-            f"| {_fmt(r['efficiency_vs_nocomm'], 100, '.0f', '%')} "
+            f"| {_efficiency_cell(r)} "
             f"| {_fmt(r['speedup_vs_dense'], 1, '.2f', 'x')} "
             f"| {_predicted(r)} |"
         )
+    noisy = [method_cell(r) for r in rows if r.get("bound_noise") == "noise"]
+    if noisy:
+        lines += [
+            "",
+            f"**Noise, not a result:** {', '.join(noisy)} measured faster than the no-comm "
+            "bound by more than the bound's own spread (median below its p10). Communication "
+            "cannot make a step faster than computing it alone: these cells show how noisy "
+            "the machine was; compare them only within the spread, or run more `--rounds`.",
+        ]
     if note:
         lines += ["", f"Note: {note}"]
     return "\n".join(lines) + "\n"
@@ -701,8 +728,9 @@ def run_rounds(
     barrier: Callable[[], Any],
     one: Callable[[str, int, int, Any], MethodTimes],
 ) -> Dict[str, MethodTimes]:
-    """Every method of ``args`` ``args.rounds`` times in turn on this rank, behind
-    a progress bar, pooled per method (:func:`accumulate`).
+    """Every method of ``args`` ``args.rounds`` times in turn on this rank (each
+    round in the order of the last shifted by one), behind a progress bar,
+    pooled per method (:func:`accumulate`).
 
     ``barrier()`` runs before each method so that every rank starts it together;
     ``one(method, round_, warmup, bar)`` runs and times one method with
@@ -714,7 +742,10 @@ def run_rounds(
     bar = progress_bar(total_steps(args), rank)
     with bar, logging_redirect_tqdm():
         for round_ in range(args.rounds):
-            for method in args.methods:
+            # Each round starts one method later, so no method always runs
+            # first (or right after the same neighbour) on a drifting machine.
+            shift = round_ % len(args.methods)
+            for method in args.methods[shift:] + args.methods[:shift]:
                 name = args.emulate.split(":")[-1] if getattr(args, "emulate", None) else args.model
                 bar.set_description(f"{name} {method}")
                 barrier()

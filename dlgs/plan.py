@@ -291,8 +291,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-front",
         type=_type(_int_at_least(2)),
         default=256,
-        help="most Pareto states the DP keeps per prefix; past it the plan may be "
-        "approximate (default: 256, exact for the built-in models)",
+        help="most Pareto states the DP keeps per prefix; past it the front is thinned and "
+        "the plan may be approximate, which the output then says (default: 256; ResNet-50 "
+        "and BERT-base at some bandwidths need more to be exact)",
     )
     common.add_argument(
         "--profile",

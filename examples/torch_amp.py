@@ -6,7 +6,8 @@ Runnable on CPU (fp16 autocast works there with torch >= 2.3) and unchanged on G
     horovodrun -np 2 --gloo python examples/torch_amp.py --steps 300
     horovodrun -np 2 --gloo python examples/torch_amp.py --pattern plain
 
-Fashion-MNIST from Debian's ``dataset-fashion-mnist`` when installed, else random data.
+Fashion-MNIST from Debian's ``dataset-fashion-mnist`` (``make install`` installs it), read
+with the repository's loader; ``--data random`` trains on random data instead (a smoke test).
 The one dlgs-specific line is the optimizer; ``scaler=scaler`` lets dlgs keep what waits in
 its residuals in unscaled units and complete the exchange when back-propagation ends, so
 that every rank skips the same overflowing steps.
@@ -16,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
+from pathlib import Path
 
 import horovod.torch as hvd
 import torch
@@ -24,14 +27,19 @@ import torch.nn.functional as F
 import dlgs.torch
 
 
-def data(device: torch.device):
-    try:
-        from benchmarks.datasets import fashion_mnist  # the repository's loader
-
-        x, y = map(torch.from_numpy, fashion_mnist("train"))
-    except (ImportError, FileNotFoundError):
+def data(kind: str, device: torch.device):
+    if kind == "random":
         g = torch.Generator().manual_seed(0)
         x, y = torch.rand(6000, 1, 28, 28, generator=g), torch.randint(0, 10, (6000,), generator=g)
+        return x.to(device), y.to(device)
+    # The repository's loader, importable wherever the example is launched from.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks.datasets import fashion_mnist
+
+    try:
+        x, y = map(torch.from_numpy, fashion_mnist("train"))
+    except FileNotFoundError as err:
+        raise SystemExit(f"{err}\n(or run with --data random)") from None
     return x.to(device), y.to(device)
 
 
@@ -41,6 +49,7 @@ def main(argv=None) -> None:
     parser.add_argument("--pattern", choices=("horovod", "plain"), default="horovod")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--density", type=float, default=0.01)
+    parser.add_argument("--data", choices=("fashion", "random"), default="fashion")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
@@ -48,7 +57,9 @@ def main(argv=None) -> None:
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(hvd.local_rank())
-    x, y = data(device)
+    x, y = data(args.data, device)
+    if hvd.rank() == 0:
+        logging.info("training on %s: %d images", args.data, len(x))
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Flatten(), torch.nn.Linear(784, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10)

@@ -108,6 +108,9 @@ def test_split_process_sets_train_and_meet_again(ranks):
     for form in ("optimizer", "compression"):
         assert r0[f"global/{form}"] == r1[f"global/{form}"], f"{form}: ranks differ globally"
     assert r0["final"] == r1["final"]
+    for rec in (r0, r1):
+        msg = rec["attach_other_set"]
+        assert msg and "process_set: the optimizer reduces on ranks [0]" in msg, msg
 
 
 @parallel

@@ -63,10 +63,18 @@ def test_residual_holds_unscaled_gradient_across_scale_changes_and_skips(ranks):
 
 
 def test_runnable_example_trains(tmp_path):
+    """Launched from another folder, as a user would: it finds the repository's
+    data loader itself (it once fell back to random data silently)."""
+    from benchmarks.datasets import FASHION_MNIST_DIR
+
+    kind = "fashion" if FASHION_MNIST_DIR.exists() else "random"
     proc = horovodrun(
         "gloo",
         2,
-        [ROOT / "examples/torch_amp.py", "--steps", "40", "--pattern", "plain"],
+        [ROOT / "examples/torch_amp.py", "--steps", "40", "--pattern", "plain", "--data", kind],
         timeout=300,
+        cwd=tmp_path,
     )
-    assert "done: 40 steps" in proc.stderr + proc.stdout
+    out = proc.stderr + proc.stdout
+    assert "done: 40 steps" in out
+    assert f"training on {kind}: {60000 if kind == 'fashion' else 6000} images" in out

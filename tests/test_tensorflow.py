@@ -40,6 +40,7 @@ SCENARIOS = [
     "conservation",
     "fit_identical",
     "resume",
+    "resume_recipe",
     "mismatch",
     "against_reference",
 ]
@@ -433,3 +434,16 @@ def test_keras_fit_density_001_within_2_points_of_dense(fashion_runs):
             assert 0.8 <= ratio <= 1.2, f"rank {r} {name}: selected / target {ratio:.3f}"
     # Every rank evaluates the same (identical) weights.
     assert fashion_runs[0]["0.01"]["accuracy"] == fashion_runs[1]["0.01"]["accuracy"]
+
+
+@pytest.mark.parallel
+def test_tf_resume_recipe_rank0_restores_and_ranks_stay_identical(ranks):
+    """Rank 0 alone restores (tape and model.fit), hvd.broadcast_variables hands
+    the weights on; no hang (the harness kills one) and identical ranks."""
+    r0, r1 = value(ranks, "resume_recipe")
+    for form in ("tape", "fit"):
+        a, b = r0[form], r1[form]
+        assert a["broadcast"] == b["broadcast"], f"{form}: broadcast weights differ"
+        assert a["digests"] == b["digests"], f"{form}: ranks differ after resuming"
+        assert len(set(a["digests"])) == len(a["digests"]), f"{form}: no training"
+        assert a["step"] == b["step"] == 10, f"{form}: steps {a['step']}, {b['step']}"

@@ -136,3 +136,20 @@ def test_bad_arguments_name_the_option(args, option):
     )
     assert proc.returncode == 2
     assert f"argument {option}" in proc.stderr
+
+
+def test_a_method_faster_than_the_bound_beyond_its_spread_is_called_noise():
+    """make bench once printed dlgs at 110% of the no-comm bound as a result."""
+    from benchmarks.report import MethodTimes, format_markdown, summarise
+
+    times = [
+        MethodTimes("no-comm", iteration=[0.40, 0.42, 0.44, 0.50, 0.52]),  # p10 0.408
+        MethodTimes("dlgs", iteration=[0.35, 0.37, 0.39, 0.40, 0.41]),  # median 0.39
+        MethodTimes("dense", iteration=[0.38, 0.41, 0.43, 0.45, 0.60]),  # median 0.43: within
+    ]
+    rows = summarise([times], model="m", batch=1, density=0.01, label="")
+    verdict = {r["method"]: r["bound_noise"] for r in rows}
+    assert verdict == {"no-comm": "", "dlgs": "noise", "dense": ""}
+    text = format_markdown(rows, "cmd", versions="v", threads="t", sample="s", timing="")
+    assert "| 113% (noise) |" in text and "Noise, not a result:** dlgs measured" in text
+    assert "(noise)" not in text.split("| dense |")[1].split("\n")[0]

@@ -311,9 +311,10 @@ class Engine:
         return rest, mine
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict`. Collective once built (see
-        :meth:`SparseExchange.load_state_dict`); before the build, kept and
-        applied by :meth:`build`."""
+        """Restore a :meth:`state_dict`. No collective, so safe on one rank
+        (Horovod's resume recipe); the ranks agree on the step, plan and
+        profile at the next gradient (see :meth:`SparseExchange.load_state_dict`).
+        Before the build, kept and applied by :meth:`build`."""
         if not state:
             return
         if self._exchange is None:

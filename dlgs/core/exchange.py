@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
@@ -31,8 +30,8 @@ import numpy as np
 from ._checks import check_float
 from .backend import ArrayOps
 from .config import SparsityConfig, ValueDType
-from .consistency import RankMismatchError
 from .controller import ThresholdController, make_controller
+from .resume import SyncRecord, resolve, shared
 from .wire import (
     DevicePart,
     GroupLayout,
@@ -63,6 +62,9 @@ STATE_VERSION = 1
 MAX_MESSAGE_ELEMENTS = 2**31 - 1
 # Non-finite steps are logged at most once per this many seconds.
 _NONFINITE_LOG_INTERVAL = 30.0
+#: A run of this many non-finite steps in a row is warned about (and again at
+#: every doubling): a loss scaler halving from 65536 is finite long before.
+NONFINITE_RUN = 16
 
 
 class Collectives(Protocol):
@@ -384,6 +386,12 @@ class SparseExchange:
         self.nonfinite_steps = 0
         self._nonfinite_logged = -math.inf  # time of the last warning
         self._nonfinite_unlogged = 0
+        self._nonfinite_run = 0  # consecutive non-finite steps up to the last one
+        # What every rank must agree on (step, plan, profile, density) is
+        # agreed at the first gradient after construction and after every
+        # load, never inside load_state_dict (dlgs.core.resume).
+        self._sync_pending = True
+        self._loaded = False  # loaded a checkpoint since the last agreement
 
     # -- introspection -------------------------------------------------------
     def index(self, name: str) -> int:
@@ -691,6 +699,8 @@ class SparseExchange:
             )
         if i in self._submitted:
             raise RuntimeError(f"gradient of {layer.name!r} submitted twice in one step")
+        if self._sync_pending and not self._submitted:
+            self._sync()
         if self._density is None or self.density != self._density:
             self._relayout(grad)
         entered = time.perf_counter()  # never synchronises a device
@@ -955,7 +965,10 @@ class SparseExchange:
             layer.flush = False
         if not finite:
             self.nonfinite_steps += 1
+            self._nonfinite_run += 1
             self._log_nonfinite(external)
+        else:
+            self._nonfinite_run = 0
         self._finite = finite
         self._flags.clear()
         self._dense_out.clear()
@@ -981,37 +994,75 @@ class SparseExchange:
 
     def _log_nonfinite(self, external: Sequence[Tuple[int, Any]]) -> None:
         """Name the layers of a non-finite step (rate-limited; reads flags on
-        the host, which only a non-finite step pays)."""
+        the host, which only a non-finite step pays), and warn of a run of
+        them (:data:`NONFINITE_RUN`, then every doubling)."""
         self._nonfinite_unlogged += 1
+        run = self._nonfinite_run
+        long_run = run >= NONFINITE_RUN and run & (run - 1) == 0  # 16, 32, 64, ...
         now = time.monotonic()
-        if now - self._nonfinite_logged < _NONFINITE_LOG_INTERVAL:
+        if now - self._nonfinite_logged < _NONFINITE_LOG_INTERVAL and not long_run:
             return
+        names = ", ".join(repr(n) for n in self._nonfinite_names(external)[:8])
+        if long_run:
+            # A scaler backs off to a finite scale within a few steps; a run
+            # this long skips every update, whatever the scaler does.
+            logger.warning(
+                "step %d: the last %d steps were all non-finite (NaN or Inf) on at least "
+                "one rank (now in %s): no update has been applied since (with a loss "
+                "scaler, or when skipping on .dlgs.last_step_finite). Likely causes: "
+                "non-finite parameters or inputs, a learning rate that diverged, a loss "
+                "scaler that never backs off (scaler.update() not called), or a damaged "
+                "checkpoint",
+                self.step,
+                run,
+                names,
+            )
+        else:
+            # With a loss scaler, overflow is how it calibrates: not worth a warning.
+            level = logging.INFO if self.loss_scale is not None else logging.WARNING
+            skip = (
+                "the loss scaler skips the step"
+                if self.loss_scale is not None
+                else "without a loss scaler, skip the update when .dlgs.last_step_finite "
+                "is False (opt.synchronize(), then step only if finite)"
+            )
+            logger.log(
+                level,
+                "step %d: non-finite gradient (NaN or Inf) on at least one rank in %s; "
+                "%d such step(s) since the last report, %d in all. Residuals and "
+                "thresholds are left as before the step; the optimizer receives NaN "
+                "for these layers on every rank (%s)",
+                self.step,
+                names,
+                self._nonfinite_unlogged,
+                self.nonfinite_steps,
+                skip,
+            )
+        self._nonfinite_logged = now
+        self._nonfinite_unlogged = 0
+
+    def _nonfinite_names(self, external: Sequence[Tuple[int, Any]]) -> List[str]:
+        """The layers whose reduced gradient is non-finite this step: each
+        member of a merged dense message checked on its own."""
         ops = self.ops
         names = []
         u = self._unpack
         if u is not None and u.bad is not None:
             bad = ops.to_host(u.bad)
             names += [self.layers[i].name for i, b in zip(u.members, bad) if b]
-        dense = list(self._dense_out.items()) + list(external)
-        for i, t in dense:
+        parts = []
+        for first, t in self._dense_out.items():
+            members = self.groups[self.layers[first].group].members
+            if len(members) == 1:
+                parts.append((first, t))
+                continue
+            flat = ops.reshape(t, (-1,))
+            for j in members:
+                parts.append((j, ops.narrow(flat, 0, self._dense_offsets[j], self.layers[j].numel)))
+        for i, t in parts + list(external):
             if ops.to_host(ops.any_nonfinite([t])):
-                group = self.groups[self.layers[i].group]
-                names += [self.layers[j].name for j in group.members]
-        # With a loss scaler, overflow is how it calibrates: not worth a warning.
-        level = logging.INFO if self.loss_scale is not None else logging.WARNING
-        logger.log(
-            level,
-            "step %d: non-finite gradient (NaN or Inf) on at least one rank in %s; "
-            "%d such step(s) since the last report, %d in all. Residuals and "
-            "thresholds are left as before the step; the optimizer receives NaN "
-            "for these layers on every rank (a loss scaler skips the step)",
-            self.step,
-            ", ".join(repr(n) for n in names[:8]) + (" ..." if len(names) > 8 else ""),
-            self._nonfinite_unlogged,
-            self.nonfinite_steps,
-        )
-        self._nonfinite_logged = now
-        self._nonfinite_unlogged = 0
+                names.append(self.layers[i].name)
+        return names
 
     # -- statistics and checkpoints -------------------------------------------
     def message_bytes(self, group: _Group) -> int:
@@ -1098,28 +1149,45 @@ class SparseExchange:
             }
         return {
             "version": STATE_VERSION,
+            **self._shared_state(),
+            "rank": self.comm.rank,
+            "size": self.comm.size,
+            "config": self.config.to_dict(),
+            "layers": layers,
+        }
+
+    def _shared_state(self) -> Dict[str, Any]:
+        """What every rank must hold alike (:data:`dlgs.core.resume.SHARED_KEYS`)."""
+        return {
             "step": self.step,
             "plan": self._plan,
             "hooks": {
                 _hook_key(h): h.state_dict() for h in self.step_hooks if hasattr(h, "state_dict")
             },
-            "rank": self.comm.rank,
-            "size": self.comm.size,
-            "config": self.config.to_dict(),
             "auto_density": self._auto_density,
             "auto_layers": None if self._auto_layers is None else list(self._auto_layers),
-            "layers": layers,
         }
 
     def load_state_dict(self, state: Dict[str, Any], like: Any) -> None:
         """Restore a :meth:`state_dict`, validating everything before changing
-        anything. A collective: call it on every rank (each with its own state),
-        between steps; ranks whose states disagree on the step, the plan or the
-        profile raise :class:`~dlgs.core.consistency.RankMismatchError`, all of them.
+        anything. Call it between steps.
+
+        Issues no collective, so it is safe on one rank: Horovod's resume
+        recipe loads on rank 0 only and hands the parameters and the wrapped
+        optimizer's state to the others with its broadcasts. What every rank
+        must agree on (the step, the merge plan, the planner's profile,
+        ``density="auto"``'s choice) is agreed at the first gradient of the
+        next step, which every rank reaches (:mod:`dlgs.core.resume`): ranks
+        that did not load a state take the loading ranks' (their residuals
+        stay as they were, empty in a fresh job, and their thresholds start
+        afresh; logged once); ranks that loaded states that disagree raise
+        :class:`~dlgs.core.consistency.RankMismatchError` there, all of them.
 
         Errors (nothing is changed): another state version, other parameter
-        names, or a residual / velocity whose size is not its parameter's (a
-        checkpoint of another model), naming the parameter and both sizes.
+        names, a residual / velocity whose size is not its parameter's (a
+        checkpoint of another model), naming the parameter and both sizes, or
+        a residual, velocity or threshold that is NaN or infinite (a damaged
+        checkpoint: every later step would be non-finite).
 
         Documented resets, each with a warning: residuals and velocities saved
         by another rank or at another world size are set to zero (they are at
@@ -1132,12 +1200,6 @@ class SparseExchange:
         """
         own, restart = self.check_state_dict(state)
         saved = state["layers"]
-        auto_layers = state.get("auto_layers")
-        if auto_layers is not None:
-            auto_layers = _layer_densities(auto_layers, len(self.layers))
-        plan = state.get("plan")
-        self._check_resume_agrees(state)
-        # -- everything checked: apply -------------------------------------
         if not own:
             logger.warning(
                 "dlgs state was saved by rank %s of %s, this is rank %d of %d: residuals "
@@ -1153,6 +1215,20 @@ class SparseExchange:
                 "(residuals are kept)",
                 ", ".join(restart),
             )
+        self._apply_shared(state)
+        self._relayout(like)
+        self._restore_layers(saved, like, own, restart)
+        self._sync_pending = self._loaded = True
+
+    def _apply_shared(self, state: Dict[str, Any]) -> None:
+        """Put a state's shared part (:func:`dlgs.core.resume.shared`) in
+        force: step, plan, ``density="auto"``'s choice and the step hooks'
+        states (the planner re-plans from its profile). Laid out anew at the
+        next gradient; on an error nothing is changed."""
+        auto_layers = state.get("auto_layers")
+        if auto_layers is not None:
+            auto_layers = _layer_densities(auto_layers, len(self.layers))
+        plan = state.get("plan")
         old = (self.step, self._plan, self._auto_density, self._auto_layers)
         self.step = state["step"]
         self._plan = [(list(m), s) for m, s in plan] if plan is not None else None
@@ -1165,39 +1241,41 @@ class SparseExchange:
         try:
             for hook in self.step_hooks:
                 if hasattr(hook, "load_state_dict"):
-                    hook.load_state_dict(state.get("hooks", {}).get(_hook_key(hook), {}), self)
+                    hook.load_state_dict((state.get("hooks") or {}).get(_hook_key(hook), {}), self)
         except Exception:
             self.step, self._plan, self._auto_density, self._auto_layers = old
             raise
         self._density = None
-        self._relayout(like)
-        self._restore_layers(saved, like, own, restart)
 
-    def _check_resume_agrees(self, state: Dict[str, Any]) -> None:
-        """Every rank must resume at the same step with the same plan and
-        profile (a rank that loaded a stale or another job's file would send
-        other messages and hang the others): one gather of a small summary,
-        the same error on every rank."""
+    def _sync(self) -> None:
+        """The agreement after construction or a load (:mod:`dlgs.core.resume`),
+        at the first gradient of a step: one gather of a small record from
+        every rank of the process set, the same verdict on every rank."""
+        self._sync_pending = False
+        loaded, self._loaded = self._loaded, False
         if self.comm.size <= 1:
             return
-        summary = {
-            "step": state["step"],
-            "plan": repr(state.get("plan")),
-            "hooks": zlib.crc32(repr(state.get("hooks", {})).encode()),
-            "density": (state.get("auto_density"), state.get("auto_layers")),
-        }
-        gathered = self.comm.allgather_object(summary, f"{self.prefix}.resume")
-        problems = [
-            f"{key} {other[key]!r} on rank {r} but {gathered[0][key]!r} on rank 0"
-            for r, other in enumerate(gathered)
-            for key in ("step", "plan", "hooks", "density")
-            if other[key] != gathered[0][key]
+        mine = SyncRecord(loaded, shared(self._shared_state()))
+        gathered = [
+            SyncRecord(*r) for r in self.comm.allgather_object(tuple(mine), f"{self.prefix}.sync")
         ]
-        if problems:
-            raise RankMismatchError(
-                "ranks loaded dlgs states that disagree (load each rank's own checkpoint of "
-                "the same step): " + "; ".join(problems[:4])
-            )
+        verdict = resolve(gathered)
+        if verdict.root is None:
+            return
+        part = gathered[verdict.root].shared
+        if self.comm.rank in verdict.adopters:
+            self._apply_shared(part)
+        logger.log(
+            logging.WARNING if self.comm.rank == 0 else logging.DEBUG,
+            "dlgs: rank %d resumed from a checkpoint of step %d and rank(s) %s did not load "
+            "one: they take its step, merge plan, profile and density; their residuals "
+            "(what they had not sent yet) are not in the checkpoint and their thresholds "
+            "start afresh. To resume every rank's residuals, save and load one dlgs state "
+            "per rank (docs/design.md, 'Checkpoints and residuals')",
+            verdict.root,
+            part["step"],
+            ", ".join(map(str, verdict.adopters)),
+        )
 
     def check_state_dict(self, state: Any) -> Tuple[bool, List[str]]:
         """Validate a :meth:`state_dict` for this exchange without changing
@@ -1233,6 +1311,21 @@ class SparseExchange:
                         f"{size - 1} elements but the parameter has {n} "
                         "(a checkpoint of another model?)"
                     )
+                if buf is not None and not _all_finite(self.ops, buf):
+                    raise ValueError(
+                        f"dlgs state for parameter {name!r}: its {attr} holds NaN or "
+                        "infinite values (a damaged checkpoint: every step after it would "
+                        "be non-finite). Load the optimizer state without its 'dlgs' entry "
+                        "to resume with empty residuals, or use an earlier checkpoint"
+                    )
+            ctrl = entry.get("controller") or {}
+            bad = [k for k, v in ctrl.items() if not math.isfinite(_host_number(self.ops, v))]
+            if bad:
+                raise ValueError(
+                    f"dlgs state for parameter {name!r}: its threshold state {bad} is NaN or "
+                    "infinite (a damaged checkpoint). Load the optimizer state without its "
+                    "'dlgs' entry, or use an earlier checkpoint"
+                )
         step = state.get("step")
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"dlgs state step must be an int >= 0, got {step!r}")
@@ -1370,6 +1463,14 @@ def _host_number(ops: ArrayOps, value: Any) -> float:
     if isinstance(value, (int, float, np.ndarray, np.generic)):
         return float(value)  # type: ignore[arg-type]  # 0-d arrays convert
     return float(np.ravel(ops.to_host(value))[0])
+
+
+def _all_finite(ops: ArrayOps, buf: Any) -> bool:
+    """Whether a saved buffer (a framework tensor or a NumPy array) is finite
+    (read on the host: checkpoints only)."""
+    if isinstance(buf, (np.ndarray, np.generic)):
+        return bool(np.isfinite(buf).all())
+    return not bool(np.ravel(ops.to_host(ops.any_nonfinite([buf])))[0])
 
 
 def _hook_key(hook: Any) -> str:

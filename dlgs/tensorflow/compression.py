@@ -233,6 +233,7 @@ class Compression(CompressionAliases):
         return self._engine.state_dict()
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict` (a collective once the exchange is built)."""
+        """Restore a :meth:`state_dict` between steps. No collective: safe on one
+        rank (see :meth:`dlgs.core.SparseExchange.load_state_dict`)."""
         self._engine.load_state_dict(state)
         self._results = None

@@ -140,12 +140,23 @@ class Compression(CompressionAliases):
         """Fold this compressor's state into ``optimizer``'s checkpoints: from
         now on ``optimizer.state_dict()["dlgs"]`` holds the residuals,
         thresholds, step and plan, and ``optimizer.load_state_dict()`` restores
-        them (a collective, as the optimizer form's). Call it once, with the
+        them (no collective: safe on one rank, as in Horovod's resume recipe;
+        the ranks agree at the next gradient). Call it once, with the
         ``hvd.DistributedOptimizer`` built with ``compression=self``; returns
         self."""
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
                 f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+            )
+        theirs = getattr(optimizer, "process_set", None)
+        mine = self._engine.comm.process_set
+        if theirs is not None and _ranks(theirs) != _ranks(mine):
+            # The optimizer's ranks outside this compressor's set never call
+            # compress(): this compressor's collectives would wait for them forever.
+            raise ValueError(
+                f"process_set: the optimizer reduces on ranks {_ranks(theirs)} but this "
+                f"Compression on ranks {_ranks(mine)}; pass the optimizer's process_set to "
+                "dlgs.torch.Compression(..., process_set=...) too"
             )
 
         pending: List[Any] = []
@@ -245,8 +256,15 @@ class Compression(CompressionAliases):
         return self._engine.state_dict()
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict` (a collective: on every rank, between steps)."""
+        """Restore a :meth:`state_dict` between steps. No collective: safe on one
+        rank (see :meth:`dlgs.core.SparseExchange.load_state_dict`)."""
         self._engine.load_state_dict(state)
         self._results = None
         self._external = []
         self._left = 0
+
+
+def _ranks(process_set) -> List[int]:
+    """A Horovod process set's ranks (the global set's too)."""
+    ranks = process_set.ranks
+    return sorted(ranks) if ranks is not None else list(range(hvd.size()))

@@ -17,6 +17,7 @@ allgather while back-propagation continues.
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Any, Optional, Union
 
 import horovod.torch as hvd
@@ -42,6 +43,14 @@ from ._engine import HorovodCollectives, build_engine, named_trainable
 __all__ = ["DistributedOptimizer"]
 
 logger = logging.getLogger("dlgs.torch")
+
+# Horovod's own warning, word for word (its tests match on it).
+_STEP_AFTER_SYNCHRONIZE = (
+    "optimizer.step() called without optimizer.skip_synchronize() context after "
+    "optimizer.synchronize(). This can cause training slowdown. You may want to consider "
+    "using optimizer.skip_synchronize() context if you use optimizer.synchronize() in your "
+    "code."
+)
 
 
 class _SparseOverrides:
@@ -180,11 +189,16 @@ class _SparseOverrides:
         self._dlgs_synced = True
 
     def step(self, closure=None):
-        # Horovod's step() synchronises again after a manual synchronize()
-        # (with a warning); the dlgs exchange is complete once per step, so it
-        # is synchronised at most once, whichever pattern the user follows.
-        if self._should_synchronize and not self._dlgs_synced:
-            self.synchronize()
+        # Horovod's step() synchronises again after a manual synchronize(),
+        # with a warning; dlgs gives the same warning but exchanges once per
+        # step (a second sparse exchange of the averaged gradients would not
+        # be idempotent). With a loss scaler the exchange completed at the end
+        # of backward: the plain ``scaler.step(opt)`` is the documented pattern.
+        if self._should_synchronize:
+            if not self._synchronized:
+                self.synchronize()
+            elif not self._dlgs_synced:
+                warnings.warn(_STEP_AFTER_SYNCHRONIZE, stacklevel=2)
         self._synchronized = False
         self._dlgs_synced = False
         return super(self.__class__, self).step(closure)

@@ -211,6 +211,22 @@ def process_sets():
         opt = _dlgs_opt(model, form, hvd.global_process_set)
         out[f"global/{form}"] = {"digests": train(model, opt, 8)}
     out["final"] = digest(model)
+    # Form (a) with the optimizer on set [0] and the compressor on the global set:
+    # rank 1 would never call compress(), so attach() refuses (found hanging by
+    # tools/horovod_tests.py on Horovod's test_optimizer_process_sets).
+    model = mlp(4)
+    comp = dlgs.torch.Compression(model.named_parameters(), density=0.05, min_sparse_size=64)
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05),
+        named_parameters=model.named_parameters(),
+        compression=comp,
+        process_set=sets[0],
+    )
+    try:
+        comp.attach(opt)
+        out["attach_other_set"] = None
+    except ValueError as err:
+        out["attach_other_set"] = str(err)
     return out
 
 

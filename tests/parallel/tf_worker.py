@@ -538,6 +538,84 @@ def resume():
     return {"straight": straight, "resumed": resumed, "without_dlgs_state": without}
 
 
+def _restore_on_rank0(path, model, opt, trackable):
+    """Horovod's recipe: rank 0 restores model, optimizer and dlgs' state;
+    hvd.broadcast_variables hands weights and optimizer slots to the others."""
+    if hvd.rank() == 0:
+        ckpt = tf.train.Checkpoint(model=model, optimizer=opt, dlgs=trackable)
+        ckpt.restore(path).assert_existing_objects_matched()
+    hvd.broadcast_variables([v.value for v in model.variables], root_rank=0)
+    hvd.broadcast_variables([v.value for v in opt.variables], root_rank=0)
+    return digest(model)
+
+
+@scenario
+def resume_recipe():
+    """Rank 0 saves; a fresh job starts with other weights on every rank, only
+    rank 0 restores, then hvd.broadcast_variables; training goes on. The
+    custom-loop tape and Keras model.fit; digests after the broadcast and after
+    every step / batch."""
+    tmp = tempfile.mkdtemp(prefix=f"dlgs-tf-recipe-{hvd.rank()}-")
+    out = {}
+    opts = dict(density=0.05, min_sparse_size=64, merge="dp", profile_steps=2)
+
+    # Custom loop: tapes re-created every step continue the engine of their name.
+    def tape(name):
+        def wrap(t, m):
+            return dlgs.tensorflow.DistributedGradientTape(t, name=name, **opts), (
+                m.trainable_variables
+            )
+
+        return wrap
+
+    model, opt = mlp(5), keras.optimizers.SGD(0.05, momentum=0.9)
+    run_loop(model, opt, tape("recipe.tape0"), 6)
+    path = None
+    if hvd.rank() == 0:
+        trackable = dlgs.tensorflow.exchange("recipe.tape0").trackable
+        path = tf.train.Checkpoint(model=model, optimizer=opt, dlgs=trackable).save(
+            os.path.join(tmp, "tape")
+        )
+    model, opt = mlp(100 + hvd.rank(), broadcast=False), keras.optimizers.SGD(0.05, momentum=0.9)
+    opt.build(model.trainable_variables)
+    # The engine exists before the restore: one tape created eagerly (docs/tensorflow.md).
+    dlgs.tensorflow.DistributedGradientTape(tf.GradientTape(), name="recipe.tape1", **opts)
+    engine = dlgs.tensorflow.exchange("recipe.tape1")
+    broadcast = _restore_on_rank0(path, model, opt, engine.trackable)
+    digests = run_loop(model, opt, tape("recipe.tape1"), 4, start=6)
+    out["tape"] = {"broadcast": broadcast, "digests": digests, "step": engine.exchange.step}
+
+    # Keras model.fit.
+    def fit_opt(name):
+        return dlgs.tensorflow.keras.DistributedOptimizer(
+            keras.optimizers.SGD(0.05, momentum=0.9), name=name, **opts
+        )
+
+    model, digests, _ = _fit(fit_opt("recipe.fit0"), run_eagerly=False, batches=6)
+    if hvd.rank() == 0:
+        opt = model.optimizer
+        path = tf.train.Checkpoint(model=model, optimizer=opt, dlgs=opt.dlgs.trackable).save(
+            os.path.join(tmp, "fit")
+        )
+    opt = fit_opt("recipe.fit1")
+    model = mlp(100 + hvd.rank(), broadcast=False)
+    model.compile(
+        optimizer=opt,
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        jit_compile=False,
+    )
+    opt.build(model.trainable_variables)
+    broadcast = _restore_on_rank0(path, model, opt, opt.dlgs.trackable)
+    rng = np.random.default_rng(91 + hvd.rank())
+    x = rng.standard_normal((16 * 4, 32)).astype("float32")
+    y = rng.integers(0, 10, 16 * 4)
+    cb = _Digests()
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0, callbacks=[cb])
+    out["fit"] = {"broadcast": broadcast, "digests": cb.digests, "step": opt.dlgs.exchange.step}
+    shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
 @scenario
 def mismatch():
     """Different models, or different options, on the ranks: an error on every rank."""

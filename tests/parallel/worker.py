@@ -836,6 +836,96 @@ def resume():
     }
 
 
+def _recipe_b(seed):
+    model = mlp(seed)
+    opt = dlgs.torch.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+        named_parameters=model.named_parameters(),
+        density=0.05,
+        min_sparse_size=64,
+        merge="dp",
+        profile_steps=2,
+    )
+    return model, opt, opt.dlgs
+
+
+def _recipe_a(seed):
+    model = mlp(seed)
+    comp = dlgs.torch.Compression(
+        model.named_parameters(), density=0.05, min_sparse_size=64, merge="none"
+    )
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+        named_parameters=model.named_parameters(),
+        compression=comp,
+    )
+    comp.attach(opt)
+    return model, opt, comp.dlgs
+
+
+@scenario
+def resume_recipe():
+    """Horovod's resume recipe, as its examples and test_broadcast_state do it:
+    rank 0 saves, a fresh job starts with other weights on every rank, only
+    rank 0 loads model and optimizer, then hvd.broadcast_parameters and
+    hvd.broadcast_optimizer_state; training goes on. Both forms; parameter
+    digests after the broadcasts and after every step."""
+    out = {}
+    for form, make in (("b", _recipe_b), ("a", _recipe_a)):
+        model, opt, engine = make(5)
+        train(model, opt, 6)
+        saved_plan = [g.members for g in engine.exchange.groups]
+        ckpt = _checkpoint(model, opt) if hvd.rank() == 0 else None
+        model, opt, engine = make(100 + hvd.rank())  # a new job: other weights per rank
+        if hvd.rank() == 0:
+            model.load_state_dict(ckpt["model"])
+            opt.load_state_dict(ckpt["opt"])
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        hvd.broadcast_optimizer_state(opt, root_rank=0)
+        broadcast = digest(model)
+        digests = train(model, opt, 5, start=6)
+        out[form] = {
+            "broadcast": broadcast,
+            "digests": digests,
+            "step": engine.exchange.step,
+            "saved_plan": saved_plan,
+            "plan": [g.members for g in engine.exchange.groups],
+            "finite": bool(torch.isfinite(flat_params(model)).all()),
+        }
+    return out
+
+
+@scenario
+def step_after_synchronize():
+    """synchronize() then step() outside skip_synchronize(): Horovod's own
+    warning, and one exchange per step (a second one would re-sparsify the
+    averaged gradients); the documented skip_synchronize() pattern warns not."""
+    import warnings
+
+    model, opt, engine = _recipe_b(5)
+    opt.zero_grad()
+    x, y = batch(0)
+    F.cross_entropy(model(x), y).backward()
+    opt.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.step()
+    plain = [str(w.message) for w in caught]
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    opt.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with opt.skip_synchronize():
+            opt.step()
+    return {
+        "warnings": plain,
+        "skip_warnings": [str(w.message) for w in caught],
+        "steps": engine.exchange.step,
+        "digest": digest(model),
+    }
+
+
 @scenario
 def mismatch():
     """Ranks with different models, or different options: a clear error on every rank."""

@@ -1,0 +1,110 @@
+"""Agreeing on a resumed state at a step every rank reaches (pure functions).
+
+Horovod's resume recipe loads a checkpoint on rank 0 only and hands it to the
+other ranks with ``hvd.broadcast_parameters`` and
+``hvd.broadcast_optimizer_state``: ``load_state_dict`` then runs on one rank
+and ``state_dict`` on every rank, each from inside Horovod's own code. A
+collective in either would hang the job (issue 29), so neither issues one.
+What every rank must agree on after a load (the step, the merge plan, the
+planner's profile and ``density="auto"``'s choice: everything that names or
+shapes a message) is agreed instead at the first gradient of the next step,
+which every rank reaches: one gather of each rank's :func:`shared` state and
+whether it loaded one (:class:`SyncRecord`), judged here the same way on every
+rank (:func:`resolve`).
+
+* Every rank holds the same shared state: nothing to do (each rank loaded its
+  own file of the same step, or none did).
+* Some ranks loaded a checkpoint and agree with each other, the others did not
+  load one (Horovod's recipe): the others take the lowest loading rank's shared
+  state. Their residuals (what they had not sent yet) stay as they were, empty
+  in a fresh job, and their thresholds restart from the density; the parameters
+  and the wrapped optimizer's state come from Horovod's broadcasts.
+* Ranks that loaded disagree, or no rank loaded and yet they differ: a
+  :class:`~dlgs.core.consistency.RankMismatchError` on every rank, never a
+  hang.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence
+
+from .consistency import RankMismatchError
+
+__all__ = ["SHARED_KEYS", "Resolution", "SyncRecord", "digest", "resolve", "shared"]
+
+#: The keys of an exchange's ``state_dict()`` that every rank must agree on.
+SHARED_KEYS = ("step", "plan", "hooks", "auto_density", "auto_layers")
+
+
+def shared(state: Dict[str, Any]) -> Dict[str, Any]:
+    """The part of an exchange state every rank must agree on (plain data)."""
+    return {key: state.get(key) for key in SHARED_KEYS}
+
+
+def digest(part: Dict[str, Any]) -> int:
+    """A checksum of a :func:`shared` state, equal on ranks holding equal ones
+    (the ``repr`` of plain Python data: unlike a pickle it does not depend on
+    which equal objects happen to be one object, and NaN equals NaN)."""
+    return zlib.crc32(repr(part).encode())
+
+
+class SyncRecord(NamedTuple):
+    """What one rank contributes to the agreement."""
+
+    #: This rank loaded a checkpoint since the last agreement (not its own
+    #: live state handed back, as some recipes do).
+    loaded: bool
+    #: :func:`shared` of this rank's state now.
+    shared: Dict[str, Any]
+
+
+class Resolution(NamedTuple):
+    """:func:`resolve`'s verdict, the same on every rank."""
+
+    #: The rank whose shared state the others take, or None: all agree.
+    root: Optional[int]
+    #: The ranks that take it (did not load a checkpoint).
+    adopters: List[int]
+
+
+def resolve(records: Sequence[SyncRecord]) -> Resolution:
+    """Judge every rank's :class:`SyncRecord` (in rank order).
+
+    Raises:
+        RankMismatchError: ranks that loaded a checkpoint hold different
+            shared states (files of different steps or jobs), or ranks differ
+            without any of them having loaded one.
+    """
+    digests = [digest(r.shared) for r in records]
+    if len(set(digests)) <= 1:
+        return Resolution(None, [])
+    loaded = [rank for rank, r in enumerate(records) if r.loaded]
+    if not loaded:
+        raise RankMismatchError(
+            "ranks hold different dlgs states without a checkpoint loaded: "
+            + _differences(records, 0, range(1, len(records)))
+        )
+    root = loaded[0]
+    disagree = [rank for rank in loaded if digests[rank] != digests[root]]
+    if disagree:
+        raise RankMismatchError(
+            "ranks loaded dlgs states that disagree (load each rank's own checkpoint of the "
+            "same step, or load on one rank and let the others receive it): "
+            + _differences(records, root, disagree)
+        )
+    return Resolution(root, [rank for rank in range(len(records)) if not records[rank].loaded])
+
+
+def _differences(records: Sequence[SyncRecord], root: int, others) -> str:
+    """Which shared keys differ between ``root`` and each of ``others``."""
+    ref = records[root].shared
+    problems = []
+    for rank in others:
+        for key in SHARED_KEYS:
+            a, b = ref.get(key), records[rank].shared.get(key)
+            if a != b:
+                if key == "hooks":  # the planner's profile: long, name it by checksum
+                    a, b = (f"crc {zlib.crc32(repr(x).encode())}" for x in (a, b))
+                problems.append(f"{key} {b!r:.60} on rank {rank} but {a!r:.60} on rank {root}")
+    return "; ".join(problems[:4]) or "their states differ"
