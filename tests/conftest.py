@@ -186,3 +186,16 @@ def tf_single_thread(tf) -> None:
         tf.config.threading.set_inter_op_parallelism_threads(1)
     except RuntimeError:  # "cannot be modified after initialization"
         pass
+
+
+def check_resume_recipe(r0: dict, r1: dict, forms, steps: int) -> None:
+    """Horovod's rank-0 resume recipe (``resume_recipe`` scenarios of both
+    frameworks): per form, the weights after the broadcasts and after every
+    later step are the same on both ranks, they trained, and the exchange
+    counted ``steps`` steps on both."""
+    for form in forms:
+        a, b = r0[form], r1[form]
+        assert a["broadcast"] == b["broadcast"], f"{form}: broadcast weights differ"
+        assert a["digests"] == b["digests"], f"{form}: ranks differ after resuming"
+        assert len(set(a["digests"])) == len(a["digests"]), f"{form}: no training"
+        assert a["step"] == b["step"] == steps, f"{form}: steps {a['step']}, {b['step']}"

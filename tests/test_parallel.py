@@ -8,7 +8,7 @@ numbers from both ranks.
 from __future__ import annotations
 
 import pytest
-from conftest import run_scenarios, value
+from conftest import check_resume_recipe, run_scenarios, value
 
 pytestmark = pytest.mark.parallel
 
@@ -234,14 +234,10 @@ def test_horovods_resume_recipe_runs_and_keeps_ranks_identical(ranks):
     """Rank 0 alone loads, Horovod's broadcasts hand the state on (issue 29:
     this hung in both forms). The harness kills a hang and fails the test."""
     r0, r1 = value(ranks, "resume_recipe")
+    check_resume_recipe(r0, r1, ("a", "b"), steps=11)
     for form in ("a", "b"):
-        a, b = r0[form], r1[form]
-        assert a["broadcast"] == b["broadcast"], f"form {form}: broadcast weights differ"
-        assert a["digests"] == b["digests"], f"form {form}: ranks differ after resuming"
-        assert len(set(a["digests"])) == len(a["digests"]), f"form {form}: no training"
-        assert a["step"] == b["step"] == 11, f"form {form}: steps {a['step']}, {b['step']}"
-        assert a["plan"] == b["plan"], f"form {form}: ranks send different messages"
-        assert a["finite"] and b["finite"]
+        assert r0[form]["plan"] == r1[form]["plan"], f"form {form}: different messages"
+        assert r0[form]["finite"] and r1[form]["finite"]
     # The dp plan made before the checkpoint was taken by rank 1.
     assert r1["b"]["plan"] == r0["b"]["saved_plan"]
 

@@ -17,6 +17,7 @@ import pytest
 from conftest import (
     ROOT,
     bind_horovod,
+    check_resume_recipe,
     horovodrun,
     load_ranks,
     run_scenarios,
@@ -440,10 +441,4 @@ def test_keras_fit_density_001_within_2_points_of_dense(fashion_runs):
 def test_tf_resume_recipe_rank0_restores_and_ranks_stay_identical(ranks):
     """Rank 0 alone restores (tape and model.fit), hvd.broadcast_variables hands
     the weights on; no hang (the harness kills one) and identical ranks."""
-    r0, r1 = value(ranks, "resume_recipe")
-    for form in ("tape", "fit"):
-        a, b = r0[form], r1[form]
-        assert a["broadcast"] == b["broadcast"], f"{form}: broadcast weights differ"
-        assert a["digests"] == b["digests"], f"{form}: ranks differ after resuming"
-        assert len(set(a["digests"])) == len(a["digests"]), f"{form}: no training"
-        assert a["step"] == b["step"] == 10, f"{form}: steps {a['step']}, {b['step']}"
+    check_resume_recipe(*value(ranks, "resume_recipe"), ("tape", "fit"), steps=10)

@@ -50,7 +50,8 @@ class Compression(CompressionAliases):
             (its options are keyword options); in this form layers that
             go dense are allreduced by Horovod one by one (its fusion merges
             them), so only sparse messages follow the plan.
-        process_set: the Horovod process set the optimizer uses.
+        process_set: the Horovod process set the optimizer uses (``attach`` refuses an
+            optimizer on another set: its other ranks would never call ``compress``).
         log_every: log per-layer statistics every this many steps (0: never).
         **options: other :class:`dlgs.SparsityConfig` and :class:`dlgs.MergeConfig`
             fields.

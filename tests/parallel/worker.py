@@ -781,20 +781,25 @@ def _resume_model(**opts):
     return make
 
 
+def _compression_form(seed, attach=True):
+    """Form (a) with momentum SGD, layer-wise: model, Horovod's optimizer, compressor."""
+    model = mlp(seed)
+    comp = dlgs.torch.Compression(
+        model.named_parameters(), density=0.05, min_sparse_size=64, merge="none"
+    )
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+        named_parameters=model.named_parameters(),
+        compression=comp,
+    )
+    if attach:
+        comp.attach(opt)
+    return model, opt, comp
+
+
 def _resume_compression(attach):
     def make():
-        model = mlp(5)
-        comp = dlgs.torch.Compression(
-            model.named_parameters(), density=0.05, min_sparse_size=64, merge="none"
-        )
-        opt = hvd.DistributedOptimizer(
-            torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
-            named_parameters=model.named_parameters(),
-            compression=comp,
-        )
-        if attach:
-            comp.attach(opt)
-        return model, opt
+        return _compression_form(5, attach)[:2]
 
     return make
 
@@ -850,16 +855,7 @@ def _recipe_b(seed):
 
 
 def _recipe_a(seed):
-    model = mlp(seed)
-    comp = dlgs.torch.Compression(
-        model.named_parameters(), density=0.05, min_sparse_size=64, merge="none"
-    )
-    opt = hvd.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
-        named_parameters=model.named_parameters(),
-        compression=comp,
-    )
-    comp.attach(opt)
+    model, opt, comp = _compression_form(seed)
     return model, opt, comp.dlgs
 
 
