@@ -174,13 +174,16 @@ def measure(model_name: str, method: str, args) -> Dict[str, Any]:
 
     spec = SPECS[model_name]
     device = torch.device(args.device)
+    if device.type == "cuda":  # one GPU per rank, as Horovod's examples pin it
+        device = torch.device("cuda", hvd.local_rank())
+        torch.cuda.set_device(device)
     torch.manual_seed(0)
     model = spec.build().to(device)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     opt, engine = _build(method, model, args.density)
     g = torch.Generator().manual_seed(1 + hvd.rank())
     x, y = (t.to(device) for t in spec.make_batch(BATCH[model_name], g))
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
     def step():
         opt.zero_grad()

@@ -576,3 +576,38 @@ def test_dynamic_controller_sends_its_target_every_step_not_in_bursts(
     else:
         assert (gain == 1.0).all()
         assert not on_target and not steady
+
+
+def test_a_step_reads_the_device_once_and_an_anchor_step_twice():
+    """The non-finite verdict and the controllers' count words travel in one
+    host read (docs/gpus.md); a step whose dynamic controller anchors on the
+    exact top-k reads its anchors once more, and the first step of a layout
+    reads each sparse message's fingerprint words once (the layout check)."""
+
+    class Counting(type(OPS)):
+        reads = 0
+
+        def to_host(self, x):
+            Counting.reads += 1
+            return super().to_host(x)
+
+    ops = Counting()
+
+    def body(rank, comm):
+        cfg = SparsityConfig(density=0.05, min_sparse_size=1024, anchor_every=0)
+        ex = SparseExchange(ops, comm, cfg, SIZES)
+        per_step = []
+        for s in range(4):
+            for i, g in enumerate(gaussian(rank, s)):
+                ex.submit(i, g)
+            comm.allgather_object(None, "barrier")  # both ranks' counts start together
+            before = Counting.reads
+            ex.wait()
+            comm.allgather_object(None, "barrier2")
+            per_step.append(Counting.reads - before)
+        return per_step
+
+    # Two thread-ranks share the counter: each step's reads of both ranks. Step 0
+    # anchors and checks the layout of its 2 sparse messages: 1 + 1 + 2 per rank.
+    per_step = LocalWorld(2).run(body)[0]
+    assert per_step == [2 * 4, 2, 2, 2], per_step

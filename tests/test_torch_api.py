@@ -191,3 +191,49 @@ def test_compression_attach_wants_an_optimizer():
     comp = dlgs.torch.Compression(model().named_parameters(), density=0.1)
     with pytest.raises(TypeError, match="torch.optim.Optimizer"):
         comp.attach(comp)
+
+
+def test_the_torch_backend_runs_the_engine_without_horovod():
+    """dlgs.torch._ops and the core need torch only (a GPU self-check, another
+    adapter): with Horovod unimportable, an exchange on the torch backend runs a
+    step and reconstructs a k-sparse gradient exactly; the Horovod forms fail
+    only when asked for."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(
+        """
+        import sys
+        sys.modules["horovod"] = None  # any import of Horovod now fails
+        import torch
+        import dlgs.torch
+        from dlgs.core import SparseExchange, SparsityConfig
+        from dlgs.torch._ops import OPS
+
+        class One:
+            size, rank, included = 1, 0, True
+            def allgather_async(self, chunk, name): return chunk.clone()
+            def allreduce_async(self, tensor, name): return tensor
+            def synchronize(self, handle): return handle
+            def broadcast_object(self, obj): return obj
+            def allgather_object(self, obj, name): return [obj]
+
+        cfg = SparsityConfig(density=0.01, min_sparse_size=100, controller="topk")
+        ex = SparseExchange(OPS, One(), cfg, [("w", 5000)])
+        g = torch.zeros(5000)
+        g[torch.randperm(5000, generator=torch.Generator().manual_seed(0))[:50]] = 1.5
+        ex.submit(0, g)
+        out = ex.wait()[0]
+        assert ex.is_sparse(ex.layers[0]) and torch.equal(out, g), "not exact"
+        try:
+            dlgs.torch.DistributedOptimizer
+        except ImportError:
+            print("forms need horovod")
+        assert "horovod.torch" not in sys.modules or sys.modules["horovod.torch"] is None
+        print("ok")
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["forms", "need", "horovod", "ok"]

@@ -645,14 +645,30 @@ class SparseExchange:
         self._bank_k1 = np.array([_plan(layer).k + 1.0 for layer in layers])
         self._bank, self._bank_layers = bank, layers
 
-    def _update_bank(self) -> None:
-        """The controller's update of every sparse layer after a finite step:
-        one host read of the count words the step gathered (this rank's row is
-        what its layers selected; and, on an anchor step, one of the anchors),
-        then host arithmetic; no device operation."""
-        assert self._bank is not None and self._unpack is not None
+    def _read_verdict(self, flags: List[Any]) -> Tuple[bool, Any]:
+        """Whether the step was finite on every rank, and the count words it
+        gathered (for the controllers), in one host read: the step's only one
+        (an anchor step adds one, :meth:`_update_bank`)."""
         ops = self.ops
-        words = np.asarray(ops.to_host(self._unpack.counts), np.float64)
+        u = self._unpack
+        counts = u.counts if self._bank is not None and u is not None else None
+        parts = [ops.cast(ops.reshape(ops.any_true(flags), (1,)), "int32")] if flags else []
+        if counts is not None:
+            parts.append(counts)
+        if not parts:
+            return True, None
+        host = np.ravel(np.asarray(ops.to_host(parts[0] if len(parts) == 1 else ops.concat(parts))))
+        finite = not (flags and host[0])
+        return finite, (host[1:] if flags else host) if counts is not None else None
+
+    def _update_bank(self, words: Any) -> None:
+        """The controller's update of every sparse layer after a finite step,
+        from the count words the step gathered (read with the verdict: this
+        rank's row is what its layers selected; on an anchor step, one more
+        read, of the anchors), then host arithmetic; no device operation."""
+        assert self._bank is not None and words is not None
+        ops = self.ops
+        words = np.asarray(words, np.float64)
         counts = words.reshape(self.comm.size, -1)[self.comm.rank]
         anchored = [
             (j, layer.ctrl.pop("anchor"))
@@ -936,10 +952,11 @@ class SparseExchange:
         flags = list(self._flags)
         dense = list(self._dense_out.values()) + [t for _, t in external]
         self._lazy_flag = None
+        words = None  # the step's count words, read with the verdict
         if self._tracks_state():
             if dense:
                 flags.append(ops.any_nonfinite(dense))
-            finite = not flags or not ops.to_host(ops.any_true(flags))
+            finite, words = self._read_verdict(flags)
         else:
             # Nothing to undo (every layer dense, no momentum correction): the
             # dense outputs are checked only if asked (last_step_finite), so a
@@ -948,7 +965,7 @@ class SparseExchange:
             finite = True
         submitted = sorted(self._submitted)
         if finite and self._bank is not None:
-            self._update_bank()
+            self._update_bank(words)
         for i in submitted:
             layer = self.layers[i]
             sparse = self.is_sparse(layer)

@@ -9,9 +9,26 @@
 
     opt = dlgs.torch.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                           density=0.01)
+
+The torch backend (``dlgs.torch._ops``: the core's array operations on torch
+tensors) needs torch only: the two forms, which need Horovod, are imported on
+first use, so the backend also serves where Horovod is not installed (a GPU
+self-check, another adapter).
 """
 
-from .compression import Compression
-from .optimizer import DistributedOptimizer
+from typing import Any
 
 __all__ = ["Compression", "DistributedOptimizer"]
+
+
+def __getattr__(name: str) -> Any:
+    # PEP 562: import the Horovod-facing forms when first asked for.
+    if name == "Compression":
+        from .compression import Compression
+
+        return Compression
+    if name == "DistributedOptimizer":
+        from .optimizer import DistributedOptimizer
+
+        return DistributedOptimizer
+    raise AttributeError(f"module 'dlgs.torch' has no attribute {name!r}")

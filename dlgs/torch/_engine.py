@@ -154,11 +154,14 @@ def build_engine(
 
 
 def _clock(device: torch.device):
-    """Seconds, after the device has finished its queued work (profiling only)."""
+    """Seconds, after the current stream has finished its queued work (profiling
+    only). The current stream, not the device: a device-wide synchronisation
+    would also wait for Horovod's NCCL stream and count collectives in flight
+    as back-propagation time."""
     if device.type == "cuda":
 
         def clock() -> float:
-            torch.cuda.synchronize(device)
+            torch.cuda.current_stream(device).synchronize()
             return time.perf_counter()
 
         return clock
