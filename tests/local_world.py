@@ -12,10 +12,11 @@ Used by ``tests/test_exchange_local.py``; not part of the product.
 
 from __future__ import annotations
 
-import threading
 from typing import Any, Callable, Dict, List, Sequence
 
 import numpy as np
+
+from dlgs.core.inprocess import InProcessWorld
 
 _DT = {
     "float32": np.float32,
@@ -218,17 +219,9 @@ class NumpyOps:
 OPS = NumpyOps()
 
 
-class _Meeting:
-    """One collective: every rank posts its part, everyone gets the result."""
-
-    def __init__(self):
-        self.parts: Dict[int, Any] = {}
-        self.result: Any = None
-        self.done = threading.Event()
-
-
-class LocalWorld:
-    """``size`` ranks in one process; :meth:`run` runs a function on each, in threads.
+class LocalWorld(InProcessWorld):
+    """``size`` ranks in one process (:class:`dlgs.core.inprocess.InProcessWorld`);
+    :meth:`run` runs ``fn(rank, comm)`` on each, in threads.
 
     Args:
         size: number of ranks.
@@ -237,54 +230,15 @@ class LocalWorld:
     """
 
     def __init__(self, size: int, timeout: float = 10.0, average: bool = True):
-        self.size = size
+        super().__init__(size, timeout)
         self.average = average
-        self.timeout = timeout
-        self._lock = threading.Lock()
-        self._meetings: Dict[str, _Meeting] = {}
-        self._counts: Dict[tuple, int] = {}
 
     def comm(self, rank: int) -> "LocalComm":
         return LocalComm(self, rank)
 
-    def meet(self, rank: int, name: str, part: Any, combine: Callable[[List[Any]], Any]) -> Any:
-        """Post ``part`` under ``name`` and return ``combine(parts in rank order)``."""
-        with self._lock:
-            # The n-th use of a name by a rank meets the n-th use by the others.
-            n = self._counts.get((rank, name), 0)
-            self._counts[(rank, name)] = n + 1
-            key = f"{name}#{n}"
-            meeting = self._meetings.setdefault(key, _Meeting())
-            meeting.parts[rank] = part
-            if len(meeting.parts) == self.size:
-                meeting.result = combine([meeting.parts[r] for r in range(self.size)])
-                meeting.done.set()
-        if not meeting.done.wait(self.timeout):
-            missing = sorted(set(range(self.size)) - set(meeting.parts))
-            raise TimeoutError(f"collective {name!r}: ranks {missing} never joined (a hang)")
-        return meeting.result
-
-    def run(self, fn: Callable[[int, "LocalComm"], Any]) -> List[Any]:
-        """``fn(rank, comm)`` on every rank concurrently; each rank's result (an
-        exception raised on a rank is re-raised here, naming the rank)."""
-        results: List[Any] = [None] * self.size
-        errors: List[Any] = [None] * self.size
-
-        def body(r):
-            try:
-                results[r] = fn(r, self.comm(r))
-            except BaseException as err:  # reported below, naming the rank
-                errors[r] = err
-
-        threads = [threading.Thread(target=body, args=(r,)) for r in range(self.size)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        for r, err in enumerate(errors):
-            if err is not None:
-                raise RuntimeError(f"rank {r} raised {type(err).__name__}: {err}") from err
-        return results
+    def run(self, fn: Callable[[int, "LocalComm"], Any]) -> List[Any]:  # type: ignore[override]
+        """``fn(rank, comm)`` on every rank concurrently; each rank's result."""
+        return super().run(lambda r: fn(r, self.comm(r)))
 
 
 class LocalComm:

@@ -645,21 +645,24 @@ class SparseExchange:
         self._bank_k1 = np.array([_plan(layer).k + 1.0 for layer in layers])
         self._bank, self._bank_layers = bank, layers
 
-    def _read_verdict(self, flags: List[Any]) -> Tuple[bool, Any]:
-        """Whether the step was finite on every rank, and the count words it
-        gathered (for the controllers), in one host read: the step's only one
-        (an anchor step adds one, :meth:`_update_bank`)."""
+    def _read_verdict(self, dense_flag: Any) -> Tuple[bool, Any]:
+        """Whether the step was finite on every rank, and every rank's count
+        words (for the controllers), in one host read: the step's only one (an
+        anchor step adds one, :meth:`_update_bank`). A sparse member that was
+        non-finite on some rank carries -1 as its count word (every rank sees
+        every rank's words), so the words are the sparse verdict; a dense
+        layer's verdict (``dense_flag``, 0-d bool or None) travels with them."""
         ops = self.ops
         u = self._unpack
-        counts = u.counts if self._bank is not None and u is not None else None
-        parts = [ops.cast(ops.reshape(ops.any_true(flags), (1,)), "int32")] if flags else []
-        if counts is not None:
-            parts.append(counts)
-        if not parts:
-            return True, None
-        host = np.ravel(np.asarray(ops.to_host(parts[0] if len(parts) == 1 else ops.concat(parts))))
-        finite = not (flags and host[0])
-        return finite, (host[1:] if flags else host) if counts is not None else None
+        counts = u.counts if u is not None and self._flags else None
+        if counts is None:
+            return dense_flag is None or not ops.to_host(dense_flag), None
+        if dense_flag is None:
+            host = np.asarray(ops.to_host(counts)).reshape(-1)
+            return bool(host.min() >= 0), host
+        flag = ops.cast(ops.reshape(dense_flag, (1,)), "int32")
+        host = np.asarray(ops.to_host(ops.concat([flag, counts]))).reshape(-1)
+        return bool(host[0] == 0 and host[1:].min() >= 0), host[1:]
 
     def _update_bank(self, words: Any) -> None:
         """The controller's update of every sparse layer after a finite step,
@@ -949,14 +952,12 @@ class SparseExchange:
         layers the caller reduced itself, checked too. Returns whether the step
         was finite."""
         ops = self.ops
-        flags = list(self._flags)
+        flags = list(self._flags)  # the lazy path's
         dense = list(self._dense_out.values()) + [t for _, t in external]
         self._lazy_flag = None
         words = None  # the step's count words, read with the verdict
         if self._tracks_state():
-            if dense:
-                flags.append(ops.any_nonfinite(dense))
-            finite, words = self._read_verdict(flags)
+            finite, words = self._read_verdict(ops.any_nonfinite(dense) if dense else None)
         else:
             # Nothing to undo (every layer dense, no momentum correction): the
             # dense outputs are checked only if asked (last_step_finite), so a

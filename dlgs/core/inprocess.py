@@ -1,0 +1,85 @@
+"""Ranks as threads of one process: collectives without a network (pure Python).
+
+:class:`InProcessWorld` runs one function per rank, each in its own thread (as
+each rank runs in its own process under horovodrun), and lets them meet in
+collectives by name: :meth:`InProcessWorld.meet` posts a rank's part and
+returns a combination of every rank's parts, in rank order. A collective that
+not every rank reaches fails after a timeout, naming the missing ranks,
+instead of hanging. It knows nothing of arrays: an adapter's collectives
+(the self-check's torch ones, the tests' NumPy ones) pass in how to combine.
+
+Used by ``python -m dlgs.selfcheck`` (torch, no Horovod) and the core's tests.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Dict, List
+
+__all__ = ["InProcessWorld"]
+
+
+class _Meeting:
+    """One collective: every rank posts its part, everyone gets the result."""
+
+    def __init__(self):
+        self.parts: Dict[int, Any] = {}
+        self.result: Any = None
+        self.done = threading.Event()
+
+
+class InProcessWorld:
+    """``size`` ranks in one process; :meth:`run` runs a function on each, in threads.
+
+    Args:
+        size: number of ranks.
+        timeout: seconds a collective waits for the other ranks before failing.
+    """
+
+    def __init__(self, size: int, timeout: float = 10.0):
+        self.size = size
+        self.timeout = timeout
+        self._lock = threading.Lock()
+        self._meetings: Dict[str, _Meeting] = {}
+        self._counts: Dict[tuple, int] = {}
+
+    def meet(self, rank: int, name: str, part: Any, combine: Callable[[List[Any]], Any]) -> Any:
+        """Post ``part`` under ``name`` and return ``combine(parts in rank order)``
+        (computed once, by the last rank to arrive)."""
+        with self._lock:
+            # The n-th use of a name by a rank meets the n-th use by the others.
+            n = self._counts.get((rank, name), 0)
+            self._counts[(rank, name)] = n + 1
+            key = f"{name}#{n}"
+            meeting = self._meetings.setdefault(key, _Meeting())
+            meeting.parts[rank] = part
+            if len(meeting.parts) == self.size:
+                meeting.result = combine([meeting.parts[r] for r in range(self.size)])
+                meeting.done.set()
+                del self._meetings[key]  # every rank holds the meeting already
+        if not meeting.done.wait(self.timeout):
+            missing = sorted(set(range(self.size)) - set(meeting.parts))
+            raise TimeoutError(f"collective {name!r}: ranks {missing} never joined (a hang)")
+        return meeting.result
+
+    def run(self, fn: Callable[[int], Any]) -> List[Any]:
+        """``fn(rank)`` on every rank concurrently; each rank's result (an
+        exception raised on a rank is re-raised here, naming the rank)."""
+        results: List[Any] = [None] * self.size
+        errors: List[Any] = [None] * self.size
+
+        def body(r):
+            try:
+                results[r] = fn(r)
+            except BaseException as err:  # reported below, naming the rank
+                errors[r] = err
+
+        threads = [threading.Thread(target=body, args=(r,)) for r in range(self.size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for r, err in enumerate(errors):
+            if err is not None:
+                raise RuntimeError(f"rank {r} raised {type(err).__name__}: {err}") from err
+        return results
