@@ -55,7 +55,7 @@ import numpy as np
 import torch
 
 from .core import SparseExchange, SparsityConfig
-from .core.inprocess import InProcessWorld
+from .core.inprocess import InProcessWorld, sent_values
 from .torch._ops import OPS
 
 __all__ = ["TorchComm", "main", "run_checks"]
@@ -139,40 +139,18 @@ def _run_world(
 ) -> List[List[Any]]:
     world = InProcessWorld(ranks, timeout=60.0)
 
-    def body(rank):
+    def make(rank):
         scale = None
         if loss_scale is not None:
             value = torch.tensor(loss_scale, device=device)
             scale = lambda: value  # noqa: E731
-        ex = SparseExchange(OPS, TorchComm(world, rank), config, LAYERS, loss_scale=scale)
-        out = []
-        for s in range(steps):
-            for i, g in enumerate(grads(rank, s)):
-                ex.submit(i, g)
-            out.append(record(rank, ex, ex.wait()))
-        return out
+        return SparseExchange(OPS, TorchComm(world, rank), config, LAYERS, loss_scale=scale)
 
-    return world.run(body)
+    return world.run_steps(make, grads, steps, record)
 
 
 def _flat(out: Dict[int, Any]) -> torch.Tensor:
     return torch.cat([out[i].reshape(-1).float().cpu() for i in sorted(out)])
-
-
-def _sent(ex: SparseExchange) -> Dict[int, np.ndarray]:
-    """This rank's last sent values per sparse layer, decoded from its chunk on
-    the host by the reference decoder."""
-    sent = {}
-    for group in ex.groups:
-        if group.sparse:
-            lay = group.layout
-            dense = np.zeros(lay.dense_size, np.float64)
-            vals, idx, _ = lay.decode(group.chunk.cpu().numpy())
-            np.add.at(dense, idx, vals)
-            for m, i in enumerate(group.members):
-                start = lay.dense_offset(m)
-                sent[i] = dense[start : start + lay.sizes[m]]
-    return sent
 
 
 def check_cases(device, ranks: Sequence[int], steps: int) -> List[Row]:
@@ -198,7 +176,7 @@ def check_cases(device, ranks: Sequence[int], steps: int) -> List[Row]:
                 cfg,
                 steps,
                 lambda r, s: _grads(r, s, device),
-                lambda r, ex, out: (_flat(out), _sent(ex), _residuals(ex)),
+                lambda r, ex, out: (_flat(out), sent_values(ex), _residuals(ex)),
                 loss_scale=scale,
             )
             same = all(

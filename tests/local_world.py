@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, List, Sequence
 
 import numpy as np
 
-from dlgs.core.inprocess import InProcessWorld
+from dlgs.core.inprocess import InProcessWorld, sent_values
 
 _DT = {
     "float32": np.float32,
@@ -282,37 +282,9 @@ def run_steps(
     record: Callable[[int, Any, Dict[int, Any]], Any] = lambda r, ex, out: None,
 ) -> List[List[Any]]:
     """Build an exchange per rank with ``make(rank, comm)`` and run ``steps``
-    steps, submitting ``grads(rank, step)`` (one flat array per layer, in
-    layer order) and recording ``record(rank, exchange, outputs)`` after each
-    wait. Returns each rank's records."""
-
-    def body(rank, comm):
-        ex = make(rank, comm)
-        out = []
-        for s in range(steps):
-            for i, g in enumerate(grads(rank, s)):
-                ex.submit(i, g)
-            out.append(record(rank, ex, ex.wait()))
-        return out
-
-    return world.run(body)
-
-
-def sent_values(ex) -> Dict[int, np.ndarray]:
-    """This rank's last sent values per sparse layer (float64, the layer's
-    size), decoded from its own send buffers: what error feedback must
-    account for (sent + residual = accumulated input)."""
-    sent = {}
-    for group in ex.groups:
-        if group.sparse:
-            lay = group.layout
-            dense = np.zeros(lay.dense_size, np.float64)
-            vals, idx, _ = lay.decode(group.chunk)
-            np.add.at(dense, idx, vals)
-            for m, i in enumerate(group.members):
-                start = lay.dense_offset(m)
-                sent[i] = dense[start : start + lay.sizes[m]]
-    return sent
+    steps (:meth:`dlgs.core.inprocess.InProcessWorld.run_steps`). Returns each
+    rank's records."""
+    return world.run_steps(lambda rank: make(rank, world.comm(rank)), grads, steps, record)
 
 
 def sent_and_residuals(rank, ex, out):

@@ -14,9 +14,11 @@ Used by ``python -m dlgs.selfcheck`` (torch, no Horovod) and the core's tests.
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Sequence
 
-__all__ = ["InProcessWorld"]
+import numpy as np
+
+__all__ = ["InProcessWorld", "sent_values"]
 
 
 class _Meeting:
@@ -83,3 +85,44 @@ class InProcessWorld:
             if err is not None:
                 raise RuntimeError(f"rank {r} raised {type(err).__name__}: {err}") from err
         return results
+
+    def run_steps(
+        self,
+        make: Callable[[int], Any],
+        grads: Callable[[int, int], Sequence[Any]],
+        steps: int,
+        record: Callable[[int, Any, Dict[int, Any]], Any],
+    ) -> List[List[Any]]:
+        """On every rank: an exchange from ``make(rank)``, ``steps`` steps
+        submitting ``grads(rank, step)`` (one flat tensor per layer, in layer
+        order), and ``record(rank, exchange, outputs)`` after each wait. Each
+        rank's records."""
+
+        def body(rank):
+            ex = make(rank)
+            out = []
+            for s in range(steps):
+                for i, g in enumerate(grads(rank, s)):
+                    ex.submit(i, g)
+                out.append(record(rank, ex, ex.wait()))
+            return out
+
+        return InProcessWorld.run(self, body)  # not a subclass's run(fn(rank, comm))
+
+
+def sent_values(ex: Any) -> Dict[int, np.ndarray]:
+    """What this rank of exchange ``ex`` sent in its last step, per sparse
+    layer (float64, the layer's size), decoded from its own send buffers by the
+    reference decoder on the host: what error feedback must account for (sent
+    + residual = accumulated input). For checks, not the hot path."""
+    sent = {}
+    for group in ex.groups:
+        if group.sparse:
+            lay = group.layout
+            dense = np.zeros(lay.dense_size, np.float64)
+            vals, idx, _ = lay.decode(np.asarray(ex.ops.to_host(group.chunk), np.int32))
+            np.add.at(dense, idx, vals)
+            for m, i in enumerate(group.members):
+                start = lay.dense_offset(m)
+                sent[i] = dense[start : start + lay.sizes[m]]
+    return sent

@@ -113,8 +113,7 @@ HARNESSES = {
     ),
     # A fragment run after one epoch of fit with a dlgs optimizer ``opt`` (checkpoints).
     "tf-trained": (
-        TF_PRELUDE
-        + "opt = dlgs.tensorflow.keras.DistributedOptimizer(\n"
+        TF_PRELUDE + "opt = dlgs.tensorflow.keras.DistributedOptimizer(\n"
         "    keras.optimizers.SGD(0.05), density=0.01)\n"
         "model.compile(optimizer=opt, loss=loss_fn, jit_compile=False)\n"
         "model.fit(x_shard, y_shard, batch_size=8, epochs=1, verbose=0)\n",
