@@ -245,3 +245,20 @@ def test_shared_holds_what_every_rank_must_agree_on_and_no_residual():
 
     a, b = LocalWorld(2).run(body)
     assert a == b and a["step"] == 3 and a["plan"] == [([0, 2], None)]
+
+
+def test_a_damaged_state_kept_for_later_is_refused_when_loaded():
+    """An engine built lazily (TensorFlow) keeps a restored state until its
+    first step: a damaged one is refused at the restore, on the loading rank,
+    not inside a step the other ranks are already in."""
+    from dlgs.core import Engine
+
+    def body(rank, comm):
+        state = _trained_state(rank, comm)
+        state["layers"]["w1"]["velocity"] = np.full(4097, np.inf, np.float32)
+        engine = Engine(OPS, comm, SparsityConfig(density=0.05), average=True, prefix="e")
+        with pytest.raises(ValueError, match="'w1': its velocity holds NaN or infinite"):
+            engine.load_state_dict(state)
+        return engine.built
+
+    assert LocalWorld(2).run(body) == [False, False]

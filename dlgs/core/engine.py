@@ -33,7 +33,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from .backend import ArrayOps
 from .config import SparsityConfig
 from .consistency import agreed_options, check_ranks_agree, signature
-from .exchange import Collectives, SparseExchange, log_stats
+from .exchange import Collectives, SparseExchange, check_finite_state, log_stats
 
 __all__ = ["CompressionAliases", "Engine", "OptimizerAliases", "check_unique_names"]
 
@@ -318,6 +318,7 @@ class Engine:
         if not state:
             return
         if self._exchange is None:
+            check_finite_state(self.ops, state)  # here, not at a step the others are in
             self._pending_state = state
             return
         self._exchange.load_state_dict(state, like=self._like)

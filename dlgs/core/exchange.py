@@ -47,6 +47,7 @@ __all__ = [
     "LayerPlan",
     "SparseExchange",
     "StepHook",
+    "check_finite_state",
     "log_stats",
     "plan_layers",
     "select",
@@ -63,7 +64,8 @@ MAX_MESSAGE_ELEMENTS = 2**31 - 1
 # Non-finite steps are logged at most once per this many seconds.
 _NONFINITE_LOG_INTERVAL = 30.0
 #: A run of this many non-finite steps in a row is warned about (and again at
-#: every doubling): a loss scaler halving from 65536 is finite long before.
+#: every doubling; twice as many with a loss scaler): a scaler halving from
+#: 65536 is finite long before.
 NONFINITE_RUN = 16
 
 
@@ -1016,7 +1018,10 @@ class SparseExchange:
         them (:data:`NONFINITE_RUN`, then every doubling)."""
         self._nonfinite_unlogged += 1
         run = self._nonfinite_run
-        long_run = run >= NONFINITE_RUN and run & (run - 1) == 0  # 16, 32, 64, ...
+        # A scaler that starts high overflows for a while by design (from 2^30,
+        # about 15 halvings): twice the run before it is called one.
+        first = NONFINITE_RUN * (2 if self.loss_scale is not None else 1)
+        long_run = run >= first and run & (run - 1) == 0  # 16 (32), 32 (64), ...
         now = time.monotonic()
         if now - self._nonfinite_logged < _NONFINITE_LOG_INTERVAL and not long_run:
             return
@@ -1236,6 +1241,9 @@ class SparseExchange:
         self._apply_shared(state)
         self._relayout(like)
         self._restore_layers(saved, like, own, restart)
+        # Any load counts, even of the state in force: a rank that loads must
+        # agree with the other loading ranks (a stale file is an error), never
+        # be rolled back or forward silently by them.
         self._sync_pending = self._loaded = True
 
     def _apply_shared(self, state: Dict[str, Any]) -> None:
@@ -1329,21 +1337,7 @@ class SparseExchange:
                         f"{size - 1} elements but the parameter has {n} "
                         "(a checkpoint of another model?)"
                     )
-                if buf is not None and not _all_finite(self.ops, buf):
-                    raise ValueError(
-                        f"dlgs state for parameter {name!r}: its {attr} holds NaN or "
-                        "infinite values (a damaged checkpoint: every step after it would "
-                        "be non-finite). Load the optimizer state without its 'dlgs' entry "
-                        "to resume with empty residuals, or use an earlier checkpoint"
-                    )
-            ctrl = entry.get("controller") or {}
-            bad = [k for k, v in ctrl.items() if not math.isfinite(_host_number(self.ops, v))]
-            if bad:
-                raise ValueError(
-                    f"dlgs state for parameter {name!r}: its threshold state {bad} is NaN or "
-                    "infinite (a damaged checkpoint). Load the optimizer state without its "
-                    "'dlgs' entry, or use an earlier checkpoint"
-                )
+        check_finite_state(self.ops, state)
         step = state.get("step")
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"dlgs state step must be an int >= 0, got {step!r}")
@@ -1481,6 +1475,35 @@ def _host_number(ops: ArrayOps, value: Any) -> float:
     if isinstance(value, (int, float, np.ndarray, np.generic)):
         return float(value)  # type: ignore[arg-type]  # 0-d arrays convert
     return float(np.ravel(ops.to_host(value))[0])
+
+
+def check_finite_state(ops: ArrayOps, state: Dict[str, Any]) -> None:
+    """Refuse a state whose residual, velocity or threshold state is NaN or
+    infinite (a damaged checkpoint: every step after it would be non-finite),
+    naming the parameter. Needs no exchange: an engine checks a state it keeps
+    for later (TensorFlow restores before the first step) when it is loaded,
+    on the rank that loads it, not at a step the other ranks are already in."""
+    layers = state.get("layers") if isinstance(state, dict) else None
+    for name, entry in (layers or {}).items():
+        if not isinstance(entry, dict):
+            continue
+        for attr in ("residual", "velocity"):
+            buf = entry.get(attr)
+            if buf is not None and not _all_finite(ops, buf):
+                raise ValueError(
+                    f"dlgs state for parameter {name!r}: its {attr} holds NaN or "
+                    "infinite values (a damaged checkpoint: every step after it would "
+                    "be non-finite). Load the optimizer state without its 'dlgs' entry "
+                    "to resume with empty residuals, or use an earlier checkpoint"
+                )
+        ctrl = entry.get("controller") or {}
+        bad = [k for k, v in ctrl.items() if not math.isfinite(_host_number(ops, v))]
+        if bad:
+            raise ValueError(
+                f"dlgs state for parameter {name!r}: its threshold state {bad} is NaN or "
+                "infinite (a damaged checkpoint). Load the optimizer state without its "
+                "'dlgs' entry, or use an earlier checkpoint"
+            )
 
 
 def _all_finite(ops: ArrayOps, buf: Any) -> bool:

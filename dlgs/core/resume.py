@@ -52,8 +52,9 @@ def digest(part: Dict[str, Any]) -> int:
 class SyncRecord(NamedTuple):
     """What one rank contributes to the agreement."""
 
-    #: This rank loaded a checkpoint since the last agreement (not its own
-    #: live state handed back, as some recipes do).
+    #: This rank loaded a state since the last agreement (any state: one that
+    #: equals the state in force too, so that a rank whose file is current is
+    #: never rolled back to another rank's stale one).
     loaded: bool
     #: :func:`shared` of this rank's state now.
     shared: Dict[str, Any]

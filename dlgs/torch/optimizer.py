@@ -141,6 +141,9 @@ class _SparseOverrides:
                 if not self._dlgs_open:
                     self._dlgs_open = True
                     self._dlgs_synced = False
+                    # A new backward: whatever synchronize() completed before
+                    # (even a step the loop skipped) no longer stands for it.
+                    self._synchronized = False
                     if self._dlgs_scaler is not None:
                         # With a loss scaler the exchange completes when
                         # back-propagation ends, so that the scaler's own
@@ -195,7 +198,7 @@ class _SparseOverrides:
         # be idempotent). With a loss scaler the exchange completed at the end
         # of backward: the plain ``scaler.step(opt)`` is the documented pattern.
         if self._should_synchronize:
-            if not self._synchronized:
+            if self._dlgs_open or not self._synchronized:
                 self.synchronize()
             elif not self._dlgs_synced:
                 warnings.warn(_STEP_AFTER_SYNCHRONIZE, stacklevel=2)

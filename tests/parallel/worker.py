@@ -879,12 +879,15 @@ def resume_recipe():
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         hvd.broadcast_optimizer_state(opt, root_rank=0)
         broadcast = digest(model)
-        digests = train(model, opt, 5, start=6)
+        digests = train(model, opt, 1, start=6)
+        first_plan = [g.members for g in engine.exchange.groups]
+        digests += train(model, opt, 4, start=7)
         out[form] = {
             "broadcast": broadcast,
             "digests": digests,
             "step": engine.exchange.step,
             "saved_plan": saved_plan,
+            "first_plan": first_plan,
             "plan": [g.members for g in engine.exchange.groups],
             "finite": bool(torch.isfinite(flat_params(model)).all()),
         }
@@ -914,9 +917,18 @@ def step_after_synchronize():
         warnings.simplefilter("always")
         with opt.skip_synchronize():
             opt.step()
+    skip_warnings = [str(w.message) for w in caught]
+    # A loop that synchronizes and then skips the step (e.g. on a non-finite
+    # verdict): the next backward's step() must exchange again.
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    opt.synchronize()
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
     return {
         "warnings": plain,
-        "skip_warnings": [str(w.message) for w in caught],
+        "skip_warnings": skip_warnings,
         "steps": engine.exchange.step,
         "digest": digest(model),
     }
