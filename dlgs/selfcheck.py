@@ -616,6 +616,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("selfcheck-results"))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    # The checks inject non-finite steps on purpose, on up to 64 ranks at once.
+    logging.getLogger("dlgs.core").setLevel(logging.ERROR)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no GPU")
