@@ -288,3 +288,41 @@ def test_describe_answers_in_every_state_with_layer_names():
     assert "w2" in table or "w1" in table
     assert "re-profiling" in seen["reprofiling"] and "layout in force" in seen["reprofiling"]
     assert "merge='none'" in seen["none"] and "sparse" in seen["none"]
+
+
+@pytest.mark.parametrize("caller", [None, 0, 1])
+def test_reprofile_on_one_rank_reaches_every_rank_with_the_next_drift_vote(caller):
+    """``.dlgs.reprofile()`` called on one rank only (issue 29's audit): the
+    request travels in the next drift vote and every rank profiles again from
+    the same step; never a hang (LocalWorld fails a collective one rank
+    misses). Without a call nothing re-plans (drift is switched off)."""
+    world = LocalWorld(2, timeout=5.0)
+
+    def body(rank, comm):
+        cfg = MergeConfig("buckets", profile_steps=1, drift_window=2, drift_tolerance=1e6)
+        planner = OnlinePlanner.from_config(cfg)
+        eng = engine(comm, planner=planner)
+        eng.build(LAYERS)
+        s = 0
+        while not planner.settled:
+            step(eng, rank, s)
+            s += 1
+            assert s < 40, "no plan"
+        made = planner.plans_made
+        if rank == caller:
+            eng.reprofile()
+        replanned_at = None
+        for _ in range(16):
+            step(eng, rank, s)
+            s += 1
+            if replanned_at is None and planner.plan is None:
+                replanned_at = eng.exchange.step
+        return made, planner.plans_made, replanned_at
+
+    (made0, after0, at0), (made1, after1, at1) = world.run(body)
+    assert made0 == made1
+    if caller is None:
+        assert after0 == after1 == made0 and at0 is None and at1 is None
+    else:
+        assert at0 == at1 is not None, (at0, at1)
+        assert after0 == after1 > made0

@@ -208,12 +208,17 @@ class Engine:
         return self._planner
 
     def reprofile(self) -> None:
-        """Profile again from the next step and re-plan (the plan in force stays
-        until then). Collective: call it on every rank of the process set
-        between the same two steps; a call on one rank only leaves the others
-        waiting in its probes."""
+        """Profile again and re-plan (the plan in force stays until then).
+
+        Safe on one rank: the request reaches every rank with the planner's
+        next drift vote (every ``drift_window`` steps once a plan is in force;
+        the first two windows after a plan), and every rank profiles again
+        from the same step. With ``drift_window=0`` or ``merge="none"`` it
+        takes effect at once and is then a collective: call it on every rank
+        between the same two steps
+        (:meth:`~dlgs.core.profiler.OnlinePlanner.request_restart`)."""
         if self._planner is not None:
-            self._planner.restart()
+            self._planner.request_restart(self.comm.size)
 
     def describe(self) -> str:
         """What dlgs is doing now, in every state (before the first step,

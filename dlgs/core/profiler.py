@@ -179,6 +179,7 @@ class OnlinePlanner:
         self._baseline: Optional[float] = None
         self._drifted = 0  # consecutive drift windows beyond the tolerance, signed
         self._vote: Optional[Tuple[Any, Any]] = None  # (comm, handle) of a drift vote
+        self._restart_requested = False  # reprofile() asked; carried by the next vote
         self._started: Optional[float] = None  # perf_counter() at the first step seen
         self._collectives: Optional[Profile] = None  # the last profile with probes
         self._waiting = False  # logged that the first probes wait for their bytes
@@ -424,11 +425,16 @@ class OnlinePlanner:
         if self._vote is not None:
             comm, handle = self._vote
             self._vote = None
-            if int(ex.ops.to_host(comm.synchronize(handle))[0]):
+            words = [int(w) for w in ex.ops.to_host(comm.synchronize(handle))]
+            # Bit 1: rank 0's drift verdict; bit 2: some rank's reprofile() request.
+            asked = [r for r, w in enumerate(words) if w & 2]
+            if words[0] & 1 or asked:
                 _log(
                     ex,
-                    "dlgs: step time drifted from the plan's calibration for two windows "
-                    "(at step %d): profiling again",
+                    "dlgs: %s (at step %d): profiling again",
+                    "step time drifted from the plan's calibration for two windows"
+                    if words[0] & 1
+                    else f"reprofile() was called on rank(s) {asked}",
                     ex.step,
                 )
                 self.restart()
@@ -470,7 +476,7 @@ class OnlinePlanner:
                 self.profile_budget,
                 "voting to profile again" if vote else "re-profiling later",
             )
-        flag = ex.ops.index_vector([int(vote)], ex.like)
+        flag = ex.ops.index_vector([int(vote) | (2 if self._restart_requested else 0)], ex.like)
         self._vote = (ex.comm, ex.comm.allgather_async(flag, f"{ex.prefix}.drift_vote"))
         self.cost["broadcasts"] += 1
         self.cost["bytes"] += 8
@@ -546,10 +552,28 @@ class OnlinePlanner:
         self._drifted = 0
         self._refining = False
         self._auto_before = None
+        self._restart_requested = False
         if self._vote is not None:  # every rank has the same vote pending
             comm, handle = self._vote
             self._vote = None
             comm.synchronize(handle)
+
+    def request_restart(self, world_size: int) -> bool:
+        """``.dlgs.reprofile()``: profile again, agreed with every rank.
+
+        Safe on one rank: the request travels in the next drift vote (a
+        1-element allgather every rank makes every ``drift_window`` steps once
+        a plan is in force, the first one two windows after the plan), and
+        every rank restarts at the same step when any rank asked. Where no
+        vote will come (one rank, ``drift_window=0``, ``merge="none"``) the
+        planner restarts at once, which with several ranks is a collective:
+        call it on every rank between the same two steps. Returns whether it
+        restarted at once."""
+        if world_size <= 1 or not self.drift_window or self.strategy == "none":
+            self.restart()
+            return True
+        self._restart_requested = True
+        return False
 
     def on_density(self, ex, density: float) -> Optional[List[Tuple[List[int], bool]]]:
         """The density or the per-layer densities changed (the exchange is
@@ -758,7 +782,7 @@ class OnlinePlanner:
                 "dlgs: %s times did not grow with size (%s): the plan treats bytes as free. "
                 "Expected on loopback or shared memory; on a real network the machine was "
                 "busy: profile again later with .dlgs.reprofile() (on the optimizer, tape or "
-                "compression object), called on every rank between the same two steps",
+                "compression object; one rank is enough)",
                 kind,
                 ", ".join(f"{s / 1024:.0f} KiB {t * 1e3:.2f} ms" for s, t in zip(sizes, times)),
                 level=logging.WARNING,
