@@ -54,11 +54,14 @@ def test_cluster_caps_bandwidth_runs_horovod_and_cleans_up(tmp_path):
         assert "dlgstest0" in _netns()
         measured = cluster.measure_bandwidth(seconds=1.0)
         assert 0.8e8 <= measured <= 1.05e8, measured
-        # Both links of the 2-worker ring at once: each direction has its own cap
-        # (never above it; below it by what two senders on 2 busy cores lose:
-        # 76 Mbit/s was seen in CI, so the floor is looser than for one link).
+        # Both links of the 2-worker ring at once: each direction has its own cap,
+        # never exceeded, and together they carry more than one cap would allow.
+        # How two senders on 2 busy cores share the CPU is not fair: one link was
+        # seen at 76 Mbit/s, and once at 53 beside 96 (2026-12-04), so each link's
+        # floor only says it was not starved.
         links = cluster.measure_aggregate(seconds=1.0)
-        assert len(links) == 2 and all(0.6e8 <= b <= 1.05e8 for b in links), links
+        assert len(links) == 2 and all(0.3e8 <= b <= 1.05e8 for b in links), links
+        assert sum(links) >= 1.2e8, links
         assert cluster.run([sys.executable, str(script)], timeout=120) == 0
         # A worker that dies stops the job with its exit code instead of hanging.
         assert cluster.run([sys.executable, str(script), "die"], timeout=120) == 3
