@@ -31,7 +31,7 @@ from ._checks import check_float
 from .backend import ArrayOps
 from .config import SparsityConfig, ValueDType
 from .controller import ThresholdController, make_controller
-from .resume import SyncRecord, resolve, shared
+from .resume import SyncRecord, resolve
 from .wire import (
     DevicePart,
     GroupLayout,
@@ -1025,7 +1025,8 @@ class SparseExchange:
         now = time.monotonic()
         if now - self._nonfinite_logged < _NONFINITE_LOG_INTERVAL and not long_run:
             return
-        names = ", ".join(repr(n) for n in self._nonfinite_names(external)[:8])
+        found = self._nonfinite_names(external)
+        names = ", ".join(repr(n) for n in found[:8]) + (" ..." if len(found) > 8 else "")
         if long_run:
             # A scaler backs off to a finite scale within a few steps; a run
             # this long skips every update, whatever the scaler does.
@@ -1281,7 +1282,7 @@ class SparseExchange:
         loaded, self._loaded = self._loaded, False
         if self.comm.size <= 1:
             return
-        mine = SyncRecord(loaded, shared(self._shared_state()))
+        mine = SyncRecord(loaded, self._shared_state())
         gathered = [
             SyncRecord(*r) for r in self.comm.allgather_object(tuple(mine), f"{self.prefix}.sync")
         ]

@@ -558,7 +558,7 @@ class OnlinePlanner:
             self._vote = None
             comm.synchronize(handle)
 
-    def request_restart(self, world_size: int) -> bool:
+    def request_restart(self, world_size: int) -> None:
         """``.dlgs.reprofile()``: profile again, agreed with every rank.
 
         Safe on one rank: the request travels in the next drift vote (a
@@ -567,13 +567,11 @@ class OnlinePlanner:
         every rank restarts at the same step when any rank asked. Where no
         vote will come (one rank, ``drift_window=0``, ``merge="none"``) the
         planner restarts at once, which with several ranks is a collective:
-        call it on every rank between the same two steps. Returns whether it
-        restarted at once."""
+        call it on every rank between the same two steps."""
         if world_size <= 1 or not self.drift_window or self.strategy == "none":
             self.restart()
-            return True
-        self._restart_requested = True
-        return False
+        else:
+            self._restart_requested = True
 
     def on_density(self, ex, density: float) -> Optional[List[Tuple[List[int], bool]]]:
         """The density or the per-layer densities changed (the exchange is
