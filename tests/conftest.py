@@ -15,6 +15,11 @@ from pathlib import Path
 
 import pytest
 
+# Triton reads this when a kernel is defined: its CPU interpreter runs the
+# fused selection on CPU tensors (tests/test_triton.py). Nothing else here
+# imports Triton, and kernels="auto" never uses it on a CPU tensor.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

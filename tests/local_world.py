@@ -43,6 +43,11 @@ class NumpyOps:
     def zeros(self, n, dtype, like):
         return np.zeros(n, _DT[dtype])
 
+    def fused_selection(self, like, mode):
+        if mode == "triton":
+            raise ValueError("kernels='triton' is for PyTorch tensors")
+        return None
+
     def scalar(self, value, like):
         return np.array(value, np.float32)  # 0-d and writable, like a device scalar
 

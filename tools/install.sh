@@ -46,6 +46,14 @@ decide_tf() {
 }
 
 pin() { sed -n "s/^$1==\(.*\)$/\1/p" constraints.txt; }
+# The pins pip installs against: in CUDA mode without Triton's (torch's CUDA
+# build requires the Triton it was built with).
+CONSTRAINTS=constraints.txt
+if [ "$CUDA" = 1 ]; then
+  mkdir -p "$VENV"
+  CONSTRAINTS="$VENV/constraints-cuda.txt"
+  grep -v '^triton==' constraints.txt >"$CONSTRAINTS"
+fi
 HVD_VERSION=$(pin horovod)
 
 stamp_key() {
@@ -104,11 +112,11 @@ if [ "$CUDA" = 1 ]; then
   # take it): that configuration is left out for this one install.
   log "CUDA mode: installing a CUDA build of torch"
   env -u PIP_FIND_LINKS -u PIP_EXTRA_INDEX_URL -u PIP_CONSTRAINT PIP_CONFIG_FILE=/dev/null \
-    "$VPY" -m pip install -q -c constraints.txt ${DLGS_TORCH_INDEX:+--index-url "$DLGS_TORCH_INDEX"} torch
+    "$VPY" -m pip install -q -c "$CONSTRAINTS" ${DLGS_TORCH_INDEX:+--index-url "$DLGS_TORCH_INDEX"} torch
   "$VPY" -c 'import sys, torch; sys.exit(torch.version.cuda is None)' || {
     log "CUDA mode: the installed torch is a CPU build; set DLGS_TORCH_INDEX to a CUDA index"; exit 1; }
 fi
-"$VPY" -m pip install -q -c constraints.txt torch tensorflow-cpu numpy
+"$VPY" -m pip install -q -c "$CONSTRAINTS" torch tensorflow-cpu numpy
 
 decide_tf
 
@@ -152,7 +160,7 @@ if ! "$VPY" -c "import horovod, sys; sys.exit(horovod.__version__ != '$HVD_VERSI
   if [ -n "$wheel" ]; then
     log "installing prebuilt $wheel"
     "$VPY" -m pip install -q --no-deps "$wheel"
-    "$VPY" -m pip install -q -c constraints.txt cloudpickle psutil pyyaml packaging cffi
+    "$VPY" -m pip install -q -c "$CONSTRAINTS" cloudpickle psutil pyyaml packaging cffi
   else
     log "building Horovod $HVD_VERSION from the PyPI sdist (about 5 minutes on 2 cores)"
     tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
@@ -163,13 +171,13 @@ if ! "$VPY" -c "import horovod, sys; sys.exit(horovod.__version__ != '$HVD_VERSI
     sed -i 's/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 17)/' \
       "$src/CMakeLists.txt" "$src/horovod/torch/CMakeLists.txt"
     grep -q 'CMAKE_CXX_STANDARD 17' "$src/horovod/torch/CMakeLists.txt"
-    CMAKE_POLICY_VERSION_MINIMUM=3.5 "$VPY" -m pip install -q --no-build-isolation -c constraints.txt "$src"
+    CMAKE_POLICY_VERSION_MINIMUM=3.5 "$VPY" -m pip install -q --no-build-isolation -c "$CONSTRAINTS" "$src"
   fi
 fi
 
 # 4. dlgs itself with test and benchmark extras.
 log "installing dlgs (editable) with dev and benchmark extras"
-"$VPY" -m pip install -q -c constraints.txt -e ".[torch,tensorflow,benchmarks,dev]"
+"$VPY" -m pip install -q -c "$CONSTRAINTS" -e ".[torch,tensorflow,benchmarks,dev]"
 
 check_build
 stamp_key >"$VENV/.dlgs-stamp"

@@ -215,3 +215,11 @@ class ArrayOps(Protocol):
 
     def stack(self, xs: Sequence[T]) -> T:
         """Stack 0-d tensors into 1-D."""
+
+    # -- fused kernels --------------------------------------------------------
+    def fused_selection(self, like: T, mode: str) -> Any:
+        """A :class:`dlgs.core.selection.FusedSelection` for tensors like
+        ``like``, or None for the operations above. ``mode`` is
+        ``SparsityConfig.kernels``: "torch" is always None, "auto" a fused
+        one where the framework has one for that device, "triton" one or a
+        ``ValueError``/``ImportError`` saying why not."""

@@ -167,6 +167,18 @@ class SparsityConfig:
             bitmap) at no loss (indices decode exactly) for a few more device
             operations per step on the receiver; ``int32`` is the simplest
             format.
+        kernels: How a sparse layer's selection runs on the device.
+            ``"auto"`` (default): fused Triton kernels where the gradient is
+            on a CUDA device and Triton imports (three kernels per sparse
+            layer instead of about 18, plus the controller's two), else the
+            framework's own operations. ``"torch"``: always the framework's
+            operations (the reference; what the CPU runs). ``"triton"``:
+            always the fused kernels, an error where they cannot run (on CPU
+            tensors only under Triton's interpreter, ``TRITON_INTERPRET=1``:
+            slow, for tests). Given the same threshold both select, send and
+            keep the same bits; the dynamic controller's threshold follows
+            the sum of ``|a|``, which the kernels add in another order, so
+            its selection may differ at the margin. See docs/gpus.md.
     """
 
     density: Union[float, str] = 0.01
@@ -185,6 +197,7 @@ class SparsityConfig:
     warmup_steps: int = 0
     value_dtype: ValueDType = ValueDType.FLOAT32
     index_coding: IndexCoding = IndexCoding.AUTO
+    kernels: str = "auto"
 
     def __post_init__(self) -> None:
         if not (isinstance(self.density, str) and self.density == "auto"):
@@ -204,6 +217,12 @@ class SparsityConfig:
         object.__setattr__(
             self, "index_coding", _member(IndexCoding, "index_coding", self.index_coding)
         )
+        if not isinstance(self.kernels, str):
+            raise TypeError(f"kernels must be a str, got {type(self.kernels).__name__}")
+        if self.kernels not in KERNELS:
+            raise ValueError(
+                f"kernels must be one of {', '.join(map(repr, KERNELS))}, got {self.kernels!r}"
+            )
         check_float("max_ratio", self.max_ratio, low=1.0, high=16.0)
         check_int("min_sparse_size", self.min_sparse_size, 1)
         check_int("anchor_every", self.anchor_every, 0)
@@ -283,6 +302,9 @@ def _member(kind, name: str, value):
         names = ", ".join(repr(c.value) for c in kind)
         raise ValueError(f"{name} must be one of {names}, got {value!r}") from None
 
+
+#: The values of ``SparsityConfig.kernels``.
+KERNELS = ("auto", "torch", "triton")
 
 #: The density ``density="auto"`` starts at, until the planner has chosen.
 AUTO_START = 0.01

@@ -91,6 +91,11 @@ class ThresholdController:
         ``total`` (0-d, on the device); may read ``absx``."""
         raise NotImplementedError
 
+    def reads_magnitudes(self, state: State) -> bool:
+        """Whether this step's :meth:`threshold` reads ``absx`` (otherwise
+        ``total`` is enough, and a fused selection need not write ``|a|``)."""
+        return True
+
     def update(self, ops: ArrayOps, state: State, theta: Any, count: Any, k: int) -> None:
         """Learn from the count that ``theta`` selected. Reads ``count`` on the
         host where the controller learns (one read: outside an exchange only;
@@ -117,6 +122,9 @@ class _TopK(ThresholdController):
 class _Fixed(ThresholdController):
     def init_state(self, ops, like, density):
         return {"theta": ops.scalar(float(self.config.threshold), like)}
+
+    def reads_magnitudes(self, state):
+        return False
 
     def threshold(self, ops, state, absx, k, step, total):
         return state["theta"]
@@ -158,11 +166,17 @@ class _Dynamic(ThresholdController):
             "since_anchor": -1,
         }
 
+    def reads_magnitudes(self, state):
+        return self._anchors(state)
+
+    def _anchors(self, state) -> bool:
+        """Whether this step resets theta to the exact top-k threshold."""
+        every, since = self.config.anchor_every, state["since_anchor"]
+        return since < 0 or bool(every and since + 1 >= every)
+
     def threshold(self, ops, state, absx, k, step, total):
         n = ops.numel(absx)
-        every = self.config.anchor_every
-        since = state["since_anchor"]
-        if since < 0 or (every and since + 1 >= every):
+        if self._anchors(state):
             exact = ops.clamp(ops.kth_largest(absx, k), _THETA_MIN, _THETA_MAX)
             # The factor this implies (exact / mean); update() installs it, and
             # clears the previous factor: the secant needs two factors applied
@@ -173,7 +187,7 @@ class _Dynamic(ThresholdController):
             # The exact value itself: factor * mean can round up by an ulp and
             # drop the k-th element.
             return exact
-        state["since_anchor"] = since + 1
+        state["since_anchor"] += 1
         # theta = factor * (total / n), kept above zero (an all-zero layer
         # selects nothing): one operation, the factor a host number.
         return ops.affine(total, float(state["factor"]) / n, _THETA_MIN)

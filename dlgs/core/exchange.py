@@ -32,6 +32,7 @@ from .backend import ArrayOps
 from .config import SparsityConfig, ValueDType
 from .controller import ThresholdController, make_controller
 from .resume import SyncRecord, resolve
+from .selection import FusedSelection, select_and_pack
 from .wire import (
     DevicePart,
     GroupLayout,
@@ -174,6 +175,7 @@ class _Layer:
         "group",
         "member",
         "views",
+        "work",
     )
 
     def __init__(self, name: str, numel: int):
@@ -199,6 +201,8 @@ class _Layer:
         # (buffer, view of its first ``numel`` elements). Holding the buffer
         # keeps its id from being reused while the entry exists.
         self.views: Dict[int, Tuple[Any, Any]] = {}
+        # The fused selection's scratch for this layer (FusedSelection.workspace).
+        self.work: Any = None
 
     def head(self, ops: ArrayOps, buf: Any) -> Any:
         """The first ``numel`` elements of ``buf`` (a cached view)."""
@@ -352,6 +356,9 @@ class SparseExchange:
         self._auto_layers: Optional[Tuple[float, ...]] = None
         self._scratch_abs: Any = None
         self._scratch_mask: Any = None
+        # Fused selection kernels (config.kernels), chosen at the first layout.
+        self._kernels: Optional[FusedSelection] = None
+        self._kernels_chosen = False
         # The controller's vector_keys state of every sparse layer, one host
         # vector per key (a layer's entries are 0-d views): updated in one pass
         # per finite step, from the count words the step gathered (read once,
@@ -538,6 +545,11 @@ class SparseExchange:
         plans = self.layer_plans()
         densities = self.densities
         ops = self.ops
+        if not self._kernels_chosen:
+            self._kernels = ops.fused_selection(like, self.config.kernels)
+            self._kernels_chosen = True
+            if self._kernels is not None:
+                logger.debug("dlgs: sparse layers select with %s kernels", self._kernels.name)
         groups = self._group_lists(plans)
         for layer in self.layers:
             layer.views.clear()
@@ -555,6 +567,8 @@ class SparseExchange:
                     layer.velocity = ops.zeros(layer.numel + 1, "float32", like)
                 if old is None or old.k != plan.k or not layer.ctrl:
                     layer.ctrl = self.controller.init_state(ops, like, densities[i])
+                if self._kernels is not None and layer.work is None:
+                    layer.work = self._kernels.workspace(layer.numel, like)
             else:
                 layer.residual_next = None  # a dense layer flushes its residual
             if self.config.momentum and layer.velocity is not None:
@@ -825,13 +839,36 @@ class SparseExchange:
         nxt = layer.residual_next
         acc = layer.head(ops, nxt)
         res = layer.head(ops, layer.residual)
-        if layer.velocity is not None:
-            vel = self._advance_velocity(layer, grad)
+        vel = self._advance_velocity(layer, grad) if layer.velocity is not None else None
+        layer.ctrl_prev = dict(layer.ctrl)  # restored if the step is not finite
+        bank = self._bank
+        if self._kernels is not None:
+            masked = vel is not None and self.config.momentum_masking
+            layer.count, layer.theta = select_and_pack(
+                ops,
+                self._kernels,
+                layer.work,
+                self.controller,
+                layer.ctrl,
+                layout,
+                group.member_views[layer.member],
+                layer.member,
+                acc,
+                res,
+                vel if vel is not None else grad,
+                self._inv_scale if vel is None else None,
+                k,
+                self.step,
+                layer.head(ops, self._scratch_abs),
+                layer.velocity_next if masked else None,
+            )
+            if bank is None:
+                self.controller.update(ops, layer.ctrl, layer.theta, layer.count, k)
+            return
+        if vel is not None:
             ops.add_into_(acc, res, vel, None)
         else:
             ops.add_into_(acc, res, grad, self._inv_scale)
-        layer.ctrl_prev = dict(layer.ctrl)  # restored if the step is not finite
-        bank = self._bank
         idx, count, theta, total = _select(
             ops,
             self.controller,

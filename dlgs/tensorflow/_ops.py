@@ -154,6 +154,13 @@ class TFOps:
     # take() and add_indices() return new tensors: cheaper than a variable's update.
     reuses_outputs = False
 
+    def fused_selection(self, like: Any, mode: str) -> None:
+        if mode == "triton":
+            raise ValueError(
+                "kernels='triton' is for PyTorch tensors; TensorFlow uses kernels='auto' or 'torch'"
+            )
+        return None
+
     def zeros(self, n: int, dtype: str, like: Any) -> tf.Variable:
         with tf.device(_device(like)):
             return tf.Variable(tf.zeros([n], _DTYPES[dtype]), trainable=False)

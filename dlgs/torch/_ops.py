@@ -232,6 +232,26 @@ class TorchOps:
     def stack(self, xs):
         return torch.stack(list(xs))
 
+    def fused_selection(self, like, mode):
+        if mode == "torch":
+            return None
+        if mode == "auto" and like.device.type != "cuda":
+            return None
+        try:
+            from . import _triton
+        except ImportError as err:
+            if mode == "auto":
+                return None
+            raise ImportError(
+                f"kernels='triton' needs Triton (pip install triton): {err}"
+            ) from None
+        if like.device.type != "cuda" and not _triton.INTERPRETED:
+            raise ValueError(
+                f"kernels='triton' runs on CUDA tensors (got {like.device.type}); on the CPU "
+                "only under Triton's interpreter (TRITON_INTERPRET=1, for tests)"
+            )
+        return _triton.TritonSelection()
+
 
 _CONSTS: dict = {}
 
