@@ -64,6 +64,16 @@ logger = logging.getLogger("dlgs.selfcheck")
 
 #: Layers of the check model (backward order): two sparse, a small dense, a bias.
 LAYERS = [("w1", 6000), ("b1", 40), ("w2", 3000), ("b2", 10)]
+#: The fused kernels' cases add a layer past block16's first 65,536-element boundary.
+BIG = [("w1", 6000), ("w9", 66000), ("b2", 10)]
+
+#: ``SparsityConfig.kernels`` of every check but those comparing the two paths
+#: (``--kernels``; "auto": the fused kernels on CUDA where Triton imports).
+KERNELS = "auto"
+
+
+def _config(**opts: Any) -> SparsityConfig:
+    return SparsityConfig(**{"density": 0.02, "min_sparse_size": 1000, "kernels": KERNELS, **opts})
 
 
 class TorchComm:
@@ -136,15 +146,17 @@ def _run_world(
     grads: Callable[[int, int], List[torch.Tensor]],
     record: Callable[[int, SparseExchange, Dict[int, Any]], Any],
     loss_scale: Optional[float] = None,
+    layers: Sequence[Tuple[str, int]] = LAYERS,
+    ops: Any = OPS,
 ) -> List[List[Any]]:
-    world = InProcessWorld(ranks, timeout=60.0)
+    world = InProcessWorld(ranks, timeout=120.0)
 
     def make(rank):
         scale = None
         if loss_scale is not None:
             value = torch.tensor(loss_scale, device=device)
             scale = lambda: value  # noqa: E731
-        return SparseExchange(OPS, TorchComm(world, rank), config, LAYERS, loss_scale=scale)
+        return SparseExchange(ops, TorchComm(world, rank), config, layers, loss_scale=scale)
 
     return world.run_steps(make, grads, steps, record)
 
@@ -168,7 +180,7 @@ def check_cases(device, ranks: Sequence[int], steps: int) -> List[Row]:
     for p in ranks:
         for name, opts in cases:
             opts = {"controller": "topk", **opts}
-            cfg = SparsityConfig(density=0.02, min_sparse_size=1000, **opts)
+            cfg = _config(**opts)
             scale = 1024.0 if "momentum" in name else None
             recs = _run_world(
                 p,
@@ -188,7 +200,7 @@ def check_cases(device, ranks: Sequence[int], steps: int) -> List[Row]:
     # k-sparse inputs come back exactly (topk, float32 values: no rounding).
     for p in ranks:
         k = {"w1": 6000 // 50 - 1, "w2": 3000 // 50 - 1}
-        cfg = SparsityConfig(density=0.02, min_sparse_size=1000, controller="topk")
+        cfg = _config(controller="topk")
         recs = _run_world(
             p,
             device,
@@ -240,7 +252,7 @@ def _conserved(name, p, recs, steps, device) -> Row:
 
 
 def _nonfinite(device, p: int) -> Row:
-    cfg = SparsityConfig(density=0.02, min_sparse_size=1000)
+    cfg = _config()
 
     def grads(rank, step):
         gs = _grads(rank, step, device)
@@ -269,7 +281,7 @@ def _nonfinite(device, p: int) -> Row:
 def check_cpu_equal(device, p: int, steps: int) -> List[Row]:
     if device.type == "cpu":
         return [Row("cpu_equal", "topk", p, True, "n/a: the device is the CPU")]
-    cfg = SparsityConfig(density=0.02, min_sparse_size=1000, controller="topk")
+    cfg = _config(controller="topk")
     here = _run_world(
         p, device, cfg, steps, lambda r, s: _grads(r, s, device), lambda r, ex, out: _flat(out)
     )
@@ -282,11 +294,152 @@ def check_cpu_equal(device, p: int, steps: int) -> List[Row]:
     return [Row("cpu_equal", "topk", p, ok, f"max |diff| per step {diffs}")]
 
 
+#: The fused kernels against the torch path (``fused_equal``; also
+#: tests/test_triton.py under Triton's CPU interpreter): case -> (options,
+#: inputs, loss scale). Cases ending in "big" use :data:`BIG`.
+FUSED_CASES: Dict[str, Tuple[Dict[str, Any], str, Optional[float]]] = {
+    "int32-f32-topk": (dict(index_coding="int32"), "normal", None),
+    "block16-f32-topk": (dict(index_coding="block16"), "normal", None),
+    "block16-bf16-big": (dict(index_coding="block16", value_dtype="bfloat16"), "normal", None),
+    "bitmap-f32-topk": (dict(index_coding="bitmap", density=0.1), "normal", None),
+    "int32-f16-huge": (dict(index_coding="int32", value_dtype="float16"), "huge", None),
+    "block16-bf16-huge": (dict(index_coding="block16", value_dtype="bfloat16"), "huge", None),
+    "bitmap-f16-huge": (
+        dict(index_coding="bitmap", value_dtype="float16", density=0.1),
+        "huge",
+        None,
+    ),
+    "ties-over-capacity": (dict(controller="fixed", threshold=0.5), "ties", None),
+    "padding": (dict(controller="fixed", threshold=3.0, max_ratio=2.0), "normal", None),
+    "nonfinite": (dict(index_coding="block16"), "nonfinite", None),
+    "nonfinite-bf16": (dict(value_dtype="bfloat16", index_coding="bitmap"), "nonfinite", None),
+    "nonfinite-scaled": (dict(value_dtype="float16"), "nonfinite", 1024.0),
+    "dynamic": (dict(controller="dynamic", anchor_every=3), "integers", None),
+    "momentum-masking": (dict(controller="dynamic", momentum=0.9), "integers", None),
+    "momentum-unmasked": (dict(momentum=0.9, momentum_masking=False), "normal", None),
+}
+
+
+def _fused_grads(layers, kind: str, rank: int, step: int, device) -> List[torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * step + rank)
+    out = []
+    for _, n in layers:
+        if kind == "integers":  # sums of |a| exact in any order: the same dynamic theta
+            x = torch.randint(-64, 65, (n,), generator=g).float() / 8
+        else:
+            x = torch.randn(n, generator=g)
+        if kind == "ties":  # many values exactly at the fixed threshold
+            x[::3] = 0.5
+            x[1::7] = -0.5
+        if kind == "huge":  # beyond float16's range, both signs
+            x[::197] = 1e6
+            x[5::193] = -7e4
+            # Halfway between two bfloat16 values (low 16 bits 0x8000), above
+            # an even and an odd one: rounding to nearest even tells them apart.
+            x[2::101] = 2.0**15 * (1 + 2.0**-8)
+            x[3::103] = -(2.0**15) * (1 + 3 * 2.0**-8)
+        if kind == "nonfinite" and step == 1 and n >= 1000:
+            x[0] = float("nan")
+            x[n // 2] = float("inf")
+            x[n - 1] = -float("inf")
+        out.append(x.to(device))
+    return out
+
+
+def _bits_equal(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def fused_unavailable(device, ops: Any = OPS) -> Optional[str]:
+    """Why the fused kernels cannot run on ``device`` (None: they can)."""
+    try:
+        ops.fused_selection(torch.zeros(1, device=device), "triton")
+    except (ImportError, ValueError) as err:
+        return str(err)
+    return None
+
+
+def compare_kernels(device, case: str, ops: Any = OPS, ranks: int = 2, steps: int = 3) -> Row:
+    """``fused_equal``: one of :data:`FUSED_CASES` through ``kernels="torch"``
+    and ``kernels="triton"`` (``ops.fused_selection``) on ``device``: after
+    every step, every sparse message's send chunk, every rank's reduced
+    gradient, residuals, velocities and counts bit-identical, and the case
+    doing what it says (a non-finite step, a count past the capacity, padding)."""
+    opts, kind, scale = FUSED_CASES[case]
+    opts = {"controller": "topk", **opts}
+    layers = BIG if case.endswith("big") else [(n, m) for n, m in LAYERS if n != "b1"]
+
+    def record(rank, ex, out):
+        return (
+            _flat(out),
+            [g.chunk.clone() for g in ex.groups if g.sparse],
+            [(_clone(lay.residual), _clone(lay.velocity)) for lay in ex.layers],
+            [(row.get("selected"), row["capacity"]) for row in ex.stats()],
+            ex.last_step_finite,
+        )
+
+    runs = {}
+    for kernels in ("torch", "triton"):
+        runs[kernels] = _run_world(
+            ranks,
+            device,
+            _config(kernels=kernels, **opts),
+            steps,
+            lambda r, s: _fused_grads(layers, kind, r, s, device),
+            record,
+            loss_scale=scale,
+            layers=layers,
+            ops=ops,
+        )
+    ref, got = runs["torch"], runs["triton"]
+    problems = []
+    for r in range(ranks):
+        for s in range(steps):
+            (f0, c0, st0, n0, ok0), (f1, c1, st1, n1, ok1) = ref[r][s], got[r][s]
+            where = f"rank {r} step {s}"
+            if ok0 != ok1 or n0 != n1:
+                problems.append(f"{where}: finite {ok0}/{ok1}, counts {n0}/{n1}")
+            for j, (a, b) in enumerate(zip(c0, c1)):
+                if not _bits_equal(a, b):
+                    words = torch.nonzero(a != b).view(-1)[:4].tolist()
+                    problems.append(f"{where}: message {j} differs at words {words}")
+            if ok0:  # a skipped step's spare buffers are not state
+                for i, ((ra, va), (rb, vb)) in enumerate(zip(st0, st1)):
+                    if not (_bits_equal(ra, rb) and _bits_equal(va, vb)):
+                        problems.append(f"{where}: layer {i}'s residual or velocity differs")
+            if not _bits_equal(f0, f1):
+                problems.append(f"{where}: reduced gradients differ")
+    selected = [(c, cap) for rec in ref for st in rec for c, cap in st[3] if c is not None]
+    if kind == "nonfinite" and ref[0][1][4]:
+        problems.append("no non-finite step")
+    if case == "ties-over-capacity" and not any(c > cap for c, cap in selected):
+        problems.append("no count past the capacity")
+    if case == "padding" and not any(c < cap for c, cap in selected):
+        problems.append("no padding")
+    detail = "; ".join(problems[:3]) or (
+        f"messages, reduced gradients, residuals and counts bit-identical over {steps} steps"
+    )
+    return Row("fused_equal", case, ranks, not problems, detail)
+
+
+def _clone(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return None if t is None else t.clone()
+
+
+def check_fused(device, cases: Sequence[str]) -> List[Row]:
+    why = fused_unavailable(device)
+    if why is not None:
+        return [Row("fused_equal", "all", 2, True, f"n/a: {why}")]
+    return [compare_kernels(device, case) for case in cases]
+
+
 def check_adversarial(device, p: int, repeats: int) -> List[Row]:
     """Every rank selects the same k indices, values alternating 1e8 and 1 in
     rank order: a float32 sum depends on its order; the unpack's must not."""
     n, k = 6000, 119
-    cfg = SparsityConfig(density=0.02, min_sparse_size=1000, controller="topk")
+    cfg = _config(controller="topk")
     idx = torch.arange(0, n, n // k)[:k]
 
     def grads(rank, step):
@@ -315,7 +468,7 @@ def check_host_reads(device, steps: int = 6) -> List[Row]:
     sync-debug mode "error" after the first steps."""
     ops = _CountingOps()
     world = InProcessWorld(2, timeout=60.0)
-    cfg = SparsityConfig(density=0.02, min_sparse_size=1000, anchor_every=4)
+    cfg = _config(anchor_every=4)
     per_step: List[List[int]] = [[], []]
     strict = device.type == "cuda"
 
@@ -358,48 +511,75 @@ def check_host_reads(device, steps: int = 6) -> List[Row]:
     return [Row("host_reads", "per step, anchor_every=4", 2, ok, f"{reads} ({mode})")]
 
 
-def _step_launches(device, layers, opts) -> Tuple[int, str]:
-    """Profiler events (CPU) or CUDA kernels of one steady step of a 1-rank world."""
+def _step_launches(device, layers, opts) -> Tuple[int, int, str]:
+    """Profiler events (CPU) or CUDA kernels of one steady step of a 1-rank world
+    whose collectives launch nothing, and of the third layer's submit() alone
+    (``w2``, sparse, not the step's first: its selection and packing)."""
     from torch.profiler import ProfilerActivity, profile
 
-    cfg = SparsityConfig(density=0.02, min_sparse_size=1000, anchor_every=0, **opts)
-    ex = SparseExchange(OPS, TorchComm(InProcessWorld(1), 0), cfg, layers)
+    cfg = _config(anchor_every=0, **opts)
+    ex = SparseExchange(OPS, _Replica(1), cfg, layers)
     gen = torch.Generator().manual_seed(0)
     grads = [torch.randn(n, generator=gen).to(device) for _, n in layers]
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+
+    def count(prof) -> int:
+        if device.type == "cuda":
+            return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
+        return sum(1 for _ in prof.events())
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     for _ in range(3):  # layout, anchor, one steady step
         for i, g in enumerate(grads):
             ex.submit(i, g)
         ex.wait()
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=acts) as prof:
         for i, g in enumerate(grads):
             ex.submit(i, g)
         ex.wait()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-    if device.type == "cuda":
-        return sum(1 for e in prof.events() if e.device_type.name == "CUDA"), "CUDA kernels"
-    return sum(1 for _ in prof.events()), "profiler events"
+        sync()
+    for i in (0, 1):
+        ex.submit(i, grads[i])
+    with profile(activities=acts) as one:
+        ex.submit(2, grads[2])
+        sync()
+    for i in range(3, len(grads)):
+        ex.submit(i, grads[i])
+    ex.wait()
+    return count(prof), count(one), "CUDA kernels" if device.type == "cuda" else "profiler events"
 
 
 def check_launches(device) -> List[Row]:
-    """Launches of one step, and what one more sparse layer (sent alone, as its
-    own message) adds: the step with two sparse layers more, minus it, halved."""
+    """Launches of one step; what one more sparse layer (sent alone, as its own
+    message) adds: the step with two sparse layers more, minus it, halved; and
+    one sparse layer's selection and packing alone. For the torch path and,
+    where they run, the fused kernels (the goal on CUDA: at most 6 for a
+    sparse layer's selection and packing)."""
     more = LAYERS + [("w3", 4000), ("w4", 2500)]
+    paths = ["torch"]
+    if device.type == "cuda" and fused_unavailable(device) is None:
+        paths.append("triton")
     rows = []
-    for name, opts in (("topk", dict(controller="topk")), ("dynamic", {})):
-        base, unit = _step_launches(device, LAYERS, opts)
-        bigger, _ = _step_launches(device, more, opts)
-        rows.append(
-            Row(
-                "launches",
-                name,
-                1,
-                True,
-                f"{base} {unit} per step (2 sparse and 2 dense layers, layer-wise); each "
-                f"sparse layer with its message adds {(bigger - base) / 2:g}",
+    for kernels in paths:
+        for name, opts in (("topk", dict(controller="topk")), ("dynamic", {})):
+            base, select, unit = _step_launches(device, LAYERS, dict(opts, kernels=kernels))
+            bigger, _, _ = _step_launches(device, more, dict(opts, kernels=kernels))
+            per_layer = (bigger - base) / 2
+            ok = kernels != "triton" or name != "dynamic" or select <= 6
+            rows.append(
+                Row(
+                    "launches",
+                    f"{name}/{kernels}",
+                    1,
+                    ok,
+                    f"{base} {unit} per step (2 sparse and 2 dense layers, layer-wise); each "
+                    f"sparse layer with its message adds {per_layer:g}; selecting and packing "
+                    f"one: {select}",
+                )
             )
-        )
     return rows
 
 
@@ -408,7 +588,7 @@ def check_memory(device) -> List[Row]:
     copy of its own), one thread: flat once the layout is made."""
     if device.type != "cuda":
         return [Row("memory", "20 steps", 2, True, "n/a: CPU")]
-    cfg = SparsityConfig(density=0.02, min_sparse_size=1000)
+    cfg = _config()
     ex = SparseExchange(OPS, _Replica(2), cfg, LAYERS)
     used: List[int] = []
     for s in range(20):
@@ -466,7 +646,7 @@ def check_primitives(device) -> List[Row]:
 
 
 def check_deterministic(device) -> List[Row]:
-    cfg = SparsityConfig(density=0.02, min_sparse_size=1000)
+    cfg = _config()
     before = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
@@ -490,7 +670,7 @@ class _Replica:
         self.size = size
 
     def allgather_async(self, chunk, name):
-        return torch.cat([chunk] * self.size)
+        return chunk if self.size == 1 else torch.cat([chunk] * self.size)
 
     def allreduce_async(self, tensor, name):
         return tensor
@@ -505,47 +685,85 @@ class _Replica:
         return [obj] * self.size
 
 
+def _median_seconds(fn: Callable[[], Any], sync: Callable[[], None], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def check_timing(device, sizes: Sequence[int], ranks: Sequence[int], repeats: int) -> List[Row]:
+    """Selection (with packing) and unpacking times by size, ranks and path.
+    ``% copy``: the selection's essential traffic (gradient and residual read,
+    accumulation written: 12 bytes per element) per second, as a share of
+    what ``copy_`` moves per second (8 bytes per element) on the same size."""
     rows = []
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    paths = ["torch"]
+    if device.type == "cuda" and fused_unavailable(device) is None:
+        paths.append("triton")
     for n in sizes:
-        for p in ranks:
-            cfg = SparsityConfig(density=0.01, min_sparse_size=1000)
-            ex = SparseExchange(OPS, _Replica(p), cfg, [("w", n)])
-            g = torch.randn(n, generator=torch.Generator().manual_seed(0)).to(device)
-            select, unpack = [], []
-            for r in range(repeats + 2):
-                sync()
-                t0 = time.perf_counter()
-                ex.submit(0, g)
-                sync()
-                t1 = time.perf_counter()
-                ex.wait()
-                sync()
-                t2 = time.perf_counter()
-                if r >= 2:  # the first steps lay out and anchor
-                    select.append(t1 - t0)
-                    unpack.append(t2 - t1)
-            rows.append(
-                Row(
-                    "timing",
-                    f"{n:.0e} elements",
-                    p,
-                    True,
-                    f"select+pack {statistics.median(select) * 1e3:.3f} ms, unpack "
-                    f"{statistics.median(unpack) * 1e3:.3f} ms (median of {repeats})",
-                )
+        src = torch.randn(n, generator=torch.Generator().manual_seed(0)).to(device)
+        dst = torch.empty_like(src)
+        copy = _median_seconds(lambda d=dst, x=src: d.copy_(x), sync, max(repeats, 5))
+        rows.append(
+            Row(
+                "timing",
+                f"{n:.1e} elements, copy_",
+                1,
+                True,
+                f"{copy * 1e3:.3f} ms, {8 * n / copy / 1e9:.1f} GB/s",
             )
+        )
+        for kernels in paths:
+            for p in ranks:
+                cfg = _config(density=0.01, kernels=kernels)
+                ex = SparseExchange(OPS, _Replica(p), cfg, [("w", n)])
+                select, unpack = [], []
+                for r in range(repeats + 2):
+                    sync()
+                    t0 = time.perf_counter()
+                    ex.submit(0, src)
+                    sync()
+                    t1 = time.perf_counter()
+                    ex.wait()
+                    sync()
+                    t2 = time.perf_counter()
+                    if r >= 2:  # the first steps lay out and anchor
+                        select.append(t1 - t0)
+                        unpack.append(t2 - t1)
+                sel = statistics.median(select)
+                rows.append(
+                    Row(
+                        "timing",
+                        f"{n:.1e} elements, {kernels}",
+                        p,
+                        True,
+                        f"select+pack {sel * 1e3:.3f} ms ({100 * 12 * copy / (8 * sel):.0f}% "
+                        f"copy), unpack {statistics.median(unpack) * 1e3:.3f} ms "
+                        f"(median of {repeats})",
+                    )
+                )
+                del ex
     return rows
 
 
-def run_checks(device: torch.device, quick: bool) -> List[Row]:
-    """Every check; ``quick``: small worlds and sizes (seconds on a CPU)."""
+def run_checks(device: torch.device, quick: bool, kernels: str = "auto") -> List[Row]:
+    """Every check; ``quick``: small worlds and sizes (seconds on a CPU);
+    ``kernels``: :data:`KERNELS` for the checks that do not compare paths."""
+    global KERNELS
+    KERNELS = kernels
     ranks = (2, 3) if quick else (2, 8, 64)
     steps = 3 if quick else 6
     rows: List[Row] = []
+    fused_cases = ("int32-f32-topk", "nonfinite") if quick else tuple(FUSED_CASES)
     plan: List[Tuple[str, Callable[[], List[Row]]]] = [
         ("cases", lambda: check_cases(device, ranks, steps)),
+        ("fused_equal", lambda: check_fused(device, fused_cases)),
         ("cpu_equal", lambda: check_cpu_equal(device, max(ranks), steps)),
         (
             "adversarial",
@@ -560,7 +778,7 @@ def run_checks(device: torch.device, quick: bool) -> List[Row]:
             "timing",
             lambda: check_timing(
                 device,
-                (100_000,) if quick else (1_000_000, 10_000_000, 100_000_000),
+                (100_000,) if quick else (1_000_000, 25_000_000, 100_000_000),
                 (2,) if quick else (8, 32, 128),
                 2 if quick else 5,
             ),
@@ -614,6 +832,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N)")
     parser.add_argument("--quick", action="store_true", help="small worlds and sizes")
     parser.add_argument("--out", type=Path, default=Path("selfcheck-results"))
+    parser.add_argument(
+        "--kernels",
+        default="auto",
+        choices=("auto", "torch", "triton"),
+        help="SparsityConfig.kernels for the checks that do not compare the two paths",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     # The checks inject non-finite steps on purpose, on up to 64 ranks at once.
@@ -623,7 +847,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error("--device cuda: torch sees no GPU")
     if device.type not in ("cpu", "cuda"):
         parser.error(f"--device must be cpu or cuda, got {args.device!r}")
-    rows = run_checks(device, args.quick)
+    rows = run_checks(device, args.quick, args.kernels)
     command = "python -m dlgs.selfcheck " + " ".join(argv if argv is not None else sys.argv[1:])
     print(write(rows, args.out, device, command))
     return 0 if all(r.ok for r in rows) else 1

@@ -11,6 +11,7 @@ import sys
 from conftest import ROOT
 
 CHECKS = {
+    "fused_equal",
     "identical",
     "conserved",
     "exact",

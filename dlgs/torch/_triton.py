@@ -67,7 +67,7 @@ def _accumulate(
 ):
     pid = tl.program_id(0)
     start = pid.to(tl.int64) * block
-    total = tl.zeros((), tl.float32)
+    total = 0.0
     if HAS_SCALE:
         s = tl.load(scale)
     for t in range(0, block, TILE):
@@ -89,7 +89,7 @@ def _count(acc, theta, counts, n, block, TILE: tl.constexpr):
     pid = tl.program_id(0)
     start = pid.to(tl.int64) * block
     th = tl.load(theta)
-    c = tl.zeros((), tl.int32)
+    c = 0
     for t in range(0, block, TILE):
         offs = start + t + tl.arange(0, TILE)
         m = offs < n
