@@ -16,18 +16,23 @@ reports as CSV and Markdown:
   path's bit for bit (its selection is exact; the ``dynamic`` controller's
   threshold is a float32 product whose rounding may differ by an ulp between
   devices, so its selections may differ at the threshold: not compared);
+* ``fused_equal``: where the fused Triton kernels run (CUDA with Triton, or
+  Triton's CPU interpreter), each of :data:`FUSED_CASES` through both paths:
+  messages, reduced gradients, residuals and counts bit-identical;
 * ``adversarial``: every rank selecting the same indices with values mixing
   1e8 and 1, unpacked 100 times: the same bits every time on every rank;
 * ``host_reads``: reads of device values per step (planned: one, two on an
   anchor step); on CUDA the hot path runs under
   ``torch.cuda.set_sync_debug_mode("error")``, so an unplanned sync fails;
-* ``launches``: operations (CPU) or CUDA kernels per step, per sparse layer;
+* ``launches``: operations (CPU) or CUDA kernels per step, per sparse layer,
+  and for one sparse layer's selection and packing, for both paths;
 * ``memory``: device memory flat over 20 steps (CUDA);
 * ``primitives``: int64 -> int16 wrap at 32767/32768/65535/65536/131071,
   ``searchsorted`` into a chunk view, ``nonzero_static`` below/at/above its size
   and empty, non-finite detection at the first/middle/last element of odd sizes;
 * ``deterministic``: a full step under ``torch.use_deterministic_algorithms(True)``;
-* ``timing``: selection (and packing) and unpacking times by size and ranks.
+* ``timing``: selection (and packing) and unpacking times by size, ranks and
+  path, the selection's share of the device's copy bandwidth.
 
 ``--quick`` (seconds on this CPU) runs in the test suite so that the check
 cannot rot before a GPU comes; ``--device cuda`` is the one command a session
@@ -752,9 +757,16 @@ def check_timing(device, sizes: Sequence[int], ranks: Sequence[int], repeats: in
     return rows
 
 
-def run_checks(device: torch.device, quick: bool, kernels: str = "auto") -> List[Row]:
+def run_checks(
+    device: torch.device,
+    quick: bool,
+    kernels: str = "auto",
+    progress: Optional[Callable[[List[Row]], None]] = None,
+) -> List[Row]:
     """Every check; ``quick``: small worlds and sizes (seconds on a CPU);
-    ``kernels``: :data:`KERNELS` for the checks that do not compare paths."""
+    ``kernels``: :data:`KERNELS` for the checks that do not compare paths;
+    ``progress``: called with the rows so far after each check (so that a run
+    stopped by a time limit leaves what it did)."""
     global KERNELS
     KERNELS = kernels
     ranks = (2, 3) if quick else (2, 8, 64)
@@ -788,6 +800,8 @@ def run_checks(device: torch.device, quick: bool, kernels: str = "auto") -> List
         t0 = time.perf_counter()
         got = fn()
         rows += got
+        if progress is not None:
+            progress(rows)
         logger.info(
             "%s: %d checked, %d failed in %.1f s",
             name,
@@ -847,8 +861,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error("--device cuda: torch sees no GPU")
     if device.type not in ("cpu", "cuda"):
         parser.error(f"--device must be cpu or cuda, got {args.device!r}")
-    rows = run_checks(device, args.quick, args.kernels)
     command = "python -m dlgs.selfcheck " + " ".join(argv if argv is not None else sys.argv[1:])
+    rows = run_checks(
+        device, args.quick, args.kernels, lambda so_far: write(so_far, args.out, device, command)
+    )
     print(write(rows, args.out, device, command))
     return 0 if all(r.ok for r in rows) else 1
 
