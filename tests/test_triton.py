@@ -1,6 +1,6 @@
 """The fused Triton selection (``kernels="triton"``, dlgs/torch/_triton.py)
 against the torch path, bit for bit, under Triton's CPU interpreter
-(``TRITON_INTERPRET=1``, set in conftest.py before Triton is imported).
+(``TRITON_INTERPRET=1``).
 
 Each of the self-check's ``fused_equal`` cases (:data:`dlgs.selfcheck.FUSED_CASES`:
 every index coding and value dtype, ties at the threshold, counts past the
@@ -10,65 +10,115 @@ in-process worlds of 2 ranks, one per path, and compares after every step
 every sparse message's send chunk, every rank's reduced gradient, residuals,
 velocities and counts. On a GPU, ``python -m dlgs.selfcheck --device cuda``
 runs the same comparison with the default tile.
+
+The cases run in a child process: Triton's library and TensorFlow's (loaded by
+other tests of this session) both carry LLVM, and one process holding both
+crashes on import.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
 import pytest
-import torch
+from conftest import ROOT
 
-pytest.importorskip("triton")
-
-from dlgs import selfcheck  # noqa: E402
-from dlgs.core.config import SparsityConfig  # noqa: E402
-from dlgs.torch import _ops, _triton  # noqa: E402
-
-pytestmark = [
-    # inf - inf in a residual on a (discarded) non-finite step, as the torch path.
-    pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
-    pytest.mark.skipif(
-        not _triton.INTERPRETED, reason="needs TRITON_INTERPRET=1 before Triton is imported"
-    ),
-]
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="Triton is not installed"
+)
 
 # Small blocks of a few tiles each, so that layers of a few thousand elements
 # span several blocks and blocks several tiles (by default a block is a tile of
 # 1024 until a layer has more than 1024 of them). The interpreter runs each
 # tile's operations in NumPy, one program after another: hence small layers.
-TILE, MAX_BLOCKS = 512, 4
+CHILD = r"""
+import json, sys, warnings
+import torch
+from dlgs import selfcheck
+from dlgs.torch import _ops, _triton
+assert _triton.INTERPRETED
+# inf - inf in a residual on a (discarded) non-finite step, as the torch path.
+warnings.filterwarnings("ignore", "invalid value encountered")
 
-
-class _SmallTiles(type(_ops.OPS)):  # type: ignore[misc]
-    """The torch ops, with the Triton kernels at a small tile."""
-
+class SmallTiles(type(_ops.OPS)):
     kernels = None
-
     def fused_selection(self, like, mode):
         if mode == "triton":
             if self.kernels is None:
-                self.kernels = _triton.TritonSelection(TILE, MAX_BLOCKS)
+                self.kernels = _triton.TritonSelection(512, 4)
             return self.kernels
         return super().fused_selection(like, mode)
 
-
-@pytest.mark.parametrize("case", list(selfcheck.FUSED_CASES))
-def test_triton_equals_torch(case):
-    ops = _SmallTiles()
+out = {}
+for case in selfcheck.FUSED_CASES:
+    ops = SmallTiles()
     row = selfcheck.compare_kernels(torch.device("cpu"), case, ops=ops)
-    assert row.ok, row.detail
-    assert ops.kernels is not None and ops.kernels.launches > 0
+    out[case] = [row.ok, row.detail, ops.kernels.launches if ops.kernels else 0]
+json.dump(out, sys.stdout)
+"""
+
+OPTIONS = r"""
+import torch, pytest
+from dlgs.core.config import SparsityConfig
+from dlgs.torch import _ops, _triton
+with pytest.raises(ValueError, match="kernels must be one of"):
+    SparsityConfig(kernels="cuda")
+with pytest.raises(TypeError, match="kernels must be a str"):
+    SparsityConfig(kernels=1)
+# auto on a CPU tensor: the torch path, even where Triton interprets.
+assert _ops.OPS.fused_selection(torch.zeros(1), "auto") is None
+assert _ops.OPS.fused_selection(torch.zeros(1), "torch") is None
+assert isinstance(_ops.OPS.fused_selection(torch.zeros(1), "triton"), _triton.TritonSelection)
+with pytest.raises(ValueError, match="tile must be"):
+    _triton.TritonSelection(tile=100)
+with pytest.raises(ValueError, match="max_blocks must be"):
+    _triton.TritonSelection(max_blocks=3)
+print("ok")
+"""
+
+
+def _child(code: str, interpret: str = "1") -> subprocess.CompletedProcess:
+    env = dict(os.environ, TRITON_INTERPRET=interpret)
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
+
+
+@pytest.fixture(scope="module")
+def fused_rows():
+    proc = _child(CHILD)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
+
+
+def _cases():
+    sys.path.insert(0, str(ROOT))
+    from dlgs.selfcheck import FUSED_CASES  # imports torch, not Triton
+
+    return list(FUSED_CASES)
+
+
+@pytest.mark.parametrize("case", _cases())
+def test_triton_equals_torch(fused_rows, case):
+    ok, detail, launches = fused_rows[case]
+    assert ok, detail
+    assert launches > 0
 
 
 def test_options():
-    with pytest.raises(ValueError, match="kernels must be one of"):
-        SparsityConfig(kernels="cuda")
-    with pytest.raises(TypeError, match="kernels must be a str"):
-        SparsityConfig(kernels=1)
-    # auto on a CPU tensor: the torch path, even where Triton interprets.
-    assert _ops.OPS.fused_selection(torch.zeros(1), "auto") is None
-    assert _ops.OPS.fused_selection(torch.zeros(1), "torch") is None
-    assert isinstance(_ops.OPS.fused_selection(torch.zeros(1), "triton"), _triton.TritonSelection)
-    with pytest.raises(ValueError, match="tile must be"):
-        _triton.TritonSelection(tile=100)
-    with pytest.raises(ValueError, match="max_blocks must be"):
-        _triton.TritonSelection(max_blocks=3)
+    proc = _child(OPTIONS)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
+def test_forcing_triton_on_a_cpu_tensor_without_the_interpreter_says_why():
+    code = (
+        "import torch\nfrom dlgs.torch import _ops\n"
+        "try:\n    _ops.OPS.fused_selection(torch.zeros(1), 'triton')\n"
+        "except ValueError as err:\n    print(err)\n"
+    )
+    proc = _child(code, interpret="0")
+    assert "TRITON_INTERPRET=1" in proc.stdout, proc.stdout + proc.stderr[-2000:]

@@ -27,20 +27,20 @@ from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tupl
 
 import numpy as np
 
+from . import checkpoint
 from ._checks import check_float
 from .backend import ArrayOps
+from .checkpoint import STATE_VERSION, check_finite_state
 from .config import SparsityConfig, ValueDType
 from .controller import ThresholdController, make_controller
 from .resume import SyncRecord, resolve
 from .selection import FusedSelection, select_and_pack
+from .transport import MAX_MESSAGE_ELEMENTS, Transport, make_transport
 from .wire import (
-    DevicePart,
     GroupLayout,
     LayerPlan,
     MemberViews,
-    UnpackPlan,
     plan_layers,
-    unpack,
 )
 
 __all__ = [
@@ -58,10 +58,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-STATE_VERSION = 1
 
-#: Most elements (with padding slots) one message may index: indices are int32.
-MAX_MESSAGE_ELEMENTS = 2**31 - 1
 # Non-finite steps are logged at most once per this many seconds.
 _NONFINITE_LOG_INTERVAL = 30.0
 #: A run of this many non-finite steps in a row is warned about (and again at
@@ -247,26 +244,6 @@ class _Group:
         self.outputs: List[Any] = []
 
 
-class _Unpack:
-    """The step's sparse messages, unpacked together (:class:`UnpackPlan`): one
-    receive buffer, the plan's index vectors on the device, reused scratch."""
-
-    __slots__ = ("dense", "parts", "counts_at", "counts_out", "firsts", "members", "bad", "counts")
-
-    def __init__(self, ops: ArrayOps, plan: UnpackPlan, value_dtype: ValueDType, like: Any):
-        self.dense = ops.zeros(plan.dense_size, "float32", like)
-        wide = "int64" if plan.dense_size > MAX_MESSAGE_ELEMENTS else "int32"
-        self.parts = [DevicePart(ops, part, value_dtype, wide, like) for part in plan.parts]
-        self.counts_at = ops.index_vector(plan.counts, like)
-        self.counts_out = None
-        if ops.reuses_outputs:
-            self.counts_out = ops.zeros(len(plan.counts), "int32", like)
-        self.firsts = ops.index_vector(plan.firsts, like)
-        self.members: List[int] = []  # layer indices, in the order of ``firsts``
-        self.bad: Any = None  # per member: non-finite on some rank this step
-        self.counts: Any = None  # every rank's count words this step, rank-major
-
-
 Plan = Sequence[Tuple[Sequence[int], Optional[bool]]]
 
 
@@ -365,7 +342,10 @@ class SparseExchange:
         # with the non-finite verdict) and each target k + 1.
         self._bank: Optional[Dict[str, Any]] = None
         self._bank_k1: Any = None
-        self._unpack: Optional[_Unpack] = None
+        # How sparse messages travel and come back summed (dlgs.core.transport).
+        self._transport: Transport = make_transport("flat", ops, comm, config.value_dtype)
+        # Sparse layers in the transport's member order (its flags and count words).
+        self._sparse_members: List[int] = []
         self._bank_layers: List["_Layer"] = []
         self._submitted: set = set()
         self._dense_offsets: Dict[int, int] = {}
@@ -471,7 +451,7 @@ class SparseExchange:
         if self._submitted:
             raise RuntimeError("set_density() in the middle of a step")
         check_float("density", density, low=0, high=1, low_open=True)
-        each = None if layers is None else _layer_densities(layers, len(self.layers))
+        each = None if layers is None else checkpoint.layer_densities(layers, len(self.layers))
         if (float(density), each) != (self._auto_density, self._auto_layers):
             self._density = None  # lay out again at the next step
         self._auto_density, self._auto_layers = float(density), each
@@ -545,7 +525,7 @@ class SparseExchange:
         plans = self.layer_plans()
         densities = self.densities
         ops = self.ops
-        if not self._kernels_chosen:
+        if not self._kernels_chosen and like is not None:  # None: a load before any gradient
             self._kernels = ops.fused_selection(like, self.config.kernels)
             self._kernels_chosen = True
             if self._kernels is not None:
@@ -624,24 +604,12 @@ class SparseExchange:
         )
 
     def _build_unpack(self, like: Any) -> None:
-        """One receive buffer for every sparse message, each member's output a
-        view of it, and the positions to unpack them all at once."""
-        ops = self.ops
+        """The transport's receive buffers; each sparse member's output a view."""
         sparse = [g for g in self.groups if g.sparse]
-        if not sparse:
-            self._unpack = None
-            return
-        layouts = [g.layout for g in sparse]
-        plan = UnpackPlan.of(layouts, self.comm.size)  # type: ignore[arg-type]
-        unpack = _Unpack(ops, plan, self.config.value_dtype, like)
-        for group, layout, base in zip(sparse, layouts, plan.bases):
-            assert layout is not None
-            group.outputs = [
-                ops.narrow(unpack.dense, 0, base + layout.dense_offset(m), n)
-                for m, n in enumerate(layout.sizes)
-            ]
-            unpack.members += group.members
-        self._unpack = unpack
+        outputs = self._transport.layout([g.layout for g in sparse], like)  # type: ignore[misc]
+        for group, views in zip(sparse, outputs):
+            group.outputs = views
+        self._sparse_members = [i for g in sparse for i in g.members]
 
     def _build_bank(self, like: Any) -> None:
         """Move the sparse layers' controller state into one host vector per
@@ -656,7 +624,7 @@ class SparseExchange:
         bank = {key: np.zeros(len(layers)) for key in keys}
         for j, layer in enumerate(layers):
             for key in keys:
-                bank[key][j] = _host_number(ops, layer.ctrl[key])
+                bank[key][j] = checkpoint.host_number(ops, layer.ctrl[key])
                 layer.ctrl[key] = bank[key][j : j + 1].reshape(())  # a writable view
         self._bank_k1 = np.array([_plan(layer).k + 1.0 for layer in layers])
         self._bank, self._bank_layers = bank, layers
@@ -669,8 +637,7 @@ class SparseExchange:
         every rank's words), so the words are the sparse verdict; a dense
         layer's verdict (``dense_flag``, 0-d bool or None) travels with them."""
         ops = self.ops
-        u = self._unpack
-        counts = u.counts if u is not None and self._flags else None
+        counts = self._transport.counts if self._sparse_members and self._flags else None
         if counts is None:
             return dense_flag is None or not ops.to_host(dense_flag), None
         if dense_flag is None:
@@ -753,7 +720,7 @@ class SparseExchange:
             self._sparsify(layer, group, grad)
             group.ready += 1
             if group.ready == len(group.members):
-                group.handle = self.comm.allgather_async(group.chunk, group.name)
+                group.handle = self._transport.start(group.chunk, group.name)
         else:
             grad = self._dense_send(layer, grad)
             if self.dense_external:
@@ -927,7 +894,8 @@ class SparseExchange:
             raise RuntimeError(f"wait() before every layer was submitted; missing {names}")
         ops = self.ops
         out: Dict[int, Any] = {}
-        gathered: List[Any] = []
+        handles: List[Any] = []
+        verify: List[bool] = []
         for group in self.groups:
             if not group.sparse:
                 if self.dense_external:
@@ -944,45 +912,20 @@ class SparseExchange:
                         out[i] = ops.narrow(ops.reshape(reduced, (-1,)), 0, off, n)
                 self._dense_out[group.members[0]] = reduced
             else:
-                layout = group.layout
-                assert layout is not None
-                words = self.comm.synchronize(group.handle)
-                layout.check_gathered(ops, words, self.comm.size, verify=not group.verified)
+                handles.append(group.handle)
+                verify.append(not group.verified)
                 group.verified = True
-                gathered.append(words)
                 for i, view in zip(group.members, group.outputs):
                     out[i] = view
             group.ready = 0
             group.handle = None
-        if gathered:
-            self._unpack_sparse(gathered)
+        if handles:
+            # Every sparse message of the step at once; members non-finite on
+            # some rank read NaN on every rank.
+            self._flags.append(self._transport.finish(handles, verify, self._out_scale))
         if finish:
             self.finish()
         return out
-
-    def _unpack_sparse(self, gathered: List[Any]) -> None:
-        """Every sparse message of the step at once: one concatenation of their
-        outputs, two gathers, one scatter-add that also averages, and the
-        non-finite flags; a fixed number of operations per step."""
-        ops = self.ops
-        u = self._unpack
-        assert u is not None
-        words = gathered[0] if len(gathered) == 1 else ops.concat(gathered)
-        ops.mul_(u.dense, 0.0)
-        u.counts, u.bad = unpack(
-            ops,
-            words,
-            self.comm.size,
-            self.config.value_dtype,
-            u.dense,
-            self._out_scale,
-            u.parts,
-            u.counts_at,
-            u.counts_out,
-        )
-        # Members non-finite on some rank read NaN on every rank.
-        ops.nan_at_(u.dense, u.firsts, u.bad)
-        self._flags.append(u.bad)
 
     def finish(self, external: Sequence[Tuple[int, Any]] = ()) -> bool:
         """End the step: keep its new residuals, velocities and controller
@@ -1107,10 +1050,10 @@ class SparseExchange:
         member of a merged dense message checked on its own."""
         ops = self.ops
         names = []
-        u = self._unpack
-        if u is not None and u.bad is not None:
-            bad = ops.to_host(u.bad)
-            names += [self.layers[i].name for i, b in zip(u.members, bad) if b]
+        flags = self._transport.bad
+        if self._sparse_members and flags is not None:
+            bad = ops.to_host(flags)
+            names += [self.layers[i].name for i, b in zip(self._sparse_members, bad) if b]
         parts = []
         for first, t in self._dense_out.items():
             members = self.groups[self.layers[first].group].members
@@ -1203,7 +1146,7 @@ class SparseExchange:
                 "velocity": layer.velocity,
                 # Numbers: a layer's entries may be views of the shared vectors.
                 "controller": {
-                    key: v if isinstance(v, int) else _host_number(self.ops, v)
+                    key: v if isinstance(v, int) else checkpoint.host_number(self.ops, v)
                     for key, v in layer.ctrl.items()
                 },
                 "k": layer.plan.k if layer.plan is not None else None,
@@ -1291,7 +1234,7 @@ class SparseExchange:
         next gradient; on an error nothing is changed."""
         auto_layers = state.get("auto_layers")
         if auto_layers is not None:
-            auto_layers = _layer_densities(auto_layers, len(self.layers))
+            auto_layers = checkpoint.layer_densities(auto_layers, len(self.layers))
         plan = state.get("plan")
         old = (self.step, self._plan, self._auto_density, self._auto_layers)
         self.step = state["step"]
@@ -1348,57 +1291,14 @@ class SparseExchange:
         thresholds."""
         if self._submitted:
             raise RuntimeError("load_state_dict() in the middle of a step")
-        if not isinstance(state, dict):
-            raise TypeError(f"dlgs state must be a dict, got {type(state).__name__}")
-        version = state.get("version")
-        if version != STATE_VERSION:
-            raise ValueError(f"dlgs state version must be {STATE_VERSION}, got {version!r}")
-        saved = state.get("layers")
-        if not isinstance(saved, dict):
-            raise ValueError("dlgs state has no 'layers' dict: not a dlgs state_dict()")
-        unknown = sorted(set(saved) - set(self._index))
-        missing = sorted(set(self._index) - set(saved))
-        if unknown or missing:
-            raise ValueError(
-                f"dlgs state does not match this model's parameters: unknown {unknown[:5]}, "
-                f"missing {missing[:5]}"
-            )
-        for name, entry in saved.items():
-            n = self.layers[self._index[name]].numel
-            for attr in ("residual", "velocity"):
-                buf = entry.get(attr)
-                # Saved buffers may be framework tensors or NumPy arrays (TF state).
-                size = math.prod(int(d) for d in buf.shape) if buf is not None else n + 1
-                if size != n + 1:
-                    raise ValueError(
-                        f"dlgs state for parameter {name!r}: its {attr} holds "
-                        f"{size - 1} elements but the parameter has {n} "
-                        "(a checkpoint of another model?)"
-                    )
-        check_finite_state(self.ops, state)
-        step = state.get("step")
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"dlgs state step must be an int >= 0, got {step!r}")
-        plan = state.get("plan")
-        if plan is not None:
-            flat = [i for members, _ in plan for i in members]
-            if len(set(flat)) != len(flat) or any(not 0 <= i < len(self.layers) for i in flat):
-                raise ValueError(f"dlgs state holds a plan for another model: {plan!r:.80}")
-        auto_layers = state.get("auto_layers")
-        if auto_layers is not None:
-            try:
-                _layer_densities(auto_layers, len(self.layers))
-            except (TypeError, ValueError) as err:
-                raise ValueError(f"dlgs state auto_layers: {err}") from None
-        cfg = state.get("config") or {}
-        now = self.config.to_dict()
-        restart = [
-            f"{key} {cfg.get(key)!r} -> {now[key]!r}"
-            for key in ("controller", "threshold", "density", "warmup", "warmup_steps")
-            if key in cfg and cfg[key] != now[key]
-        ]
-        own = state.get("rank") == self.comm.rank and state.get("size") == self.comm.size
-        return own, restart
+        return checkpoint.validate(
+            self.ops,
+            state,
+            [(layer.name, layer.numel) for layer in self.layers],
+            self.config,
+            self.comm.rank,
+            self.comm.size,
+        )
 
     def _restore_layers(self, saved: Dict[str, Any], like: Any, own: bool, restart: List[str]):
         ops = self.ops
@@ -1427,7 +1327,9 @@ class SparseExchange:
                 # Each entry in the kind of its fresh value: Python numbers (the
                 # dynamic controller's host state, also from checkpoints that
                 # held device scalars) or device scalars (the fixed threshold).
-                layer.ctrl = {key: _restored(ops, fresh[key], v, like) for key, v in ctrl.items()}
+                layer.ctrl = {
+                    key: checkpoint.restored(ops, fresh[key], v, like) for key, v in ctrl.items()
+                }
             else:
                 layer.ctrl = fresh
         self._build_bank(like)
@@ -1483,73 +1385,9 @@ class StepHook(Protocol):
     def __call__(self, exchange: "SparseExchange", record: StepRecord) -> None: ...
 
 
-def _layer_densities(values: Sequence[float], n: int) -> Tuple[float, ...]:
-    """``values`` as one density per layer, each checked."""
-    if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
-        raise TypeError(f"layers must be a sequence of densities, got {type(values).__name__}")
-    if len(values) != n:
-        raise ValueError(f"layers must hold one density per layer ({n}), got {len(values)}")
-    for i, d in enumerate(values):
-        check_float(f"layers[{i}]", d, low=0, high=1, low_open=True)
-    return tuple(float(d) for d in values)
-
-
 def _plan(layer: _Layer) -> LayerPlan:
     assert layer.plan is not None  # set by the layout
     return layer.plan
-
-
-def _restored(ops: ArrayOps, fresh: Any, saved: Any, like: Any) -> Any:
-    """A saved controller entry in the kind of its fresh value."""
-    number = _host_number(ops, saved)
-    if isinstance(fresh, int):
-        return int(number)
-    return number if isinstance(fresh, float) else ops.scalar(number, like)
-
-
-def _host_number(ops: ArrayOps, value: Any) -> float:
-    """A controller entry as a Python float: a number, a NumPy scalar or view,
-    or a framework scalar (read on the host: checkpoints and layouts only)."""
-    if isinstance(value, (int, float, np.ndarray, np.generic)):
-        return float(value)  # type: ignore[arg-type]  # 0-d arrays convert
-    return float(np.ravel(ops.to_host(value))[0])
-
-
-def check_finite_state(ops: ArrayOps, state: Dict[str, Any]) -> None:
-    """Refuse a state whose residual, velocity or threshold state is NaN or
-    infinite (a damaged checkpoint: every step after it would be non-finite),
-    naming the parameter. Needs no exchange: an engine checks a state it keeps
-    for later (TensorFlow restores before the first step) when it is loaded,
-    on the rank that loads it, not at a step the other ranks are already in."""
-    layers = state.get("layers") if isinstance(state, dict) else None
-    for name, entry in (layers or {}).items():
-        if not isinstance(entry, dict):
-            continue
-        for attr in ("residual", "velocity"):
-            buf = entry.get(attr)
-            if buf is not None and not _all_finite(ops, buf):
-                raise ValueError(
-                    f"dlgs state for parameter {name!r}: its {attr} holds NaN or "
-                    "infinite values (a damaged checkpoint: every step after it would "
-                    "be non-finite). Load the optimizer state without its 'dlgs' entry "
-                    "to resume with empty residuals, or use an earlier checkpoint"
-                )
-        ctrl = entry.get("controller") or {}
-        bad = [k for k, v in ctrl.items() if not math.isfinite(_host_number(ops, v))]
-        if bad:
-            raise ValueError(
-                f"dlgs state for parameter {name!r}: its threshold state {bad} is NaN or "
-                "infinite (a damaged checkpoint). Load the optimizer state without its "
-                "'dlgs' entry, or use an earlier checkpoint"
-            )
-
-
-def _all_finite(ops: ArrayOps, buf: Any) -> bool:
-    """Whether a saved buffer (a framework tensor or a NumPy array) is finite
-    (read on the host: checkpoints only)."""
-    if isinstance(buf, (np.ndarray, np.generic)):
-        return bool(np.isfinite(buf).all())
-    return not bool(np.ravel(ops.to_host(ops.any_nonfinite([buf])))[0])
 
 
 def _hook_key(hook: Any) -> str:

@@ -1,0 +1,165 @@
+"""An exchange's checkpoint: its format, the validation of a saved state
+before anything changes, and the conversions a load needs.
+
+Pure functions of the saved state, the model's layers and the options; the
+exchange (:meth:`SparseExchange.state_dict` / ``load_state_dict``) decides
+what to restore. No collective here: a load is local to its rank
+(:mod:`dlgs.core.resume` agrees across ranks at the next gradient).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, List, Sequence, Tuple
+
+import numpy as np
+
+from ._checks import check_float
+from .backend import ArrayOps
+from .config import SparsityConfig
+
+__all__ = [
+    "STATE_VERSION",
+    "check_finite_state",
+    "host_number",
+    "layer_densities",
+    "restored",
+    "validate",
+]
+
+#: Version of :meth:`SparseExchange.state_dict`'s format.
+STATE_VERSION = 1
+
+#: Options whose change since a checkpoint restarts the thresholds.
+RESTART_KEYS = ("controller", "threshold", "density", "warmup", "warmup_steps")
+
+
+def validate(
+    ops: ArrayOps,
+    state: Any,
+    layers: Sequence[Tuple[str, int]],
+    config: SparsityConfig,
+    rank: int,
+    size: int,
+) -> Tuple[bool, List[str]]:
+    """Check a saved exchange state against a model's ``(name, numel)`` layers
+    and the options in force, changing nothing. Returns whether it is this
+    rank's own state (saved by ``rank`` of ``size``) and the options whose
+    change restarts the thresholds; raises ``TypeError``/``ValueError`` naming
+    what is wrong."""
+    sizes = dict(layers)
+    if not isinstance(state, dict):
+        raise TypeError(f"dlgs state must be a dict, got {type(state).__name__}")
+    version = state.get("version")
+    if version != STATE_VERSION:
+        raise ValueError(f"dlgs state version must be {STATE_VERSION}, got {version!r}")
+    saved = state.get("layers")
+    if not isinstance(saved, dict):
+        raise ValueError("dlgs state has no 'layers' dict: not a dlgs state_dict()")
+    unknown = sorted(set(saved) - set(sizes))
+    missing = sorted(set(sizes) - set(saved))
+    if unknown or missing:
+        raise ValueError(
+            f"dlgs state does not match this model's parameters: unknown {unknown[:5]}, "
+            f"missing {missing[:5]}"
+        )
+    for name, entry in saved.items():
+        n = sizes[name]
+        for attr in ("residual", "velocity"):
+            buf = entry.get(attr)
+            # Saved buffers may be framework tensors or NumPy arrays (TF state).
+            held = math.prod(int(d) for d in buf.shape) if buf is not None else n + 1
+            if held != n + 1:
+                raise ValueError(
+                    f"dlgs state for parameter {name!r}: its {attr} holds "
+                    f"{held - 1} elements but the parameter has {n} "
+                    "(a checkpoint of another model?)"
+                )
+    check_finite_state(ops, state)
+    step = state.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"dlgs state step must be an int >= 0, got {step!r}")
+    plan = state.get("plan")
+    if plan is not None:
+        flat = [i for members, _ in plan for i in members]
+        if len(set(flat)) != len(flat) or any(not 0 <= i < len(sizes) for i in flat):
+            raise ValueError(f"dlgs state holds a plan for another model: {plan!r:.80}")
+    auto_layers = state.get("auto_layers")
+    if auto_layers is not None:
+        try:
+            layer_densities(auto_layers, len(sizes))
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"dlgs state auto_layers: {err}") from None
+    cfg = state.get("config") or {}
+    now = config.to_dict()
+    restart = [
+        f"{key} {cfg.get(key)!r} -> {now[key]!r}"
+        for key in RESTART_KEYS
+        if key in cfg and cfg[key] != now[key]
+    ]
+    own = state.get("rank") == rank and state.get("size") == size
+    return own, restart
+
+
+def layer_densities(values: Sequence[float], n: int) -> Tuple[float, ...]:
+    """``values`` as one density per layer, each checked."""
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
+        raise TypeError(f"layers must be a sequence of densities, got {type(values).__name__}")
+    if len(values) != n:
+        raise ValueError(f"layers must hold one density per layer ({n}), got {len(values)}")
+    for i, d in enumerate(values):
+        check_float(f"layers[{i}]", d, low=0, high=1, low_open=True)
+    return tuple(float(d) for d in values)
+
+
+def restored(ops: ArrayOps, fresh: Any, saved: Any, like: Any) -> Any:
+    """A saved controller entry in the kind of its fresh value."""
+    number = host_number(ops, saved)
+    if isinstance(fresh, int):
+        return int(number)
+    return number if isinstance(fresh, float) else ops.scalar(number, like)
+
+
+def host_number(ops: ArrayOps, value: Any) -> float:
+    """A controller entry as a Python float: a number, a NumPy scalar or view,
+    or a framework scalar (read on the host: checkpoints and layouts only)."""
+    if isinstance(value, (int, float, np.ndarray, np.generic)):
+        return float(value)  # type: ignore[arg-type]  # 0-d arrays convert
+    return float(np.ravel(ops.to_host(value))[0])
+
+
+def check_finite_state(ops: ArrayOps, state: Dict[str, Any]) -> None:
+    """Refuse a state whose residual, velocity or threshold state is NaN or
+    infinite (a damaged checkpoint: every step after it would be non-finite),
+    naming the parameter. Needs no exchange: an engine checks a state it keeps
+    for later (TensorFlow restores before the first step) when it is loaded,
+    on the rank that loads it, not at a step the other ranks are already in."""
+    layers = state.get("layers") if isinstance(state, dict) else None
+    for name, entry in (layers or {}).items():
+        if not isinstance(entry, dict):
+            continue
+        for attr in ("residual", "velocity"):
+            buf = entry.get(attr)
+            if buf is not None and not _all_finite(ops, buf):
+                raise ValueError(
+                    f"dlgs state for parameter {name!r}: its {attr} holds NaN or "
+                    "infinite values (a damaged checkpoint: every step after it would "
+                    "be non-finite). Load the optimizer state without its 'dlgs' entry "
+                    "to resume with empty residuals, or use an earlier checkpoint"
+                )
+        ctrl = entry.get("controller") or {}
+        bad = [k for k, v in ctrl.items() if not math.isfinite(host_number(ops, v))]
+        if bad:
+            raise ValueError(
+                f"dlgs state for parameter {name!r}: its threshold state {bad} is NaN or "
+                "infinite (a damaged checkpoint). Load the optimizer state without its "
+                "'dlgs' entry, or use an earlier checkpoint"
+            )
+
+
+def _all_finite(ops: ArrayOps, buf: Any) -> bool:
+    """Whether a saved buffer (a framework tensor or a NumPy array) is finite
+    (read on the host: checkpoints only)."""
+    if isinstance(buf, (np.ndarray, np.generic)):
+        return bool(np.isfinite(buf).all())
+    return not bool(np.ravel(ops.to_host(ops.any_nonfinite([buf])))[0])
