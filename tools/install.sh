@@ -179,6 +179,18 @@ fi
 log "installing dlgs (editable) with dev and benchmark extras"
 "$VPY" -m pip install -q -c "$CONSTRAINTS" -e ".[torch,tensorflow,benchmarks,dev]"
 
+# 5. Triton for the tests, in a directory of its own ($VENV/triton), not on the venv's
+# path: torch imports Triton whenever it finds it (torch._dynamo, at an optimizer's
+# construction), and Triton's library beside TensorFlow's in one process crashes it.
+# The tests that run Triton's CPU interpreter add it to their child processes' path.
+# In CUDA mode torch's own Triton is on the path already.
+if [ "$CUDA" = 0 ] && [ "$(uname -m)" = x86_64 ] && [ "$(uname -s)" = Linux ]; then
+  if [ ! -d "$VENV/triton/triton" ]; then
+    log "installing Triton (tests only) into $VENV/triton"
+    "$VPY" -m pip install -q --no-deps -c "$CONSTRAINTS" --target "$VENV/triton" triton
+  fi
+fi
+
 check_build
 stamp_key >"$VENV/.dlgs-stamp"
 log "done: activate with 'source $VENV/bin/activate'"

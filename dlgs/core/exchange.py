@@ -30,9 +30,11 @@ import numpy as np
 from . import checkpoint
 from ._checks import check_float
 from .backend import ArrayOps
+from .bank import ControllerBank
 from .checkpoint import STATE_VERSION, check_finite_state
 from .config import SparsityConfig, ValueDType
 from .controller import ThresholdController, make_controller
+from .layout import plan_messages
 from .resume import SyncRecord, resolve
 from .selection import FusedSelection, select_and_pack
 from .transport import MAX_MESSAGE_ELEMENTS, Transport, make_transport
@@ -340,13 +342,11 @@ class SparseExchange:
         # vector per key (a layer's entries are 0-d views): updated in one pass
         # per finite step, from the count words the step gathered (read once,
         # with the non-finite verdict) and each target k + 1.
-        self._bank: Optional[Dict[str, Any]] = None
-        self._bank_k1: Any = None
+        self._bank: Optional[ControllerBank] = None
         # How sparse messages travel and come back summed (dlgs.core.transport).
         self._transport: Transport = make_transport("flat", ops, comm, config.value_dtype)
         # Sparse layers in the transport's member order (its flags and count words).
         self._sparse_members: List[int] = []
-        self._bank_layers: List["_Layer"] = []
         self._submitted: set = set()
         self._dense_offsets: Dict[int, int] = {}
         #: A tensor on the exchange's device (the first gradient seen).
@@ -494,22 +494,6 @@ class SparseExchange:
         return plan_layers([layer.numel for layer in self.layers], self.densities, self.config)
 
     # -- layout ----------------------------------------------------------------
-    def _group_lists(self, plans: List[LayerPlan]) -> List[Tuple[List[int], bool]]:
-        """Resolve the requested plan into disjoint groups with a mode each."""
-        out: List[Tuple[List[int], bool]] = []
-        placed: set = set()
-        for members, sparse in self._plan or []:
-            mode = all(plans[i].sparse for i in members) if sparse is None else bool(sparse)
-            if not mode and self.dense_external:
-                # Dense members go alone, through the caller's allreduce
-                # (Horovod fuses them itself), but dense as the plan says.
-                out += [([i], False) for i in members]
-            else:
-                out.append((list(members), mode))
-            placed.update(members)
-        out += [([i], plans[i].sparse) for i in range(len(plans)) if i not in placed]
-        return sorted(_split_oversized(out, plans), key=lambda g: min(g[0]))
-
     def _relayout(self, like: Any) -> None:
         """(Re)compute plans and groups for the density in force; allocate buffers."""
         density = self.density
@@ -530,10 +514,18 @@ class SparseExchange:
             self._kernels_chosen = True
             if self._kernels is not None:
                 logger.debug("dlgs: sparse layers select with %s kernels", self._kernels.name)
-        groups = self._group_lists(plans)
+        messages = plan_messages(
+            plans,
+            [layer.name for layer in self.layers],
+            self._plan,
+            self.prefix,
+            self.config.value_dtype,
+            self.config.index_coding,
+            dense_alone=self.dense_external,
+        )
         for layer in self.layers:
             layer.views.clear()
-        sparse_layers = {i for members, mode in groups if mode for i in members}
+        sparse_layers = {i for m in messages if m.sparse for i in m.members}
         for i, (layer, plan) in enumerate(zip(self.layers, plans)):
             old = layer.plan
             layer.plan = plan
@@ -556,36 +548,25 @@ class SparseExchange:
                     layer.velocity_next = ops.zeros(layer.numel + 1, "float32", like)
         self.groups = []
         self._wire_bytes = None
-        for gi, (members, mode) in enumerate(groups):
-            kind = "sparse" if mode else "dense"
-            name = (
-                f"{self.prefix}.{kind}.{self.layers[members[0]].name}"
-                if len(members) == 1
-                else f"{self.prefix}.{kind}.g{gi}.{len(members)}"
-            )
-            group = _Group(members, mode, name)
-            if mode:
-                layout = GroupLayout(
-                    tuple(plans[i].numel for i in members),
-                    tuple(plans[i].capacity for i in members),
-                    self.config.value_dtype,
-                    self.config.index_coding,
-                )
+        for gi, spec in enumerate(messages):
+            members = list(spec.members)
+            group = _Group(members, spec.sparse, spec.name)
+            if spec.sparse:
+                layout = spec.layout
+                assert layout is not None
                 group.layout = layout
                 group.chunk = layout.new_chunk(ops, like)
                 group.member_views = [
                     layout.member_views(ops, group.chunk, m) for m in range(len(members))
                 ]
             elif len(members) > 1:
-                group.dense = ops.zeros(sum(plans[i].numel for i in members), "float32", like)
-            offset = 0
+                group.dense = ops.zeros(spec.size, "float32", like)
             for m, i in enumerate(members):
                 self.layers[i].group = gi
                 self.layers[i].member = m
-                if not mode:
+                if not spec.sparse:
                     self.layers[i].ctrl = {}
-                    self._dense_offsets[i] = offset
-                    offset += plans[i].numel
+                    self._dense_offsets[i] = spec.offsets[m]
             self.groups.append(group)
         self._modes = tuple(i in sparse_layers for i in range(len(self.layers)))
         self._build_unpack(like)
@@ -612,22 +593,16 @@ class SparseExchange:
         self._sparse_members = [i for g in sparse for i in g.members]
 
     def _build_bank(self, like: Any) -> None:
-        """Move the sparse layers' controller state into one host vector per
-        key (their values carried over), so a step updates every layer at once."""
-        keys = self.controller.vector_keys
-        # The unpack's member order: the step's count words arrive in it.
-        layers = [self.layers[i] for g in self.groups if g.sparse for i in g.members]
-        if not keys or not layers:
-            self._bank, self._bank_layers, self._bank_k1 = None, [], None
-            return
-        ops = self.ops
-        bank = {key: np.zeros(len(layers)) for key in keys}
-        for j, layer in enumerate(layers):
-            for key in keys:
-                bank[key][j] = checkpoint.host_number(ops, layer.ctrl[key])
-                layer.ctrl[key] = bank[key][j : j + 1].reshape(())  # a writable view
-        self._bank_k1 = np.array([_plan(layer).k + 1.0 for layer in layers])
-        self._bank, self._bank_layers = bank, layers
+        """The sparse layers' controller learning state in one bank (their
+        values carried over), so a step updates every layer at once."""
+        # The transport's member order: the step's count words arrive in it.
+        layers = [self.layers[i] for i in self._sparse_members]
+        self._bank = ControllerBank.of(
+            self.ops,
+            self.controller,
+            [layer.ctrl for layer in layers],
+            [_plan(la).k for la in layers],
+        )
 
     def _read_verdict(self, dense_flag: Any) -> Tuple[bool, Any]:
         """Whether the step was finite on every rank, and every rank's count
@@ -653,19 +628,8 @@ class SparseExchange:
         rank's row is what its layers selected; on an anchor step, one more
         read, of the anchors), then host arithmetic; no device operation."""
         assert self._bank is not None and words is not None
-        ops = self.ops
         words = np.asarray(words, np.float64)
-        counts = words.reshape(self.comm.size, -1)[self.comm.rank]
-        anchored = [
-            (j, layer.ctrl.pop("anchor"))
-            for j, layer in enumerate(self._bank_layers)
-            if "anchor" in layer.ctrl
-        ]
-        anchors: Dict[int, float] = {}
-        if anchored:
-            values = ops.to_host(ops.stack([a for _, a in anchored]))
-            anchors = {j: float(v) for (j, _), v in zip(anchored, np.ravel(values))}
-        self.controller.update_many(self._bank, counts, self._bank_k1, anchors)
+        self._bank.update(self.ops, words.reshape(self.comm.size, -1)[self.comm.rank])
 
     # -- the per-step path -----------------------------------------------------
     def _begin_step(self) -> None:
@@ -960,7 +924,9 @@ class SparseExchange:
                 if layer.velocity_next is not None:
                     layer.velocity, layer.velocity_next = layer.velocity_next, layer.velocity
             elif sparse and layer.ctrl_prev is not None:
-                layer.ctrl = layer.ctrl_prev
+                # In place: the bank holds this dict.
+                layer.ctrl.clear()
+                layer.ctrl.update(layer.ctrl_prev)
             layer.ctrl_prev = None
             layer.flush = False
         if not finite:
@@ -1144,7 +1110,7 @@ class SparseExchange:
             layers[layer.name] = {
                 "residual": layer.residual,
                 "velocity": layer.velocity,
-                # Numbers: a layer's entries may be views of the shared vectors.
+                # Numbers (device scalars of the fixed controller read on the host).
                 "controller": {
                     key: v if isinstance(v, int) else checkpoint.host_number(self.ops, v)
                     for key, v in layer.ctrl.items()
@@ -1392,29 +1358,6 @@ def _plan(layer: _Layer) -> LayerPlan:
 
 def _hook_key(hook: Any) -> str:
     return getattr(hook, "state_key", type(hook).__name__)
-
-
-def _split_oversized(
-    groups: List[Tuple[List[int], bool]], plans: List[LayerPlan]
-) -> List[Tuple[List[int], bool]]:
-    """Split sparse groups whose indices would not fit int32 into consecutive
-    parts that do (the same split on every rank: it depends on sizes only)."""
-    out: List[Tuple[List[int], bool]] = []
-    for members, sparse in groups:
-        if not sparse:
-            out.append((members, sparse))
-            continue
-        part: List[int] = []
-        size = 0
-        for i in members:
-            n = plans[i].numel + 1
-            if part and size + n > MAX_MESSAGE_ELEMENTS:
-                out.append((part, True))
-                part, size = [], 0
-            part.append(i)
-            size += n
-        out.append((part, True))
-    return out
 
 
 def log_stats(exchange: SparseExchange, log: logging.Logger, level: int = logging.INFO):
