@@ -63,7 +63,7 @@ from .core import SparseExchange, SparsityConfig
 from .core.inprocess import InProcessWorld, sent_values
 from .torch._ops import OPS
 
-__all__ = ["TorchComm", "main", "run_checks"]
+__all__ = ["TorchComm", "TorchNodeComm", "main", "run_checks"]
 
 logger = logging.getLogger("dlgs.selfcheck")
 
@@ -116,6 +116,35 @@ class TorchComm:
 
     def allgather_object(self, obj, name):
         return self.world.meet(self.rank, name, obj, list)
+
+
+class TorchNodeComm:
+    """:class:`~dlgs.core.hierarchical.NodeCollectives` on an
+    :class:`InProcessWorld` of one node's ranks: the reduce-scatter averages in
+    float64, in rank order; every rank gets its block of the same result."""
+
+    def __init__(self, world: InProcessWorld, rank: int):
+        self.world, self.rank, self.size = world, rank, world.size
+
+    def reducescatter_async(self, tensor, name):
+        return ("scatter", name, tensor.clone())
+
+    def allgather_async(self, tensor, name):
+        return ("gather", name, tensor.clone())
+
+    def synchronize(self, handle):
+        kind, name, tensor = handle
+        if kind == "gather":
+            return self.world.meet(self.rank, name, tensor, torch.cat)
+
+        def mean(parts):
+            total = parts[0].double().clone()
+            for p in parts[1:]:
+                total += p.double()
+            return (total / len(parts)).to(parts[0].dtype)
+
+        full = self.world.meet(self.rank, name, tensor, mean)
+        return full.view(self.size, -1)[self.rank].clone()
 
 
 @dataclass
