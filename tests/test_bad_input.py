@@ -79,6 +79,13 @@ OPTIMIZER_ONLY = [
     (dict(backward_passes_per_step=1.0), TypeError, ["backward_passes_per_step", ">= 1"]),
     (dict(backward_passes_per_step=0), ValueError, ["backward_passes_per_step", ">= 1"]),
 ]
+# torch's DistributedOptimizer only (not yet TensorFlow's).
+TORCH_OPTIMIZER_ONLY = [
+    (dict(topology="ring"), ValueError, ["topology", "'hierarchical'"]),
+    (dict(topology="hierarchical", ranks_per_node=1), ValueError, ["ranks_per_node", ">= 2"]),
+    (dict(topology="auto", ranks_per_node=True), ValueError, ["ranks_per_node", ">= 2"]),
+    (dict(topology="hierarchical", op=hvd.Sum), ValueError, ["topology", "op=hvd.Average"]),
+]
 
 _PLANNER_KEYS = {"merge", "profile_steps", "bucket_elements", "max_group"}
 _PLANNER_KEYS |= {"drift_tolerance", "drift_window", "profile_budget"}
@@ -141,7 +148,8 @@ TORCH = [
     ("torch.Compression", _torch_compression),
 ]
 TORCH_CASES = [(name, build, *case) for name, build in TORCH for case in SHARED] + [
-    ("torch.DistributedOptimizer", _torch_optimizer, *case) for case in OPTIMIZER_ONLY
+    ("torch.DistributedOptimizer", _torch_optimizer, *case)
+    for case in OPTIMIZER_ONLY + TORCH_OPTIMIZER_ONLY
 ]
 
 

@@ -34,6 +34,7 @@ from .backend import ArrayOps
 from .config import SparsityConfig
 from .consistency import agreed_options, check_ranks_agree, signature
 from .exchange import Collectives, SparseExchange, check_finite_state, log_stats
+from .hierarchical import HierarchicalExchange
 
 __all__ = ["CompressionAliases", "Engine", "OptimizerAliases", "check_unique_names"]
 
@@ -73,6 +74,11 @@ class Engine:
         log_every: log per-layer statistics every this many steps (0: never).
         loss_scale: the loss scaler's reader (see :class:`SparseExchange`).
         logger: where statistics are logged (the adapter's logger).
+        topology: None for the flat exchange; for the two-level one
+            (:class:`~dlgs.core.hierarchical.HierarchicalExchange`), a function
+            returning ``(node, cross)`` collectives, called by :meth:`build`
+            after every rank was checked to agree (making them may be a
+            collective, such as adding Horovod process sets).
     """
 
     def __init__(
@@ -89,8 +95,10 @@ class Engine:
         log_every: int = 0,
         loss_scale: Optional[Callable[[], Any]] = None,
         logger: Optional[logging.Logger] = None,
+        topology: Optional[Callable[[], Tuple[Any, Any]]] = None,
     ):
         self.ops = ops
+        self._topology = topology
         self.comm = comm
         self.config = config
         self._planner = planner
@@ -150,17 +158,31 @@ class Engine:
                 size=self.comm.size,
             )
         numel = [(str(n), math.prod(int(s) for s in shape)) for n, shape, _ in ordered]
-        exchange = SparseExchange(
-            self.ops,
-            self.comm,
-            self.config,
-            numel,
-            average=self.average,
-            prefix=self.prefix,
-            dense_external=self.dense_external,
-            clock=clock,
-            loss_scale=self._loss_scale,
-        )
+        exchange: Any
+        if self._topology is not None:
+            node, cross = self._topology()
+            exchange = HierarchicalExchange(
+                self.ops,
+                node,
+                cross,
+                self.config,
+                numel,
+                prefix=self.prefix,
+                clock=clock,
+                loss_scale=self._loss_scale,
+            )
+        else:
+            exchange = SparseExchange(
+                self.ops,
+                self.comm,
+                self.config,
+                numel,
+                average=self.average,
+                prefix=self.prefix,
+                dense_external=self.dense_external,
+                clock=clock,
+                loss_scale=self._loss_scale,
+            )
         if self._planner is not None:
             exchange.step_hooks.append(self._planner)
         self._exchange, self.order, self.names, self._like = exchange, order, names, like

@@ -112,13 +112,25 @@ class HierarchicalExchange:
         self._scatter: Dict[int, Any] = {}
         self._outputs: Dict[int, Any] = {}
 
-    @property
-    def step(self) -> int:
-        return self.inner.step
+    def __getattr__(self, name: str) -> Any:
+        # What is not two-level reads the exchange between nodes: its layers
+        # (this rank's shards, named as the layers), layout, statistics, step,
+        # verdicts and step hooks (a merge planner plans the shards' messages).
+        if name == "inner":  # not set yet: construction failed
+            raise AttributeError(name)
+        return getattr(self.inner, name)
 
     @property
-    def last_step_finite(self) -> bool:
-        return self.inner.last_step_finite
+    def loss_scale(self) -> Optional[Callable[[], Any]]:
+        return self.inner.loss_scale
+
+    @loss_scale.setter
+    def loss_scale(self, reader: Optional[Callable[[], Any]]) -> None:
+        self.inner.loss_scale = reader
+
+    def pending(self) -> List[int]:
+        """Layers not yet submitted this step."""
+        return [i for i in range(len(self.sizes)) if i not in self._scatter]
 
     def submit(self, i: int, grad: Any) -> None:
         """Hand in layer ``i``'s gradient: starts its reduce-scatter in the node."""
@@ -172,9 +184,16 @@ class HierarchicalExchange:
             "exchange": self.inner.state_dict(),
         }
 
-    def load_state_dict(self, state: Dict[str, Any], like: Any) -> None:
-        """Restore a :meth:`state_dict` saved on the same topology; on another
-        (its shards are other slices of the layers) a ``ValueError`` says so."""
+    def check_state_dict(self, state: Any) -> Tuple[bool, List[str]]:
+        """Validate a :meth:`state_dict` without changing anything: saved on
+        this topology (its shards are other slices of the layers elsewhere:
+        a ``ValueError`` says so) by this local rank, and valid for the
+        exchange between nodes."""
+        if not isinstance(state, dict) or "exchange" not in state:
+            raise ValueError(
+                "dlgs state is not a hierarchical exchange's (saved with topology='flat'?): "
+                "load the optimizer state without its 'dlgs' entry to start the residuals afresh"
+            )
         topology = [self.node.size, self.inner.comm.size]
         if state.get("topology") != topology:
             raise ValueError(
@@ -187,4 +206,9 @@ class HierarchicalExchange:
                 f"dlgs state was saved by local rank {state.get('node_rank')}, this is "
                 f"local rank {self.node.rank}: save and load one state per rank"
             )
+        return self.inner.check_state_dict(state["exchange"])
+
+    def load_state_dict(self, state: Dict[str, Any], like: Any) -> None:
+        """Restore a :meth:`state_dict` (checked first: :meth:`check_state_dict`)."""
+        self.check_state_dict(state)
         self.inner.load_state_dict(state["exchange"], like)

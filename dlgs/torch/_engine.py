@@ -6,6 +6,7 @@ Shared by both drop-in forms (:class:`dlgs.torch.Compression` and
 
 from __future__ import annotations
 
+import atexit
 import logging
 import pickle
 import time
@@ -22,7 +23,17 @@ from ..core.profiler import OnlinePlanner
 from ._amp import scale_reader
 from ._ops import OPS
 
-__all__ = ["HorovodCollectives", "build_engine", "named_trainable"]
+__all__ = [
+    "HorovodCollectives",
+    "HorovodNodeCollectives",
+    "build_engine",
+    "check_topology",
+    "named_trainable",
+    "node_and_cross_sets",
+]
+
+#: Values of ``topology``.
+TOPOLOGIES = ("flat", "hierarchical", "auto")
 
 logger = logging.getLogger("dlgs.torch")
 
@@ -87,6 +98,83 @@ class HorovodCollectives(HorovodSet):
         return hvd.synchronize(handle)
 
 
+class HorovodNodeCollectives:
+    """:class:`dlgs.core.hierarchical.NodeCollectives` on ``horovod.torch``:
+    the reduce-scatter (average) and allgather among one node's ranks."""
+
+    def __init__(self, process_set):
+        self.process_set = process_set
+        self.size = process_set.size()
+        self.rank = process_set.rank()
+
+    def reducescatter_async(self, tensor, name):
+        return hvd.reducescatter_async(
+            tensor, name=name, op=hvd.Average, process_set=self.process_set
+        )
+
+    def allgather_async(self, tensor, name):
+        return hvd.allgather_async(tensor, name=name, process_set=self.process_set)
+
+    def synchronize(self, handle):
+        return hvd.synchronize(handle)
+
+
+def check_topology(topology: Any, ranks_per_node: Any) -> None:
+    """``ValueError``/``TypeError`` naming the option, before anything runs."""
+    if topology not in TOPOLOGIES:
+        raise ValueError(
+            f"topology must be one of {', '.join(map(repr, TOPOLOGIES))}, got {topology!r}"
+        )
+    if ranks_per_node is not None and (
+        isinstance(ranks_per_node, bool)
+        or not isinstance(ranks_per_node, int)
+        or ranks_per_node < 2
+    ):
+        raise ValueError(f"ranks_per_node must be an int >= 2 or None, got {ranks_per_node!r}")
+
+
+def node_and_cross_sets(ranks_per_node: Optional[int]) -> Tuple[Any, Any]:
+    """This rank's node and cross-node process sets, added to Horovod (a
+    collective: every rank adds every set, in the same order).
+
+    Nodes are ``ranks_per_node`` consecutive ranks, or Horovod's own
+    (``hvd.local_size()``; ranks must then be laid out node by node, as
+    horovodrun lays them out). Needs dynamic process sets
+    (``hvd.init(process_sets="dynamic")`` or ``HOROVOD_DYNAMIC_PROCESS_SETS=1``)."""
+    size, rank = hvd.size(), hvd.rank()
+    local = ranks_per_node or hvd.local_size()
+    if local < 2 or size % local or size // local < 2:
+        raise ValueError(
+            f"topology='hierarchical' needs at least 2 nodes of at least 2 ranks each, "
+            f"the same number on every node: {size} ranks with {local} per node "
+            "(give ranks_per_node, or use topology='flat')"
+        )
+    if ranks_per_node is None:
+        # One small gather: every rank where Horovod's node layout says it is.
+        here = (hvd.local_rank(), hvd.local_size(), hvd.cross_rank())
+        laid = hvd.allgather_object((rank, here), name="dlgs.topology")
+        bad = [r for r, (lr, ls, cr) in laid if ls != local or r != cr * local + lr]
+        if bad:
+            raise ValueError(
+                f"topology='hierarchical': ranks {bad[:5]} are not laid out node by node "
+                f"({local} per node as Horovod's local_size says); give ranks_per_node"
+            )
+    nodes = [list(range(n * local, (n + 1) * local)) for n in range(size // local)]
+    crosses = [list(range(j, size, local)) for j in range(local)]
+    try:
+        node_sets = [hvd.add_process_set(ranks) for ranks in nodes]
+        cross_sets = [hvd.add_process_set(ranks) for ranks in crosses]
+    except ValueError as err:
+        if "HOROVOD_DYNAMIC_PROCESS_SETS" in str(err):
+            raise ValueError(
+                "topology='hierarchical' adds a process set per node and per local rank: "
+                "start Horovod with hvd.init(process_sets='dynamic') (or set "
+                "HOROVOD_DYNAMIC_PROCESS_SETS=1 before hvd.init())"
+            ) from None
+        raise
+    return node_sets[rank // local], cross_sets[rank % local]
+
+
 def named_trainable(
     named_parameters: Iterable[Tuple[str, torch.Tensor]],
 ) -> List[Tuple[str, torch.Tensor]]:
@@ -128,6 +216,8 @@ def build_engine(
     extra_options: Optional[Dict[str, Any]] = None,
     log_every: int = 0,
     scaler: Any = None,
+    topology: str = "flat",
+    ranks_per_node: Optional[int] = None,
 ) -> Engine:
     """The core :class:`~dlgs.core.engine.Engine` over ``params`` (trainable,
     in registration order), built: every rank's parameters and options checked."""
@@ -143,6 +233,7 @@ def build_engine(
         log_every=log_every,
         loss_scale=scale_reader(scaler),
         logger=logger,
+        topology=_two_levels(topology, ranks_per_node),
     )
     device = params[0][1].device if params else torch.device("cpu")
     engine.build(
@@ -151,6 +242,48 @@ def build_engine(
         clock=_clock(device),
     )
     return engine
+
+
+def _two_levels(topology: str, ranks_per_node: Optional[int]):
+    """The engine's ``topology``: None (flat), or what makes the node and
+    cross-node collectives; ``"auto"`` is two levels where Horovod sees
+    several ranks per node and several nodes (or ``ranks_per_node`` says so)."""
+    if topology == "auto":
+        local = ranks_per_node or hvd.local_size()
+        several = local >= 2 and hvd.size() % local == 0 and hvd.size() // local >= 2
+        topology = "hierarchical" if several else "flat"
+    if topology == "flat":
+        return None
+
+    def make():
+        node, cross = node_and_cross_sets(ranks_per_node)
+        _wait_for_every_rank_at_exit()
+        return HorovodNodeCollectives(node), HorovodCollectives(process_set=cross)
+
+    return make
+
+
+_EXIT_BARRIER: List[bool] = []
+
+
+def _wait_for_every_rank_at_exit() -> None:
+    """A step's last collectives run within each node, so one node can finish
+    its last step and exit while another still completes its own; Horovod
+    then shuts down under it ("Horovod has been shut down"). At exit, before
+    Horovod's own shutdown (atexit runs last-registered first), every rank
+    waits for the others in one tiny allreduce; where Horovod is down already
+    (a rank failed, or the script shut it down) there is nothing to wait for."""
+    if _EXIT_BARRIER:
+        return
+    _EXIT_BARRIER.append(True)
+
+    def barrier() -> None:
+        try:
+            hvd.allreduce(torch.zeros(1), name="dlgs.exit", op=hvd.Sum)
+        except Exception:  # noqa: BLE001 - Horovod down or not initialised: nothing to wait for
+            logger.debug("dlgs: no exit barrier (Horovod is shut down)")
+
+    atexit.register(barrier)
 
 
 def _clock(device: torch.device):

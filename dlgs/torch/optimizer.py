@@ -38,7 +38,7 @@ from .._options import (
 from ..core.config import SparsityConfig
 from ..core.engine import Engine, OptimizerAliases
 from ._amp import check_scaler
-from ._engine import HorovodCollectives, build_engine, named_trainable
+from ._engine import HorovodCollectives, build_engine, check_topology, named_trainable
 
 __all__ = ["DistributedOptimizer"]
 
@@ -70,8 +70,11 @@ class _SparseOverrides:
         log_every,
         planner,
         scaler,
+        topology="flat",
+        ranks_per_node=None,
     ):
         self._dlgs_config = dlgs_config
+        self._dlgs_topology = (topology, ranks_per_node)
         self._dlgs_planner = planner
         self._dlgs_log_every = log_every
         self._dlgs_scaler = scaler
@@ -109,9 +112,14 @@ class _SparseOverrides:
             comm,
             average=average,
             prefix="dlgs",
-            extra_options={"backward_passes_per_step": self.backward_passes_per_step},
+            extra_options={
+                "backward_passes_per_step": self.backward_passes_per_step,
+                "topology": list(self._dlgs_topology),
+            },
             log_every=self._dlgs_log_every,
             scaler=self._dlgs_scaler,
+            topology=self._dlgs_topology[0],
+            ranks_per_node=self._dlgs_topology[1],
         )
         self._dlgs = self._dlgs_engine.exchange
         by_name = dict(params)
@@ -248,6 +256,8 @@ def DistributedOptimizer(
     merge: Any = "dp",
     log_every: int = 0,
     scaler: Optional[Any] = None,
+    topology: str = "flat",
+    ranks_per_node: Optional[int] = None,
     **options: Any,
 ) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so gradients are exchanged sparsely across Horovod ranks.
@@ -278,6 +288,20 @@ def DistributedOptimizer(
             scaler.unscale_(opt); with opt.skip_synchronize(): scaler.step(opt)``)
             and the plain ``scaler.step(opt)`` skip the same steps on every rank.
             Without it, a loss-scaled loop mixes scales in the residuals.
+        topology: ``"flat"`` (default): every rank allgathers every other
+            rank's selection. ``"hierarchical"``: a dense reduce-scatter inside
+            each node, the sparse exchange of each rank's shard between nodes,
+            a dense allgather inside the node: each node's link carries one
+            selection instead of one per rank, at the price of two dense
+            collectives on the fast links and of selecting at the end of
+            back-propagation. Needs Horovod's dynamic process sets
+            (``hvd.init(process_sets="dynamic")``), ``op=hvd.Average`` and the
+            global process set. ``"auto"``: hierarchical where Horovod sees
+            several ranks per node and several nodes. At ``density=1.0``
+            every layer is dense and goes through Horovod's own allreduce
+            (flat) whatever this says. See docs/design.md, "Topology".
+        ranks_per_node: with ``topology``: ranks per node (consecutive ranks
+            form a node); None: Horovod's ``local_size()``.
         **options: any :class:`dlgs.MergeConfig` field but ``strategy``, and any
             other :class:`dlgs.SparsityConfig` field (``controller``,
             ``max_ratio``, ``min_sparse_size``, ``anchor_every``, ``momentum``,
@@ -298,7 +322,15 @@ def DistributedOptimizer(
     check_predivide(gradient_predivide_factor, op, hvd.Average)
     check_log_every(log_every)
     check_scaler(scaler)
+    check_topology(topology, ranks_per_node)
+    if topology != "flat" and (op != hvd.Average or process_set is not hvd.global_process_set):
+        raise ValueError(
+            f"topology={topology!r} needs op=hvd.Average and the global process set "
+            "(use topology='flat' with a process set or op=hvd.Sum)"
+        )
     cfg, planner = build_configs(config, density, merge, options)
+    if not cfg.auto and cfg.density == 1.0 and not cfg.warmup:
+        topology = "flat"  # every layer dense: Horovod's own allreduce, bit for bit
     methods = methods_of(OptimizerAliases, _SparseOverrides)
     cls = type(
         optimizer.__class__.__name__,
@@ -319,4 +351,6 @@ def DistributedOptimizer(
         log_every,
         planner,
         scaler,
+        topology,
+        ranks_per_node,
     )
