@@ -36,7 +36,7 @@ import re
 import shlex
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -50,8 +50,13 @@ from dlgs.core.catalog import (
     catalog_profile,
 )
 from dlgs.core.config import IndexCoding, SparsityConfig
-from dlgs.core.netmodel import allgather_cost, allreduce_cost
-from dlgs.core.planner import STRATEGIES, Plan, PlanSpec, plan_strategy, simulate
+from dlgs.core.netmodel import (
+    allgather_cost,
+    allreduce_cost,
+    hierarchical_dense_cost,
+    hierarchical_sparse_cost,
+)
+from dlgs.core.planner import STRATEGIES, CostModel, Plan, PlanSpec, plan_strategy, simulate
 from dlgs.core.profile import Profile, build_spec, choose_density
 from dlgs.core.wire import plan_layers
 
@@ -386,6 +391,26 @@ def build_parser() -> argparse.ArgumentParser:
         default=Path("plan-sim"),
         help="output folder (default: plan-sim in the current directory)",
     )
+    sim.add_argument(
+        "--ranks-per-node",
+        type=_type(_int_at_least(2)),
+        default=None,
+        help="also predict topology='hierarchical' (dp-dlgs-hier) for nodes of this many "
+        "ranks: --bandwidths are then the links between nodes",
+    )
+    sim.add_argument(
+        "--intra-bandwidth",
+        type=_bandwidth_arg,
+        default=parse_bandwidth("100gbit"),
+        help="with --ranks-per-node: the links inside a node (default: 100gbit, PCIe-class; "
+        "NVLink is several times more)",
+    )
+    sim.add_argument(
+        "--intra-latency",
+        type=_type(_float_in(0.0, 1.0, low_open=False, what="a latency in seconds")),
+        default=5e-6,
+        help="with --ranks-per-node: ring-step latency inside a node in seconds (default 5e-6)",
+    )
     sim.add_argument("--no-plot", action="store_true", help="skip simulate.png")
     return p
 
@@ -424,6 +449,40 @@ def _with_network(profile: Profile, workers: int, bps: float, latency_s: float) 
         pack=profile.pack,
         allgather=allgather_cost(workers, bps, latency_s),
         allreduce=allreduce_cost(workers, bps, latency_s),
+    )
+
+
+def two_level_profile(
+    profile: Profile,
+    workers: int,
+    local: int,
+    bandwidth_bps: float,
+    intra_bps: float,
+    latency_s: float,
+    intra_latency_s: float,
+    config: SparsityConfig,
+) -> Optional[Profile]:
+    """``profile`` as the two-level exchange sees it on nodes of ``local``
+    ranks (None unless ``workers`` is at least 2 such nodes): sparse messages
+    cost :func:`~dlgs.core.netmodel.hierarchical_sparse_cost`, selection
+    ``local`` times less (each rank selects a shard); dense ones, and the
+    compute, are as flat."""
+    if workers % local or workers // local < 2:
+        return None
+    big = 10**7
+    chunk = plan_layers([big], config.density, config)[0].sparse_bytes
+    cost = hierarchical_sparse_cost(
+        workers // local, local, bandwidth_bps, intra_bps, latency_s, intra_latency_s,
+        4 * big / chunk,
+    )  # fmt: skip
+    sel = profile.sparsify
+    return replace(
+        profile,
+        allgather=cost,
+        allreduce=hierarchical_dense_cost(
+            workers // local, local, bandwidth_bps, intra_bps, latency_s, intra_latency_s
+        ),
+        sparsify=CostModel(sel.alpha, sel.beta / local, sel.batched),
     )
 
 
@@ -622,6 +681,7 @@ def simulate_grid(
     *,
     max_group: Optional[int] = None,
     max_front: int = 256,
+    two_level: Optional[Callable[[Profile, int, float], Optional[Profile]]] = None,
 ) -> Tuple[List[SimRow], Dict[str, float]]:
     """Plan every method for every ``(model, workers, bandwidth)``.
 
@@ -630,6 +690,9 @@ def simulate_grid(
         models, workers, bandwidths: the grid.
         config: sparsity options; its ``density`` is the one planned for.
         max_group, max_front: passed to :func:`~dlgs.core.planner.plan_dp`.
+        two_level: ``(profile, workers, bandwidth_bps) -> profile`` of the two-level exchange
+            (:func:`two_level_profile`), or None where it does not apply: adds
+            the method ``dp-dlgs-hier``.
 
     Returns:
         The rows, and the seconds spent planning each model.
@@ -643,7 +706,27 @@ def simulate_grid(
                 spec, eligible = build_spec(profiles(model, p, bps), config, config.density)
                 plans = plan_methods(spec, eligible, max_group=max_group, max_front=max_front)
                 dense, fused = plans["dense"].end, plans["dense-fused"].end
-                for method in METHODS:
+                methods = list(METHODS)
+                hier = two_level(profiles(model, p, bps), p, bps) if two_level else None
+                if hier is not None:
+                    spec_h, eligible_h = build_spec(hier, config, config.density)
+                    plans["dp-dlgs-hier"] = plan_strategy(
+                        spec_h, "dp", eligible=eligible_h, max_group=max_group, max_front=max_front
+                    )
+                    methods.append("dp-dlgs-hier")
+                    # Horovod's fp16 compression of one fused allreduce: half the bytes.
+                    half = replace(
+                        spec,
+                        layers=tuple(
+                            replace(la, dense_bytes=la.dense_bytes // 2) for la in spec.layers
+                        ),
+                    )
+                    n_layers = len(spec.layers)
+                    plans["dense-fused-fp16"] = simulate(
+                        half, [(0, n_layers - 1, False)], "dense-fused-fp16"
+                    )
+                    methods.append("dense-fused-fp16")
+                for method in methods:
                     rows.append(
                         SimRow(
                             model=model,
@@ -738,6 +821,48 @@ def _markdown(
                 )
             lines.append(f"| {p} | " + " | ".join(vals) + " |")
         lines.append("")
+    hier = {(r.model, r.workers, r.bandwidth_bps): r for r in rows if r.method == "dp-dlgs-hier"}
+    if hier:
+        flat = {(r.model, r.workers, r.bandwidth_bps): r for r in rows if r.method == "dp-dlgs"}
+        half_rows = {
+            (r.model, r.workers, r.bandwidth_bps): r for r in rows if r.method == "dense-fused-fp16"
+        }
+        lines += [
+            f"## Two levels: nodes of {args.ranks_per_node} ranks",
+            "",
+            '`dp-dlgs-hier`: `topology="hierarchical"` (a dense reduce-scatter and allgather '
+            f"inside each node on {format_bandwidth(args.intra_bandwidth)} links, the sparse "
+            "exchange of each rank's shard between nodes over the bandwidths above; "
+            "`dlgs.core.netmodel.hierarchical_sparse_cost`), planned by the same DP. Each cell: "
+            "its speed-up over flat dp-dlgs / over dense-fused / over dense-fused-fp16 (one "
+            "allreduce of float16 gradients, Horovod's `Compression.fp16`, on the flat ring).",
+            "",
+        ]
+        for model in models:
+            keys = sorted(k for k in hier if k[0] == model)
+            if not keys:
+                continue
+            lines += [
+                f"### {model}",
+                "",
+                "| workers | " + " | ".join(format_bandwidth(b) for b in bws) + " |",
+                "|---:|" + "---:|" * len(bws),
+            ]
+            for p in sorted({k[1] for k in keys}):
+                vals = []
+                for b in bws:
+                    h = hier.get((model, p, b))
+                    if h is None:
+                        vals.append("")
+                        continue
+                    f = flat[(model, p, b)]
+                    fp16 = half_rows[(model, p, b)]
+                    vals.append(
+                        f"{f.plan.end / h.plan.end:.2f}x / {h.fused_end / h.plan.end:.2f}x / "
+                        f"{fp16.plan.end / h.plan.end:.2f}x"
+                    )
+                lines.append(f"| {p} | " + " | ".join(vals) + " |")
+            lines.append("")
     inexact = sum(1 for r in rows if r.method == "dp-dlgs" and not r.plan.exact)
     total = sum(1 for r in rows if r.method == "dp-dlgs")
     lines += [
@@ -786,7 +911,7 @@ def plot_simulation(rows: Sequence[SimRow], models: Sequence[str], path: Path, t
     colours = plt.get_cmap("viridis")([i / max(1, len(bws) - 1) * 0.85 for i in range(len(bws))])
     for ax, model in zip(axes.flat, models):
         for bw, colour in zip(bws, colours):
-            for method, style in (("dp-dlgs", "-"), ("dense-fused", "--")):
+            for method, style in (("dp-dlgs", "-"), ("dense-fused", "--"), ("dp-dlgs-hier", ":")):
                 pts = sorted(
                     (r.workers, r.dense_end / r.plan.end)
                     for r in rows
@@ -859,6 +984,21 @@ def _simulate(args: argparse.Namespace, command: str) -> int:
         args.max_group,
         args.max_front,
     )
+    two_level = None
+    if args.ranks_per_node is not None:
+
+        def two_level(profile: Profile, p: int, bps: float) -> Optional[Profile]:
+            return two_level_profile(
+                profile,
+                p,
+                args.ranks_per_node,
+                bps,
+                args.intra_bandwidth,
+                args.latency,
+                args.intra_latency,
+                config,
+            )
+
     rows, seconds = simulate_grid(
         profiles,
         models,
@@ -867,6 +1007,7 @@ def _simulate(args: argparse.Namespace, command: str) -> int:
         config,
         max_group=args.max_group,
         max_front=args.max_front,
+        two_level=two_level,
     )
     args.out.mkdir(parents=True, exist_ok=True)
     write_csv(rows, args.out / "simulate.csv")
@@ -877,8 +1018,9 @@ def _simulate(args: argparse.Namespace, command: str) -> int:
             rows,
             models,
             args.out / "simulate.png",
-            f"predicted speed-up over layer-wise dense allreduce (solid: dp-dlgs, dashed: "
-            f"dense-fused); density {args.density:g}, ring-step latency "
+            "predicted speed-up over layer-wise dense allreduce (solid: dp-dlgs, dashed: "
+            + ("dense-fused, dotted: dp-dlgs-hier" if args.ranks_per_node else "dense-fused")
+            + f"); density {args.density:g}, ring-step latency "
             f"{args.latency * 1e6:g} us, {args.compute_flops / 1e12:g} TFLOP/s",
         )
         written.append("simulate.png")

@@ -16,7 +16,12 @@ import pytest
 
 from dlgs.core.catalog import DEFAULT_LATENCY_S, MODELS, catalog_model, catalog_profile
 from dlgs.core.config import SparsityConfig
-from dlgs.core.netmodel import allgather_cost, allreduce_cost
+from dlgs.core.netmodel import (
+    allgather_cost,
+    allreduce_cost,
+    hierarchical_dense_cost,
+    hierarchical_sparse_cost,
+)
 from dlgs.core.planner import plan_dp, plan_strategy, simulate
 from dlgs.core.profile import Profile, build_spec, choose_density
 from dlgs.plan import CSV_FIELDS, METHODS, format_bandwidth, main, parse_bandwidth
@@ -133,6 +138,45 @@ def test_ring_formulas(p):
     assert ag(nbytes) == pytest.approx((p - 1) * a + (p - 1) * nbytes * 8 / bw)
     if p == 1:
         assert ar(nbytes) == 0 and ag(nbytes) == 0
+
+
+def test_two_level_formulas():
+    """Nodes N of L ranks: the sparse message's link term is the flat one with
+    N - 1 in place of P - 1 (L rings of c / L bytes share the link); the node's
+    dense reduce-scatter and allgather carry r c bytes on the fast links."""
+    n, ell, bw, fast, a, a2, r, c = 16, 8, 10e9, 100e9, 20e-6, 5e-6, 50.0, 1_000_000
+    sparse = hierarchical_sparse_cost(n, ell, bw, fast, a, a2, r)
+    assert sparse(c) == pytest.approx(
+        (n - 1) * a
+        + 2 * (ell - 1) * a2
+        + (n - 1) * 8 * c / bw
+        + 2 * (ell - 1) / ell * 8 * r * c / fast
+    )
+    flat = allgather_cost(n * ell, bw, a)
+    # Across the node's link: (N-1)/(P-1) of flat's bytes, about 1/L.
+    assert (n - 1) * 8 / bw <= 1.1 / ell * flat.beta
+    dense = hierarchical_dense_cost(n, ell, bw, fast, a, a2)
+    assert dense(c) == pytest.approx(
+        2 * (n - 1) * a
+        + 2 * (ell - 1) * a2
+        + 2 * (n - 1) / n * 8 * c / bw
+        + 2 * (ell - 1) / ell * 8 * c / fast
+    )
+    with pytest.raises(ValueError, match="dense_per_chunk_byte"):
+        hierarchical_sparse_cost(n, ell, bw, fast, a, a2, 0.0)
+
+
+def test_simulate_predicts_two_levels_where_there_are_two_nodes(tmp_path):
+    out = tmp_path / "sim"
+    argv = ["simulate", "--models", "resnet50", "--workers", "8,16,24,64", "--bandwidths",
+            "10gbit", "--ranks-per-node", "8", "--out", str(out), "--no-plot"]  # fmt: skip
+    assert main(argv) == 0
+    with open(out / "simulate.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    hier = {int(r["workers"]) for r in rows if r["method"] == "dp-dlgs-hier"}
+    assert hier == {16, 24, 64}  # 8 workers are one node
+    text = (out / "simulate.md").read_text()
+    assert "## Two levels: nodes of 8 ranks" in text and "| 64 |" in text
 
 
 @pytest.mark.parametrize(
