@@ -50,12 +50,7 @@ from dlgs.core.catalog import (
     catalog_profile,
 )
 from dlgs.core.config import IndexCoding, SparsityConfig
-from dlgs.core.netmodel import (
-    allgather_cost,
-    allreduce_cost,
-    hierarchical_dense_cost,
-    hierarchical_sparse_cost,
-)
+from dlgs.core.netmodel import TwoLevels, allgather_cost, allreduce_cost
 from dlgs.core.planner import STRATEGIES, CostModel, Plan, PlanSpec, plan_strategy, simulate
 from dlgs.core.profile import Profile, build_spec, choose_density
 from dlgs.core.wire import plan_layers
@@ -464,24 +459,19 @@ def two_level_profile(
 ) -> Optional[Profile]:
     """``profile`` as the two-level exchange sees it on nodes of ``local``
     ranks (None unless ``workers`` is at least 2 such nodes): sparse messages
-    cost :func:`~dlgs.core.netmodel.hierarchical_sparse_cost`, selection
+    cost :meth:`~dlgs.core.netmodel.TwoLevels.sparse_cost`, selection
     ``local`` times less (each rank selects a shard); dense ones, and the
     compute, are as flat."""
     if workers % local or workers // local < 2:
         return None
     big = 10**7
     chunk = plan_layers([big], config.density, config)[0].sparse_bytes
-    cost = hierarchical_sparse_cost(
-        workers // local, local, bandwidth_bps, intra_bps, latency_s, intra_latency_s,
-        4 * big / chunk,
-    )  # fmt: skip
+    net = TwoLevels(workers // local, local, bandwidth_bps, intra_bps, latency_s, intra_latency_s)
     sel = profile.sparsify
     return replace(
         profile,
-        allgather=cost,
-        allreduce=hierarchical_dense_cost(
-            workers // local, local, bandwidth_bps, intra_bps, latency_s, intra_latency_s
-        ),
+        allgather=net.sparse_cost(4 * big / chunk),
+        allreduce=net.dense_cost(),
         sparsify=CostModel(sel.alpha, sel.beta / local, sel.batched),
     )
 
@@ -802,25 +792,15 @@ def _markdown(
         }
         if not cells:
             continue
-        lines += [
-            f"### {model}",
-            "",
-            "| workers | " + " | ".join(format_bandwidth(b) for b in bws) + " |",
-            "|---:|" + "---:|" * len(bws),
-        ]
-        for p in sorted({w for w, _ in cells}):
-            vals = []
-            for b in bws:
-                r = cells.get((p, b))
-                if r is None:
-                    vals.append("")
-                    continue
-                vals.append(
-                    f"{r.dense_end / r.plan.end:.2f}x / {r.fused_end / r.plan.end:.2f}x "
-                    f"({len(r.plan.groups)} msg)"
-                )
-            lines.append(f"| {p} | " + " | ".join(vals) + " |")
-        lines.append("")
+        lines += _grid(
+            model,
+            bws,
+            cells,
+            lambda r: (
+                f"{r.dense_end / r.plan.end:.2f}x / {r.fused_end / r.plan.end:.2f}x "
+                f"({len(r.plan.groups)} msg)"
+            ),
+        )
     hier = {(r.model, r.workers, r.bandwidth_bps): r for r in rows if r.method == "dp-dlgs-hier"}
     if hier:
         flat = {(r.model, r.workers, r.bandwidth_bps): r for r in rows if r.method == "dp-dlgs"}
@@ -833,36 +813,23 @@ def _markdown(
             '`dp-dlgs-hier`: `topology="hierarchical"` (a dense reduce-scatter and allgather '
             f"inside each node on {format_bandwidth(args.intra_bandwidth)} links, the sparse "
             "exchange of each rank's shard between nodes over the bandwidths above; "
-            "`dlgs.core.netmodel.hierarchical_sparse_cost`), planned by the same DP. Each cell: "
+            "`dlgs.core.netmodel.TwoLevels`), planned by the same DP. Each cell: "
             "its speed-up over flat dp-dlgs / over dense-fused / over dense-fused-fp16 (one "
             "allreduce of float16 gradients, Horovod's `Compression.fp16`, on the flat ring).",
             "",
         ]
+
+        def ratios(h: SimRow) -> str:
+            key = (h.model, h.workers, h.bandwidth_bps)
+            return (
+                f"{flat[key].plan.end / h.plan.end:.2f}x / {h.fused_end / h.plan.end:.2f}x / "
+                f"{half_rows[key].plan.end / h.plan.end:.2f}x"
+            )
+
         for model in models:
-            keys = sorted(k for k in hier if k[0] == model)
-            if not keys:
-                continue
-            lines += [
-                f"### {model}",
-                "",
-                "| workers | " + " | ".join(format_bandwidth(b) for b in bws) + " |",
-                "|---:|" + "---:|" * len(bws),
-            ]
-            for p in sorted({k[1] for k in keys}):
-                vals = []
-                for b in bws:
-                    h = hier.get((model, p, b))
-                    if h is None:
-                        vals.append("")
-                        continue
-                    f = flat[(model, p, b)]
-                    fp16 = half_rows[(model, p, b)]
-                    vals.append(
-                        f"{f.plan.end / h.plan.end:.2f}x / {h.fused_end / h.plan.end:.2f}x / "
-                        f"{fp16.plan.end / h.plan.end:.2f}x"
-                    )
-                lines.append(f"| {p} | " + " | ".join(vals) + " |")
-            lines.append("")
+            cells = {(p, b): r for (m, p, b), r in hier.items() if m == model}
+            if cells:
+                lines += _grid(model, bws, cells, ratios)
     inexact = sum(1 for r in rows if r.method == "dp-dlgs" and not r.plan.exact)
     total = sum(1 for r in rows if r.method == "dp-dlgs")
     lines += [
@@ -894,6 +861,25 @@ def _markdown(
             "",
         ]
     return "\n".join(lines)
+
+
+def _grid(
+    model: str,
+    bws: Sequence[float],
+    cells: Dict[Tuple[int, float], SimRow],
+    cell: Callable[[SimRow], str],
+) -> List[str]:
+    """A model's table: one row per worker count, one column per bandwidth."""
+    lines = [
+        f"### {model}",
+        "",
+        "| workers | " + " | ".join(format_bandwidth(b) for b in bws) + " |",
+        "|---:|" + "---:|" * len(bws),
+    ]
+    for p in sorted({w for w, _ in cells}):
+        vals = [cell(cells[p, b]) if (p, b) in cells else "" for b in bws]
+        lines.append(f"| {p} | " + " | ".join(vals) + " |")
+    return lines + [""]
 
 
 def plot_simulation(rows: Sequence[SimRow], models: Sequence[str], path: Path, title: str) -> None:

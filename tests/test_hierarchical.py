@@ -28,23 +28,17 @@ def run(config, grads, steps, record, layers=LAYERS):
     nodes = [InProcessWorld(LOCAL, timeout=60.0) for _ in range(NODES)]
     crosses = [InProcessWorld(NODES, timeout=60.0) for _ in range(LOCAL)]
 
-    def body(rank):
+    def make(rank):
         node, local = divmod(rank, LOCAL)
-        ex = HierarchicalExchange(
+        return HierarchicalExchange(
             OPS,
             TorchNodeComm(nodes[node], local),
             TorchComm(crosses[local], node),
             config,
             layers,
         )
-        out = []
-        for s in range(steps):
-            for i, g in enumerate(grads(rank, s)):
-                ex.submit(i, g)
-            out.append(record(rank, ex, ex.wait()))
-        return out
 
-    return InProcessWorld(P).run(body)
+    return InProcessWorld(P).run_steps(make, grads, steps, record)
 
 
 def normal(rank, step):

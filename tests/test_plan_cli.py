@@ -16,12 +16,7 @@ import pytest
 
 from dlgs.core.catalog import DEFAULT_LATENCY_S, MODELS, catalog_model, catalog_profile
 from dlgs.core.config import SparsityConfig
-from dlgs.core.netmodel import (
-    allgather_cost,
-    allreduce_cost,
-    hierarchical_dense_cost,
-    hierarchical_sparse_cost,
-)
+from dlgs.core.netmodel import TwoLevels, allgather_cost, allreduce_cost
 from dlgs.core.planner import plan_dp, plan_strategy, simulate
 from dlgs.core.profile import Profile, build_spec, choose_density
 from dlgs.plan import CSV_FIELDS, METHODS, format_bandwidth, main, parse_bandwidth
@@ -145,7 +140,8 @@ def test_two_level_formulas():
     N - 1 in place of P - 1 (L rings of c / L bytes share the link); the node's
     dense reduce-scatter and allgather carry r c bytes on the fast links."""
     n, ell, bw, fast, a, a2, r, c = 16, 8, 10e9, 100e9, 20e-6, 5e-6, 50.0, 1_000_000
-    sparse = hierarchical_sparse_cost(n, ell, bw, fast, a, a2, r)
+    net = TwoLevels(n, ell, bw, fast, a, a2)
+    sparse = net.sparse_cost(r)
     assert sparse(c) == pytest.approx(
         (n - 1) * a
         + 2 * (ell - 1) * a2
@@ -155,7 +151,7 @@ def test_two_level_formulas():
     flat = allgather_cost(n * ell, bw, a)
     # Across the node's link: (N-1)/(P-1) of flat's bytes, about 1/L.
     assert (n - 1) * 8 / bw <= 1.1 / ell * flat.beta
-    dense = hierarchical_dense_cost(n, ell, bw, fast, a, a2)
+    dense = net.dense_cost()
     assert dense(c) == pytest.approx(
         2 * (n - 1) * a
         + 2 * (ell - 1) * a2
@@ -163,7 +159,9 @@ def test_two_level_formulas():
         + 2 * (ell - 1) / ell * 8 * c / fast
     )
     with pytest.raises(ValueError, match="dense_per_chunk_byte"):
-        hierarchical_sparse_cost(n, ell, bw, fast, a, a2, 0.0)
+        net.sparse_cost(0.0)
+    with pytest.raises(ValueError, match="bandwidth_bps"):
+        TwoLevels(n, ell, bw, 0.0, a, a2)
 
 
 def test_simulate_predicts_two_levels_where_there_are_two_nodes(tmp_path):

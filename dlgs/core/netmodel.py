@@ -32,17 +32,12 @@ soon as the job can measure one.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 from .planner import CostModel
 
-__all__ = [
-    "allgather_cost",
-    "allreduce_cost",
-    "check_network",
-    "hierarchical_dense_cost",
-    "hierarchical_sparse_cost",
-]
+__all__ = ["TwoLevels", "allgather_cost", "allreduce_cost", "check_network"]
 
 
 def check_network(world_size: Any, bandwidth_bps: Any, latency_s: Any) -> None:
@@ -99,60 +94,59 @@ def allgather_cost(world_size: int, bandwidth_bps: float, latency_s: float) -> C
     return CostModel((p - 1) * latency_s, (p - 1) * 8 / bandwidth_bps)
 
 
-def hierarchical_sparse_cost(
-    nodes: int,
-    local: int,
-    bandwidth_bps: float,
-    intra_bps: float,
-    latency_s: float,
-    intra_latency_s: float,
-    dense_per_chunk_byte: float,
-) -> CostModel:
-    """The two-level exchange of a sparse message (:mod:`dlgs.core.hierarchical`)
-    as a function of the bytes ``c`` of the *flat* chunk of one rank (what the
-    planner counts for the whole layers), on ``nodes`` nodes of ``local`` ranks:
+@dataclass(frozen=True)
+class TwoLevels:
+    """A cluster of ``nodes`` nodes of ``local`` ranks: links of
+    ``bandwidth_bps`` and ring-step latency ``latency_s`` between nodes,
+    ``intra_bps`` and ``intra_latency_s`` inside one (checked as
+    :func:`check_network` checks)."""
 
-    * inside the node, a ring reduce-scatter and a ring allgather of the
-      message's dense bytes ``b = r c`` (``r``: ``dense_per_chunk_byte``, 4
-      bytes per element over the chunk's bytes per element) on links of
-      ``intra_bps``: ``2 (L-1) a' + 2 (L-1)/L * 8 r c / B'``;
-    * between nodes, a ring allgather of each rank's shard chunk of ``c / L``
-      bytes, ``L`` rings (one per local rank) sharing the node's link of
-      ``bandwidth_bps``: ``(N-1) a + (N-1) * 8 c / B`` (the flat exchange's is
-      ``(P-1) a + (P-1) * 8 c / B``: about ``L`` times more across the link).
+    nodes: int
+    local: int
+    bandwidth_bps: float
+    intra_bps: float
+    latency_s: float
+    intra_latency_s: float
 
-    Linear in ``c``, so a :class:`CostModel` the planner can use as a
-    profile's ``allgather``.
-    """
-    check_network(nodes * local, bandwidth_bps, latency_s)
-    check_network(local, intra_bps, intra_latency_s)
-    if not (math.isfinite(dense_per_chunk_byte) and dense_per_chunk_byte > 0):
-        raise ValueError(
-            f"dense_per_chunk_byte must be a finite float > 0, got {dense_per_chunk_byte!r}"
-        )
-    n, ell = nodes, local
-    alpha = (n - 1) * latency_s + 2 * (ell - 1) * intra_latency_s
-    beta = (n - 1) * 8 / bandwidth_bps + 2 * (ell - 1) / ell * 8 * dense_per_chunk_byte / intra_bps
-    return CostModel(alpha, beta)
+    def __post_init__(self) -> None:
+        check_network(self.nodes * self.local, self.bandwidth_bps, self.latency_s)
+        check_network(self.local, self.intra_bps, self.intra_latency_s)
 
+    def _in_node(self) -> CostModel:
+        """The node's ring reduce-scatter plus allgather of ``b`` dense bytes:
+        ``2 (L-1) a' + 2 (L-1)/L * 8 b / B'``."""
+        return allreduce_cost(self.local, self.intra_bps, self.intra_latency_s)
 
-def hierarchical_dense_cost(
-    nodes: int,
-    local: int,
-    bandwidth_bps: float,
-    intra_bps: float,
-    latency_s: float,
-    intra_latency_s: float,
-) -> CostModel:
-    """A dense message through the two-level exchange, for a ``b``-byte buffer:
-    a ring reduce-scatter and allgather inside the node
-    (``2 (L-1) a' + 2 (L-1)/L * 8 b / B'``) around a ring allreduce of each
-    rank's ``b / L`` shard between nodes, ``L`` rings sharing the node's link
-    (``2 (N-1) a + 2 (N-1)/N * 8 b / B``): the flat ring's bandwidth term with
-    ``N`` in place of ``P`` in its latency term."""
-    check_network(nodes * local, bandwidth_bps, latency_s)
-    check_network(local, intra_bps, intra_latency_s)
-    n, ell = nodes, local
-    alpha = 2 * (n - 1) * latency_s + 2 * (ell - 1) * intra_latency_s
-    beta = 2 * (n - 1) / n * 8 / bandwidth_bps + 2 * (ell - 1) / ell * 8 / intra_bps
-    return CostModel(alpha, beta)
+    def sparse_cost(self, dense_per_chunk_byte: float) -> CostModel:
+        """The two-level exchange of a sparse message (:mod:`dlgs.core.hierarchical`)
+        as a function of the bytes ``c`` of the *flat* chunk of one rank (what
+        the planner counts for the whole layers):
+
+        * inside the node, a ring reduce-scatter and a ring allgather of the
+          message's dense bytes ``b = r c`` (``r``: ``dense_per_chunk_byte``,
+          4 bytes per element over the chunk's bytes per element):
+          ``2 (L-1) a' + 2 (L-1)/L * 8 r c / B'``;
+        * between nodes, a ring allgather of each rank's shard chunk of
+          ``c / L`` bytes, ``L`` rings (one per local rank) sharing the node's
+          link: ``(N-1) a + (N-1) * 8 c / B`` (the flat exchange's is
+          ``(P-1) a + (P-1) * 8 c / B``: about ``L`` times more across it).
+
+        Linear in ``c``, so a :class:`CostModel` the planner can use as a
+        profile's ``allgather``."""
+        if not (math.isfinite(dense_per_chunk_byte) and dense_per_chunk_byte > 0):
+            raise ValueError(
+                f"dense_per_chunk_byte must be a finite float > 0, got {dense_per_chunk_byte!r}"
+            )
+        node = self._in_node()
+        cross = allgather_cost(self.nodes, self.bandwidth_bps, self.latency_s)
+        return CostModel(node.alpha + cross.alpha, node.beta * dense_per_chunk_byte + cross.beta)
+
+    def dense_cost(self) -> CostModel:
+        """A dense message through the two-level exchange, for a ``b``-byte
+        buffer: the node's reduce-scatter and allgather around a ring allreduce
+        of each rank's ``b / L`` shard between nodes, ``L`` rings sharing the
+        node's link (``2 (N-1) a + 2 (N-1)/N * 8 b / B``): the flat ring's
+        bandwidth term with ``N`` in place of ``P`` in its latency term."""
+        node = self._in_node()
+        cross = allreduce_cost(self.nodes, self.bandwidth_bps, self.latency_s)
+        return CostModel(node.alpha + cross.alpha, node.beta + cross.beta)

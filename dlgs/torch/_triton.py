@@ -99,6 +99,18 @@ def _count(acc, theta, counts, n, block, TILE: tl.constexpr):
 
 
 @triton.jit
+def _store_index(ptrs, idx, offset, mask, CODING: tl.constexpr):
+    """Index slots in the message's coding: int32 shifted to the member's
+    place, block16's low 16 bits, or the int64 index itself."""
+    if CODING == 0:
+        tl.store(ptrs, (idx + offset).to(tl.int32), mask=mask)
+    elif CODING == 1:
+        tl.store(ptrs, idx.to(tl.int16), mask=mask)
+    else:
+        tl.store(ptrs, idx, mask=mask)
+
+
+@triton.jit
 def _compact(
     acc,
     theta,
@@ -159,12 +171,7 @@ def _compact(
             tl.store(acc + offs, a - back, mask=keep)
         if MASK_VELOCITY:
             tl.store(velocity + offs, tl.zeros_like(a), mask=keep)
-        if CODING == 0:
-            tl.store(indices + pos, (offs + offset).to(tl.int32), mask=keep)
-        elif CODING == 1:
-            tl.store(indices + pos, offs.to(tl.int16), mask=keep)
-        else:
-            tl.store(indices + pos, offs, mask=keep)
+        _store_index(indices + pos, offs, offset, keep, CODING)
         base += tl.sum(sel.to(tl.int32), axis=0)
         if CODING == 1:
             # The count of indices below each 65,536 boundary that ends a tile.
@@ -188,13 +195,7 @@ def _compact(
             tl.store(values + slots, tl.zeros((TILE,), tl.float16), mask=pad)
         else:
             tl.store(values + slots, tl.zeros((TILE,), tl.bfloat16), mask=pad)
-        fill = tl.zeros((TILE,), tl.int64) + n
-        if CODING == 0:
-            tl.store(indices + slots, (fill + offset).to(tl.int32), mask=pad)
-        elif CODING == 1:
-            tl.store(indices + slots, fill.to(tl.int16), mask=pad)
-        else:
-            tl.store(indices + slots, fill, mask=pad)
+        _store_index(indices + slots, tl.zeros((TILE,), tl.int64) + n, offset, pad, CODING)
     if pid == 0:
         tot = tl.load(total)
         tl.store(count_out, selected)
