@@ -8,6 +8,13 @@ in the root namespace, and every rank's ``HOROVOD_*`` variables set as
 ``horovodrun --gloo`` would set them. Addresses come from 198.18.0.0/15, the
 range reserved for benchmarking.
 
+With ``--ranks-per-node L`` each namespace is a node holding ``L`` ranks
+(uncapped among themselves: they talk over the namespace's own address), the
+nodes joined by the capped links; Horovod's local and cross ranks and
+hostnames are set as a real multi-node launch sets them, and each rank sees
+its node's link as ``dlgs0`` (``/sys/class/net/dlgs0/statistics``: the bytes
+that crossed it; :func:`link_bytes`).
+
 Everything is torn down on exit, on Ctrl-C, on SIGTERM and when a worker dies
 (which also stops the others). Without root, it says so and falls back to
 plain local ``horovodrun --gloo`` on loopback.
@@ -16,6 +23,8 @@ Example::
 
     python -m benchmarks.cluster --workers 2 --bandwidth 1gbit -- \\
         python -m benchmarks.train --model resnet20 --methods dense,dlgs
+    python -m benchmarks.cluster --nodes 2 --ranks-per-node 2 --bandwidth 100mbit -- \\
+        python -m benchmarks.link_bytes
 """
 
 from __future__ import annotations
@@ -34,7 +43,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["Cluster", "parse_rate", "main"]
+__all__ = ["Cluster", "link_bytes", "parse_rate", "main"]
 
 logger = logging.getLogger("benchmarks.cluster")
 
@@ -66,14 +75,26 @@ class Cluster:
     """Network namespaces on a bridge, rate-capped, with a Gloo launcher.
 
     Args:
-        workers: number of namespaces (one Horovod rank each).
+        workers: number of namespaces (nodes; ``ranks_per_node`` Horovod ranks each).
         bandwidth: link rate in bit/s in each direction, or None for no cap.
         prefix: namespace name prefix (``<prefix>0`` ...).
+        ranks_per_node: Horovod ranks in each namespace.
     """
 
-    def __init__(self, workers: int, bandwidth: Optional[int], prefix: str = "dlgsns"):
+    def __init__(
+        self,
+        workers: int,
+        bandwidth: Optional[int],
+        prefix: str = "dlgsns",
+        ranks_per_node: int = 1,
+    ):
         if workers < 1 or workers > 200:
             raise ValueError(f"--workers must be in [1, 200], got {workers}")
+        if ranks_per_node < 1 or workers * ranks_per_node > 256:
+            raise ValueError(
+                f"--ranks-per-node must be >= 1 with at most 256 ranks, got {ranks_per_node}"
+            )
+        self.ranks_per_node = ranks_per_node
         self.workers = workers
         self.bandwidth = bandwidth
         self.prefix = prefix
@@ -242,22 +263,26 @@ class Cluster:
         env: Optional[Dict[str, str]] = None,
         timeout: Optional[float] = None,
     ) -> int:
-        """Run ``argv`` as one Horovod rank per namespace; returns the first
-        non-zero exit code (then the other ranks are stopped) or 0."""
+        """Run ``argv`` as ``ranks_per_node`` Horovod ranks per namespace;
+        returns the first non-zero exit code (then the other ranks are
+        stopped) or 0."""
         from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts
         from horovod.runner.http.http_server import RendezvousServer
 
         self._procs = []
         server = RendezvousServer(verbose=0)
         port = server.start()
-        hosts = parse_hosts(",".join(f"{a}:1" for a in self.addresses))
-        plan = get_host_assignments(hosts, self.workers)
+        per = self.ranks_per_node
+        hosts = parse_hosts(",".join(f"{a}:{per}" for a in self.addresses))
+        plan = get_host_assignments(hosts, self.workers * per)
+        where = dict(zip(self.addresses, self.namespaces))
         server.init(plan)
         base = dict(os.environ, **(env or {}))
         base.setdefault("OMP_NUM_THREADS", "1")
         threads = []
         try:
-            for slot, ns in zip(plan, self.namespaces):
+            for slot in plan:
+                ns = where[slot.hostname]
                 worker_env = dict(
                     base,
                     HOROVOD_HOSTNAME=slot.hostname,
@@ -314,6 +339,16 @@ class Cluster:
                 os.killpg(p.pid, signal.SIGTERM)
 
 
+def link_bytes() -> Optional[int]:
+    """Bytes that crossed this rank's node link so far, both ways (read inside
+    a cluster namespace; None elsewhere)."""
+    base = Path("/sys/class/net") / IFACE / "statistics"
+    try:
+        return int((base / "tx_bytes").read_text()) + int((base / "rx_bytes").read_text())
+    except OSError:
+        return None
+
+
 def _forward(p: subprocess.Popen, rank: int) -> None:
     assert p.stdout is not None
     for line in p.stdout:
@@ -352,7 +387,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         description="Run a command as Horovod ranks on a bandwidth-limited local cluster.",
         usage="%(prog)s [options] -- COMMAND ...",
     )
-    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--workers", type=int, default=2, help="nodes (namespaces)")
+    parser.add_argument("--nodes", type=int, default=None, help="same as --workers")
+    parser.add_argument(
+        "--ranks-per-node",
+        type=int,
+        default=1,
+        help="Horovod ranks in each node, uncapped among themselves (default 1)",
+    )
     parser.add_argument(
         "--bandwidth",
         default="1gbit",
@@ -368,6 +410,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.set_defaults(measure=True)
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
+    if args.nodes is not None:
+        args.workers = args.nodes
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("a COMMAND to run is required after --")
@@ -383,7 +427,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         env["DLGS_BANDWIDTH"] = "none"
         horovodrun = str(Path(sys.executable).parent / "horovodrun")
         return subprocess.call(
-            [horovodrun, "-np", str(args.workers), "--gloo", *command],
+            [horovodrun, "-np", str(args.workers * args.ranks_per_node), "--gloo", *command],
             env=dict(os.environ, **env),
             timeout=args.timeout,
         )
@@ -396,7 +440,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     try:
-        with Cluster(args.workers, bandwidth) as cluster:
+        with Cluster(args.workers, bandwidth, ranks_per_node=args.ranks_per_node) as cluster:
             if args.measure and args.workers > 1:
                 measured = cluster.measure_bandwidth()
                 logger.info("achieved TCP bandwidth worker 1 -> 0: %.1f Mbit/s", measured / 1e6)
