@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -95,3 +96,40 @@ def test_cluster_tears_down_on_ctrl_c_and_sigterm(sig):
     assert proc.returncode == 130, out
     assert "dlgsns" not in _netns(), out
     assert "torn down" in out
+
+
+@needs_root
+@pytest.mark.parallel
+def test_nodes_of_two_ranks_get_horovods_node_layout_and_see_their_link(tmp_path):
+    """2 nodes of 2 ranks: local and cross ranks as a multi-node launch sets
+    them, and each rank reads its node link's counters (a ring allreduce
+    crosses it)."""
+    script = tmp_path / "job.py"
+    script.write_text(
+        textwrap.dedent("""
+        import json, sys, horovod.torch as hvd, torch
+        from benchmarks.cluster import link_bytes
+        hvd.init()
+        before = link_bytes()
+        hvd.allreduce(torch.zeros(250_000), op=hvd.Sum, name="t")
+        hvd.allreduce(torch.zeros(1), op=hvd.Sum, name="barrier")
+        crossed = link_bytes() - before
+        rec = [hvd.rank(), hvd.local_rank(), hvd.local_size(), hvd.cross_rank(),
+               hvd.cross_size(), crossed]
+        with open(sys.argv[1] + f"/rank{hvd.rank()}.json", "w") as f:
+            json.dump(rec, f)
+    """)
+    )
+    with Cluster(2, None, prefix="dlgstest", ranks_per_node=2) as cluster:
+        env = {"PYTHONPATH": str(ROOT)}
+        assert cluster.run([sys.executable, str(script), str(tmp_path)], env=env, timeout=180) == 0
+    recs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    assert [r[:5] for r in recs] == [
+        [0, 0, 2, 0, 2],
+        [1, 1, 2, 0, 2],
+        [2, 0, 2, 1, 2],
+        [3, 1, 2, 1, 2],
+    ]
+    # A 1 MB allreduce's ring crosses each node's link: megabytes, not the
+    # few kilobytes of Horovod's own coordination.
+    assert all(r[5] > 1_000_000 for r in recs), recs
