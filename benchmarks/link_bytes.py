@@ -11,8 +11,10 @@ The model is a catalog model's parameter tensors (``dlgs.core.catalog``) and
 a synthetic backward (each step's gradients random, per rank): bytes do not
 depend on compute. Each method runs ``--steps`` steps per round after its own
 warm-up step; local rank 0 of every node reads the link's counters (both
-ways) around them, between two barriers. A count, not a timing: the bytes are
-the same at any bandwidth, so the cluster may run uncapped.
+ways) around them, between two barriers. The bytes are a count, the same at
+any bandwidth (the cluster may run uncapped); the step times (rank 0's, between
+the barriers) depend on the cap and, on a small machine, on its cores (the
+ranks of a "node" share them, and its dense traffic is memory copies).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import json
 import logging
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Dict, List
 
@@ -86,19 +89,22 @@ def main(argv=None) -> int:
         opt.step()
 
     per_step: Dict[str, List[float]] = {m: [] for m in METHODS}
+    seconds: Dict[str, List[float]] = {m: [] for m in METHODS}
     for r in range(args.rounds):
         order = METHODS[r % len(METHODS) :] + METHODS[: r % len(METHODS)]
         for method in order:
             step(method)  # warm-up (layout, the first exchange)
             _barrier()
-            before = link_bytes()
+            before, t0 = link_bytes(), time.perf_counter()
             for _ in range(args.steps):
                 step(method)
             _barrier()
             after = link_bytes()
+            seconds[method].append((time.perf_counter() - t0) / args.steps)
             if local == 0 and before is not None and after is not None:
                 per_step[method].append((after - before) / args.steps)
     rows = hvd.allgather_object((rank, local, per_step), name="link_bytes.rows")
+    # Step times (between barriers: every rank ends a round together): rank 0's.
     if rank == 0:
         nodes = [ps for _, lr, ps in rows if lr == 0]
         if not all(ps[m] for ps in nodes for m in METHODS):
@@ -119,12 +125,17 @@ def main(argv=None) -> int:
             "directions of each node's link (interface counters); the barriers' few bytes "
             "included.",
             "",
-            "| method | MB per step per node link (mean) | min - max over nodes and rounds |",
-            "|---|---:|---:|",
+            "| method | MB per step per node link (mean) | min - max over nodes and rounds "
+            "| s per step (median of rounds; min - max) |",
+            "|---|---:|---:|---:|",
         ]
         for m in METHODS:
             lo, hi = spread[m]
-            lines.append(f"| {m} | {summary[m] / 1e6:.3f} | {lo / 1e6:.3f} - {hi / 1e6:.3f} |")
+            t = seconds[m]
+            lines.append(
+                f"| {m} | {summary[m] / 1e6:.3f} | {lo / 1e6:.3f} - {hi / 1e6:.3f} | "
+                f"{statistics.median(t):.3f} ({min(t):.3f} - {max(t):.3f}) |"
+            )
         lines += [
             "",
             f"dlgs-hier / dlgs-flat = {ratio:.3f} (goal: at most 1.1/L = {1.1 / ell:.3f}); "
@@ -133,7 +144,10 @@ def main(argv=None) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "link_bytes.md").write_text("\n".join(lines) + "\n")
         (args.out / "link_bytes.json").write_text(
-            json.dumps({"per_step": summary, "spread": spread, "ratio": ratio}, indent=2)
+            json.dumps(
+                {"per_step": summary, "spread": spread, "ratio": ratio, "seconds": seconds},
+                indent=2,
+            )
         )
         print("\n".join(lines))
     return 0
