@@ -23,20 +23,26 @@ P = NODES * LOCAL
 LAYERS = [("w1", 6000), ("b1", 40), ("w2", 3001), ("b2", 10)]
 
 
-def run(config, grads, steps, record, layers=LAYERS):
-    """``record(rank, exchange, outputs)`` after every step of every rank."""
+def run(config, grads, steps, record, layers=LAYERS, before=None):
+    """``record(rank, exchange, outputs)`` after every step of every rank;
+    ``before(rank, exchange)`` first."""
     nodes = [InProcessWorld(LOCAL, timeout=60.0) for _ in range(NODES)]
     crosses = [InProcessWorld(NODES, timeout=60.0) for _ in range(LOCAL)]
+    world = InProcessWorld(P, timeout=60.0)
 
     def make(rank):
         node, local = divmod(rank, LOCAL)
-        return HierarchicalExchange(
+        ex = HierarchicalExchange(
             OPS,
             TorchNodeComm(nodes[node], local),
             TorchComm(crosses[local], node),
             config,
             layers,
+            world=TorchComm(world, rank),
         )
+        if before is not None:
+            before(rank, ex)
+        return ex
 
     return InProcessWorld(P).run_steps(make, grads, steps, record)
 
@@ -173,6 +179,44 @@ def test_each_node_link_carries_one_selection_instead_of_local_size():
     assert hier_link <= 1.1 / LOCAL * flat_link, (hier_link, flat_link)
 
 
+def _saved_at_step_3(rank):
+    """Every rank's state after 3 steps (its own shards' residuals)."""
+    cfg = SparsityConfig(density=0.02, min_sparse_size=1000)
+    return run(cfg, normal, 3, lambda r, ex, out: ex.state_dict())[rank][-1]
+
+
+def test_horovods_resume_recipe_every_rank_takes_rank_0s_step():
+    """Rank 0 alone loads (Horovod's recipe); at the first gradient every rank
+    of the job, not only rank 0's cross-node set, takes its step."""
+    cfg = SparsityConfig(density=0.02, min_sparse_size=1000)
+    state = _saved_at_step_3(0)
+
+    def before(rank, ex):
+        if rank == 0:
+            ex.load_state_dict(state, torch.zeros(1))
+
+    recs = run(cfg, normal, 2, lambda r, ex, out: (ex.step, flat(out)), before=before)
+    assert [rec[-1][0] for rec in recs] == [5] * P
+    for r in range(1, P):
+        assert torch.equal(recs[r][-1][1], recs[0][-1][1])
+
+
+def test_another_local_ranks_state_loads_with_its_residuals_reset(caplog):
+    """Every rank loads local rank 0's file: on local rank 1 its shards are
+    other slices, so its residuals start empty (with the flat exchange's
+    warning), never restored into the wrong elements."""
+    cfg = SparsityConfig(density=0.02, min_sparse_size=1000)
+    state = _saved_at_step_3(0)
+    hier = HierarchicalExchange(OPS, _SoloNode(LOCAL, rank=1), _Solo(NODES), cfg, LAYERS)
+    with caplog.at_level("WARNING", logger="dlgs"):
+        hier.load_state_dict(state, torch.zeros(1))
+    assert any("residuals reset" in r.getMessage() for r in caplog.records)
+    assert all(la.residual is None or not la.residual.any() for la in hier.inner.layers)
+    own = HierarchicalExchange(OPS, _SoloNode(LOCAL), _Solo(NODES), cfg, LAYERS)
+    own.load_state_dict(state, torch.zeros(1))
+    assert any(la.residual is not None and la.residual.any() for la in own.inner.layers)
+
+
 def test_a_checkpoint_of_another_topology_is_refused_by_name():
     cfg = SparsityConfig(density=0.02, min_sparse_size=1000)
     hier = HierarchicalExchange(OPS, _SoloNode(LOCAL), _Solo(NODES), cfg, LAYERS)
@@ -186,10 +230,9 @@ class _Solo:
     """Collectives of a process set of ``size`` that no test step uses."""
 
     included = True
-    rank = 0
 
-    def __init__(self, size):
-        self.size = size
+    def __init__(self, size, rank=0):
+        self.size, self.rank = size, rank
 
 
 class _SoloNode(_Solo):

@@ -167,6 +167,7 @@ class Engine:
                 cross,
                 self.config,
                 numel,
+                world=self.comm,
                 prefix=self.prefix,
                 clock=clock,
                 loss_scale=self._loss_scale,

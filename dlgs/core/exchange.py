@@ -273,6 +273,10 @@ class SparseExchange:
             values on the wire are kept in unscaled units, and every output is
             returned in the step's scaled units (the scaler unscales it), so
             what waits in a residual means the same whatever the scale does.
+        agree: the collectives on which the step, merge plan and density are
+            agreed after construction or a checkpoint load (default ``comm``;
+            a two-level exchange passes every rank of the job, so that its
+            cross-node sets cannot resume at different steps).
 
     Non-finite gradients: if any rank's gradient of any layer is NaN or
     infinite in a step (or a dense layer's reduced gradient is), every rank
@@ -296,6 +300,7 @@ class SparseExchange:
         dense_external: bool = False,
         clock: Callable[[], float] = time.perf_counter,
         loss_scale: Optional[Callable[[], Any]] = None,
+        agree: Optional[Collectives] = None,
     ):
         names = [name for name, _ in layers]
         if len(set(names)) != len(names):
@@ -315,6 +320,9 @@ class SparseExchange:
             )
         self.ops = ops
         self.comm = comm
+        # Where the step, plan and density are agreed after construction or a
+        # load (the process set; a two-level exchange: every rank of the job).
+        self._agree = agree if agree is not None else comm
         self.config = config
         self.controller = make_controller(config)
         self.average = average
@@ -1226,20 +1234,21 @@ class SparseExchange:
         every rank of the process set, the same verdict on every rank."""
         self._sync_pending = False
         loaded, self._loaded = self._loaded, False
-        if self.comm.size <= 1:
+        agree = self._agree
+        if agree.size <= 1:
             return
         mine = SyncRecord(loaded, self._shared_state())
         gathered = [
-            SyncRecord(*r) for r in self.comm.allgather_object(tuple(mine), f"{self.prefix}.sync")
+            SyncRecord(*r) for r in agree.allgather_object(tuple(mine), f"{self.prefix}.sync")
         ]
         verdict = resolve(gathered)
         if verdict.root is None:
             return
         part = gathered[verdict.root].shared
-        if self.comm.rank in verdict.adopters:
+        if agree.rank in verdict.adopters:
             self._apply_shared(part)
         logger.log(
-            logging.WARNING if self.comm.rank == 0 else logging.DEBUG,
+            logging.WARNING if agree.rank == 0 else logging.DEBUG,
             "dlgs: rank %d resumed from a checkpoint of step %d and rank(s) %s did not load "
             "one: they take its step, merge plan, profile and density; their residuals "
             "(what they had not sent yet) are not in the checkpoint and their thresholds "

@@ -74,6 +74,9 @@ class HierarchicalExchange:
         node: collectives among this node's ranks (:class:`NodeCollectives`).
         cross: collectives among the ranks of this local rank on every node
             (the flat exchange's, :class:`~dlgs.core.exchange.Collectives`).
+        world: collectives on every rank of the job, where the step, plan and
+            density are agreed after a checkpoint load (one small gather at
+            the first gradient after construction or a load); None: ``cross``.
         config, layers, prefix, clock, loss_scale: as for
             :class:`SparseExchange` (``layers`` the whole model's; each rank
             exchanges its shard of every layer).
@@ -87,6 +90,7 @@ class HierarchicalExchange:
         config: SparsityConfig,
         layers: Sequence[Tuple[str, int]],
         *,
+        world: Optional[Collectives] = None,
         prefix: str = "dlgs",
         loss_scale: Optional[Callable[[], Any]] = None,
         **kwargs: Any,
@@ -106,6 +110,7 @@ class HierarchicalExchange:
             [(name, m) for name, m in zip(self.names, self.shards)],
             prefix=f"{prefix}.x",
             loss_scale=loss_scale,
+            agree=world,
             **kwargs,
         )
         self._send: List[Any] = [None] * len(layers)  # L * m per layer, zero-padded
@@ -186,9 +191,10 @@ class HierarchicalExchange:
 
     def check_state_dict(self, state: Any) -> Tuple[bool, List[str]]:
         """Validate a :meth:`state_dict` without changing anything: saved on
-        this topology (its shards are other slices of the layers elsewhere:
-        a ``ValueError`` says so) by this local rank, and valid for the
-        exchange between nodes."""
+        this topology (elsewhere its shards are other slices of the layers: a
+        ``ValueError`` says so) and valid for the exchange between nodes.
+        Returns whether it is this rank's own and the options that restart
+        the thresholds."""
         if not isinstance(state, dict) or "exchange" not in state:
             raise ValueError(
                 "dlgs state is not a hierarchical exchange's (saved with topology='flat'?): "
@@ -201,14 +207,21 @@ class HierarchicalExchange:
                 f"this job runs {topology}: a hierarchical exchange's residuals are per shard "
                 "and do not carry over; load the optimizer state without its 'dlgs' entry"
             )
-        if state.get("node_rank") != self.node.rank:
-            raise ValueError(
-                f"dlgs state was saved by local rank {state.get('node_rank')}, this is "
-                f"local rank {self.node.rank}: save and load one state per rank"
-            )
-        return self.inner.check_state_dict(state["exchange"])
+        own, restart = self.inner.check_state_dict(self._as_inner(state))
+        return own, restart
 
     def load_state_dict(self, state: Dict[str, Any], like: Any) -> None:
-        """Restore a :meth:`state_dict` (checked first: :meth:`check_state_dict`)."""
+        """Restore a :meth:`state_dict` (checked first: :meth:`check_state_dict`).
+        A state saved by another local rank holds other shards: as with the
+        flat exchange's state of another rank, its residuals are reset (with
+        a warning) and the rest is kept."""
         self.check_state_dict(state)
-        self.inner.load_state_dict(state["exchange"], like)
+        self.inner.load_state_dict(self._as_inner(state), like)
+
+    def _as_inner(self, state: Dict[str, Any]) -> Dict[str, Any]:
+        """The exchange between nodes' part of ``state``, not its own where
+        another local rank saved it (its shards are other slices)."""
+        inner = state["exchange"]
+        if state.get("node_rank") != self.node.rank and isinstance(inner, dict):
+            inner = dict(inner, rank=f"{inner.get('rank')} (local rank {state.get('node_rank')})")
+        return inner
