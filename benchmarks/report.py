@@ -33,6 +33,7 @@ __all__ = [
     "METHODS",
     "MODELS",
     "SPARSE_METHODS",
+    "TWO_LEVEL_METHODS",
     "MethodTimes",
     "add_wire_options",
     "base_method",
@@ -53,15 +54,25 @@ logger = logging.getLogger(__name__)
 # Every method uses this optimizer (plain SGD) so each step does the same arithmetic.
 LR = 0.01
 
-#: dlgs methods: (controller, merge).
-SPARSE_METHODS: Dict[str, Tuple[str, str]] = {
-    "topk": ("topk", "none"),
-    "topk-buckets": ("topk", "buckets"),
-    "dgc": ("dgc", "none"),
-    "dlgs-none": ("dynamic", "none"),
-    "dlgs": ("dynamic", "dp"),
+#: dlgs methods: (controller, merge, topology). The two-level methods
+#: (``dlgs-hier``: ``topology="hierarchical"``; ``dlgs-auto``: ``"auto"``) need
+#: several nodes of several ranks (``benchmarks.cluster --ranks-per-node``) and
+#: torch; they are not in the default :data:`METHODS`.
+SPARSE_METHODS: Dict[str, Tuple[str, str, str]] = {
+    "topk": ("topk", "none", "flat"),
+    "topk-buckets": ("topk", "buckets", "flat"),
+    "dgc": ("dgc", "none", "flat"),
+    "dlgs-none": ("dynamic", "none", "flat"),
+    "dlgs": ("dynamic", "dp", "flat"),
+    "dlgs-hier": ("dynamic", "dp", "hierarchical"),
+    "dlgs-auto": ("dynamic", "dp", "auto"),
 }
-METHODS: Tuple[str, ...] = ("no-comm", "dense", "fp16", *SPARSE_METHODS)
+METHODS: Tuple[str, ...] = ("no-comm", "dense", "fp16", "topk", "topk-buckets", "dgc")
+METHODS += ("dlgs-none", "dlgs")
+#: Methods whose ``topology`` is not flat (two levels: torch only).
+TWO_LEVEL_METHODS: Tuple[str, ...] = tuple(
+    m for m, (_, _, topology) in SPARSE_METHODS.items() if topology != "flat"
+)
 
 
 def base_method(method: str) -> str:
@@ -71,17 +82,21 @@ def base_method(method: str) -> str:
 
 def sparse_options(method: str, density: Any) -> Optional[Dict[str, Any]]:
     """The dlgs options a sparse ``method`` trains with (``density``,
-    ``controller``, ``merge``), ``None`` for ``no-comm`` / ``dense`` / ``fp16``.
+    ``controller``, ``merge``, and ``topology`` where not flat), ``None``
+    for ``no-comm`` / ``dense`` / ``fp16``.
     A ``@DENSITY`` suffix (a number or ``auto``) replaces ``density``, the
     ``--density`` default; :func:`_methods` has validated it."""
     base = base_method(method)
     if base not in SPARSE_METHODS:
         return None
-    controller, merge = SPARSE_METHODS[base]
+    controller, merge, topology = SPARSE_METHODS[base]
     if "@" in method:
         text = method.split("@", 1)[1]
         density = text if text == "auto" else float(text)
-    return dict(density=density, controller=controller, merge=merge)
+    options: Dict[str, Any] = dict(density=density, controller=controller, merge=merge)
+    if topology != "flat":
+        options["topology"] = topology
+    return options
 
 
 #: The ``--framework`` choices and how the reports name them.
@@ -582,10 +597,11 @@ def write_outputs(
 
 def _methods(text: str) -> List[str]:
     names = [m.strip() for m in text.split(",") if m.strip()]
-    bad = [m for m in names if base_method(m) not in METHODS]
+    known = (*METHODS, *TWO_LEVEL_METHODS)
+    bad = [m for m in names if base_method(m) not in known]
     if bad or not names:
         raise argparse.ArgumentTypeError(
-            f"unknown method(s) {bad or [text]}; choose from {', '.join(METHODS)} "
+            f"unknown method(s) {bad or [text]}; choose from {', '.join(known)} "
             "(a sparse method may end in @DENSITY or, if it merges, @auto)"
         )
     for m in names:
@@ -890,6 +906,9 @@ def parse_args(argv: Optional[Sequence[str]] = None, description: str = "") -> a
     elif args.emulate_flops is not None and not args.emulate.startswith("catalog:"):
         parser.error("argument --emulate-flops: only with --emulate catalog:MODEL")
     if args.framework == "tensorflow":
+        two_level = [m for m in args.methods if base_method(m) in TWO_LEVEL_METHODS]
+        if two_level:
+            parser.error(f"argument --methods: {', '.join(two_level)} only with --framework torch")
         args.tf_mode = args.tf_mode or "function"
     elif args.tf_mode is not None:
         parser.error("argument --tf-mode: only with --framework tensorflow")

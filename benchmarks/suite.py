@@ -68,13 +68,19 @@ logger = logging.getLogger("benchmarks.suite")
 METHODS = "no-comm,dense,fp16,topk,topk-buckets,dgc,dlgs-none,dlgs"
 
 
-def run_cell(args, bandwidth: str, model: str, workers: int, framework: str = "torch") -> int:
+def run_cell(
+    args, bandwidth: str, model: str, workers: int, framework: str = "torch", per_node: int = 1
+) -> int:
+    """One cell: ``workers`` nodes of ``per_node`` ranks each."""
+    layout = f"{workers}x{per_node}" if per_node > 1 else f"{workers}w"
     cmd = [
         sys.executable,
         "-m",
         "benchmarks.cluster",
         "--workers",
         str(workers),
+        "--ranks-per-node",
+        str(per_node),
         "--bandwidth",
         bandwidth,
         "--timeout",
@@ -105,11 +111,9 @@ def run_cell(args, bandwidth: str, model: str, workers: int, framework: str = "t
         str(args.out),
         "--append",
         "--label",
-        f"{bandwidth}/{workers}w",
+        f"{bandwidth}/{layout}",
     ]
-    logger.info(
-        "cell %s, %s, %s, %d workers: %s", bandwidth, framework, model, workers, shlex.join(cmd)
-    )
+    logger.info("cell %s, %s, %s, %s: %s", bandwidth, framework, model, layout, shlex.join(cmd))
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd)
     try:
@@ -120,6 +124,19 @@ def run_cell(args, bandwidth: str, model: str, workers: int, framework: str = "t
             proc.wait()
     logger.info("cell done in %.0f s (exit %d)", time.perf_counter() - t0, rc)
     return rc
+
+
+def _layouts(args) -> List[tuple]:
+    """``(nodes, ranks per node)`` of every cell: ``--layouts`` or ``--workers``."""
+    if args.layouts is None:
+        return [(int(w), 1) for w in args.workers.split(",")]
+    out = []
+    for text in args.layouts.split(","):
+        nodes, _, per_node = text.strip().partition("x")
+        if not (nodes.isdigit() and per_node.isdigit() and int(nodes) >= 1 and int(per_node) >= 1):
+            raise ValueError(f"argument --layouts: expected NODESxRANKS like 2x4, got {text!r}")
+        out.append((int(nodes), int(per_node)))
+    return out
 
 
 def is_emulated_model(model: str) -> bool:
@@ -378,7 +395,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         help="emulated models: divide every layer's duration by this",
     )
     parser.add_argument("--rounds", type=positive_int, default=1, help="benchmarks.train --rounds")
-    parser.add_argument("--workers", default="2,4")
+    parser.add_argument("--workers", default="2,4", help="comma list of worker counts")
+    parser.add_argument(
+        "--layouts",
+        default=None,
+        help="comma list of NODESxRANKS (e.g. 2x2,2x4,4x2): two-level cells, each node a "
+        "namespace of RANKS uncapped ranks (benchmarks.cluster --ranks-per-node); "
+        "replaces --workers",
+    )
     parser.add_argument("--methods", default=METHODS)
     parser.add_argument(
         "--frameworks",
@@ -417,23 +441,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.quick:
         args.bandwidths, args.models, args.workers, args.steps = "1gbit", "resnet20", "2", 3
     args.out.mkdir(parents=True, exist_ok=True)
+    try:
+        layouts = _layouts(args)
+    except ValueError as e:
+        parser.error(str(e))
     failed = 0
     for bandwidth in args.bandwidths.split(","):
         for model in args.models.split(","):
-            for workers in (int(w) for w in args.workers.split(",")):
+            for nodes, per_node in layouts:
+                ranks = nodes * per_node
                 # Both frameworks of a cell back to back: the same machine conditions.
                 for framework in frameworks:
                     if is_emulated_model(model):
-                        why = (
-                            fits_in_memory(model, workers) if framework == "torch" else "torch only"
-                        )
+                        why = fits_in_memory(model, ranks) if framework == "torch" else "torch only"
                         if why:
-                            logger.warning("skipping %s, %d workers: %s", model, workers, why)
+                            logger.warning("skipping %s, %d ranks: %s", model, ranks, why)
                             continue
                     elif model not in MODELS[framework]:
                         logger.warning("%s has no %s model; skipping its cells", framework, model)
                         continue
-                    failed += run_cell(args, bandwidth, model, workers, framework) != 0
+                    failed += run_cell(args, bandwidth, model, nodes, framework, per_node) != 0
     command = "python -m benchmarks.suite " + shlex.join(argv if argv is not None else sys.argv[1:])
     report(args.out, command)
     logger.info("wrote %s (%d failed cells)", args.out / "results.md", failed)

@@ -28,6 +28,7 @@ from .models import LSTMLM, VGG16, BertSmall, ResNet20
 from .report import (
     LR,
     SPARSE_METHODS,
+    TWO_LEVEL_METHODS,
     MethodTimes,
     base_method,
     guard_verdict,
@@ -211,7 +212,9 @@ def run_method(
 def run(args: argparse.Namespace, argv: Sequence[str]) -> None:
     """Run the benchmark on this rank (under horovodrun on every rank);
     ``args`` from :func:`benchmarks.report.parse_args`, ``argv`` for the record."""
-    hvd.init()
+    # The two-level methods add process sets (every method then runs with them).
+    two_level = any(base_method(m) in TWO_LEVEL_METHODS for m in args.methods)
+    hvd.init(process_sets="dynamic" if two_level else None)
     rank = hvd.rank()
     setup_rank_logging(rank, args.verbose)
     threads = int(os.environ.get("DLGS_THREADS", "1"))

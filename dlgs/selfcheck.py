@@ -126,24 +126,30 @@ class TorchNodeComm:
     def __init__(self, world: InProcessWorld, rank: int):
         self.world, self.rank, self.size = world, rank, world.size
 
+    @staticmethod
+    def _mean(parts):
+        total = parts[0].double().clone()
+        for p in parts[1:]:
+            total += p.double()
+        return (total / len(parts)).to(parts[0].dtype)
+
     def reducescatter_async(self, tensor, name):
-        return ("scatter", name, tensor.clone())
+        return ("scatter", self.world.post(self.rank, name, tensor.clone(), self._mean))
+
+    def allreduce_async(self, tensor, name):
+        return ("reduce", self.world.post(self.rank, name, tensor.clone(), self._mean))
 
     def allgather_async(self, tensor, name):
-        return ("gather", name, tensor.clone())
+        return ("gather", self.world.post(self.rank, name, tensor.clone(), torch.cat))
+
+    def poll(self, handle):
+        return self.world.done(handle[1])
 
     def synchronize(self, handle):
-        kind, name, tensor = handle
-        if kind == "gather":
-            return self.world.meet(self.rank, name, tensor, torch.cat)
-
-        def mean(parts):
-            total = parts[0].double().clone()
-            for p in parts[1:]:
-                total += p.double()
-            return (total / len(parts)).to(parts[0].dtype)
-
-        full = self.world.meet(self.rank, name, tensor, mean)
+        kind, meeting = handle
+        full = self.world.collect(meeting)
+        if kind != "scatter":
+            return full
         return full.view(self.size, -1)[self.rank].clone()
 
 

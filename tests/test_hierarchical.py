@@ -23,9 +23,9 @@ P = NODES * LOCAL
 LAYERS = [("w1", 6000), ("b1", 40), ("w2", 3001), ("b2", 10)]
 
 
-def run(config, grads, steps, record, layers=LAYERS, before=None):
+def run(config, grads, steps, record, layers=LAYERS, before=None, **options):
     """``record(rank, exchange, outputs)`` after every step of every rank;
-    ``before(rank, exchange)`` first."""
+    ``before(rank, exchange)`` first; ``options`` for the exchange."""
     nodes = [InProcessWorld(LOCAL, timeout=60.0) for _ in range(NODES)]
     crosses = [InProcessWorld(NODES, timeout=60.0) for _ in range(LOCAL)]
     world = InProcessWorld(P, timeout=60.0)
@@ -39,6 +39,7 @@ def run(config, grads, steps, record, layers=LAYERS, before=None):
             config,
             layers,
             world=TorchComm(world, rank),
+            **options,
         )
         if before is not None:
             before(rank, ex)
@@ -66,15 +67,55 @@ def test_dense_layers_are_the_mean_of_every_rank():
         assert torch.allclose(recs[0][s].double(), want, rtol=0, atol=1e-6)
 
 
-def test_ranks_hold_the_same_bits_every_step():
+#: Node buckets: every layer in one (the default here), each layer alone, and
+#: two buckets of two layers (6,000 + 40 padded shards, then 3,001 + 10); the
+#: node reduction timed (the default) or each one.
+BUCKETS = [
+    {},
+    {"node_bucket_elements": 1, "node_reduce": "reducescatter"},
+    {"node_bucket_elements": 6100, "node_reduce": "allreduce"},
+]
+
+
+def test_node_buckets_are_consecutive_layers_up_to_the_size():
+    cfg = SparsityConfig(density=0.02, min_sparse_size=1000)
+    make = lambda **kw: HierarchicalExchange(  # noqa: E731
+        OPS, _SoloNode(LOCAL), _Solo(NODES), cfg, LAYERS, **kw
+    )
+    assert make().buckets == [[0, 1, 2, 3]]
+    assert make(node_bucket_elements=1).buckets == [[0], [1], [2], [3]]
+    assert make(node_bucket_elements=6100).buckets == [[0, 1], [2, 3]]
+    with pytest.raises(ValueError, match="node_bucket_elements must be >= 1"):
+        make(node_bucket_elements=0)
+    with pytest.raises(TypeError, match="node_bucket_elements must be an int"):
+        make(node_bucket_elements=2.5)
+    with pytest.raises(ValueError, match="node_reduce must be one of 'auto'"):
+        make(node_reduce="ring")
+
+
+def test_auto_node_reduction_is_timed_once_and_agreed_in_the_node():
+    cfg = SparsityConfig(density=0.02, min_sparse_size=1000)
+    recs = run(cfg, normal, 2, lambda r, ex, out: (ex.node_reduce, ex.node_probe))
+    for node in range(NODES):
+        ranks = [recs[node * LOCAL + j] for j in range(LOCAL)]
+        # The same choice and the same (node-averaged) times on every rank of a node.
+        assert all(rec == ranks[0] for rec in ranks), ranks
+        (choice, probe), again = ranks[0][0], ranks[0][1]
+        assert again == ranks[0][0]  # probed at the first step only
+        assert choice == min(probe, key=probe.get) and set(probe) == {"reducescatter", "allreduce"}
+
+
+@pytest.mark.parametrize("options", BUCKETS)
+def test_ranks_hold_the_same_bits_every_step(options):
     cfg = SparsityConfig(density=0.02, min_sparse_size=1000, anchor_every=3)
-    recs = run(cfg, normal, 5, lambda r, ex, out: flat(out))
+    recs = run(cfg, normal, 5, lambda r, ex, out: flat(out), **options)
     for s in range(5):
         for r in range(1, P):
             assert torch.equal(recs[r][s], recs[0][s]), (r, s)
 
 
-def test_k_sparse_node_means_come_back_exactly():
+@pytest.mark.parametrize("options", BUCKETS)
+def test_k_sparse_node_means_come_back_exactly(options):
     """Each node's mean has at most k' = ceil(density * shard) non-zeros per
     shard (on its local rank 0, times LOCAL): every value arrives, exactly."""
     density = 0.02
@@ -101,13 +142,14 @@ def test_k_sparse_node_means_come_back_exactly():
             for v in plant[node]
         ]
 
-    recs = run(cfg, grads, 1, lambda r, ex, out: flat(out))
+    recs = run(cfg, grads, 1, lambda r, ex, out: flat(out), **options)
     want = sum(np.concatenate(plant[node]) for node in range(NODES)) / NODES
     for r in range(P):
         np.testing.assert_array_equal(recs[r][0].numpy(), want.astype(np.float32))
 
 
-def test_each_shard_owner_conserves_what_it_accumulated():
+@pytest.mark.parametrize("options", BUCKETS)
+def test_each_shard_owner_conserves_what_it_accumulated(options):
     """Per rank: what it sent over all steps plus its shard residual is the sum
     of its node's mean shards (error feedback loses nothing)."""
     cfg = SparsityConfig(density=0.02, min_sparse_size=1000)
@@ -121,7 +163,7 @@ def test_each_shard_owner_conserves_what_it_accumulated():
         }
         return sent_values(ex.inner), res
 
-    recs = run(cfg, normal, steps, record)
+    recs = run(cfg, normal, steps, record, **options)
     for rank in range(P):
         node, local = divmod(rank, LOCAL)
         peers = [node * LOCAL + j for j in range(LOCAL)]

@@ -422,6 +422,13 @@ class SparseExchange:
         return self.last_step.submit_seconds if self.last_step is not None else None
 
     @property
+    def agreement_pending(self) -> bool:
+        """The next step's first :meth:`submit` agrees the step, plan and
+        density across ranks first (after construction or a load): a blocking
+        collective on every rank."""
+        return self._sync_pending
+
+    @property
     def in_step(self) -> bool:
         """A step has begun (a gradient was submitted) and not finished."""
         return self._open
@@ -899,15 +906,20 @@ class SparseExchange:
             self.finish()
         return out
 
-    def finish(self, external: Sequence[Tuple[int, Any]] = ()) -> bool:
+    def finish(
+        self, external: Sequence[Tuple[int, Any]] = (), verdicts: Optional[Sequence[Any]] = None
+    ) -> bool:
         """End the step: keep its new residuals, velocities and controller
         states if it was finite on every rank, else leave the old ones (one
         host read). ``external``: ``(layer index, reduced tensor)`` of dense
-        layers the caller reduced itself, checked too. Returns whether the step
-        was finite."""
+        layers the caller reduced itself, checked too; ``verdicts``: tensors
+        non-finite exactly where ``external`` is, checked instead of it
+        (``external`` then only names layers in a warning). Returns whether
+        the step was finite."""
         ops = self.ops
         flags = list(self._flags)  # the lazy path's
-        dense = list(self._dense_out.values()) + [t for _, t in external]
+        theirs = [t for _, t in external] if verdicts is None else list(verdicts)
+        dense = list(self._dense_out.values()) + theirs
         self._lazy_flag = None
         words = None  # the step's count words, read with the verdict
         if self._tracks_state():

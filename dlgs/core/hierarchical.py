@@ -8,7 +8,11 @@ per layer of ``n`` elements:
 
 1. **inside the node**, a dense reduce-scatter (average) of the gradient over
    the node's ``L`` ranks: local rank ``l`` gets shard ``l`` (``m = ceil(n /
-   L)`` elements, zero-padded) of the node's mean gradient;
+   L)`` elements, zero-padded) of the node's mean gradient. Layers travel in
+   *node buckets* of consecutive layers (in gradient-ready order, up to
+   ``node_bucket_elements`` elements, :data:`NODE_BUCKET_ELEMENTS` by
+   default): one reduce-scatter per bucket, started as soon as its last layer
+   is in, as Horovod's tensor fusion would for an allreduce;
 2. **between nodes**, the flat exchange of the shards
    (:class:`~dlgs.core.exchange.SparseExchange` over the cross set: the ranks
    of local rank ``l`` on every node): each rank keeps the error-feedback
@@ -16,9 +20,12 @@ per layer of ``n`` elements:
    applies per shard), and allgathers it sparse with its ``N - 1`` peers, so
    each node's link carries ``L`` selections of ``k / L``: one layer's worth,
    not ``L``; merge groups, dense layers, loss scaling, momentum correction
-   and non-finite handling are the flat exchange's own;
-3. **inside the node**, a dense allgather of the shards' results gives every
-   rank the whole layer's mean.
+   and non-finite handling are the flat exchange's own. A bucket's shards go
+   in as soon as its reduce-scatter is seen complete (polled at each later
+   gradient, never waited for during back-propagation), the rest at
+   :meth:`~HierarchicalExchange.wait`;
+3. **inside the node**, a dense allgather per bucket of the shards' results
+   gives every rank each whole layer's mean.
 
 Everything the flat exchange guarantees holds per shard: what a rank sent
 plus its shard's residual is what it accumulated; a k-sparse node mean (at
@@ -32,14 +39,39 @@ layers before it keeps any state.
 
 from __future__ import annotations
 
+import logging
 import math
+import time
 from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 from .backend import ArrayOps
 from .config import SparsityConfig
 from .exchange import Collectives, SparseExchange
 
-__all__ = ["HierarchicalExchange", "NodeCollectives", "shard_size"]
+__all__ = [
+    "NODE_BUCKET_ELEMENTS",
+    "NODE_REDUCES",
+    "HierarchicalExchange",
+    "NodeCollectives",
+    "shard_size",
+]
+
+logger = logging.getLogger("dlgs")
+
+#: How a node reduces its buckets: ``"reducescatter"`` (each rank receives
+#: its shard: ``(L-1)/L`` of a bucket per rank on the node's links),
+#: ``"allreduce"`` (each rank receives the whole node mean and keeps its
+#: shard: twice the bytes, but some libraries' allreduce is faster than their
+#: reduce-scatter), or ``"auto"``: timed once, on the first step, on the
+#: node's ranks (see :meth:`HierarchicalExchange.probe_node_reduce`).
+NODE_REDUCES = ("auto", "reducescatter", "allreduce")
+#: Timed repetitions of each node reduction for ``node_reduce="auto"``.
+PROBE_REPEATS = 3
+
+#: Default size of a node bucket, in float32 elements of the padded layers
+#: (16 MiB: a quarter of Horovod's default fusion buffer, so that the first
+#: buckets start while back-propagation goes on).
+NODE_BUCKET_ELEMENTS = 1 << 22
 
 
 class NodeCollectives(Protocol):
@@ -55,8 +87,15 @@ class NodeCollectives(Protocol):
     def allgather_async(self, tensor: Any, name: str) -> Any:
         """Start an allgather of equal 1-D tensors, in local rank order."""
 
+    def allreduce_async(self, tensor: Any, name: str) -> Any:
+        """Start an average over the node of a 1-D tensor; every rank receives
+        the whole result."""
+
     def synchronize(self, handle: Any) -> Any:
         """Wait for a handle and return the collective's output tensor."""
+
+    def poll(self, handle: Any) -> bool:
+        """Whether the handle's collective has completed (never blocks)."""
 
 
 def shard_size(n: int, local_size: int) -> int:
@@ -78,8 +117,12 @@ class HierarchicalExchange:
             density are agreed after a checkpoint load (one small gather at
             the first gradient after construction or a load); None: ``cross``.
         config, layers, prefix, clock, loss_scale: as for
-            :class:`SparseExchange` (``layers`` the whole model's; each rank
-            exchanges its shard of every layer).
+            :class:`SparseExchange` (``layers`` the whole model's, in
+            gradient-ready order; each rank exchanges its shard of every layer).
+        node_bucket_elements: the most elements (of ``L`` padded shards) one
+            node bucket holds before the next begins; a larger layer is a
+            bucket alone. Fewer, larger buckets start fewer collectives in the
+            node; smaller ones start the first sooner in back-propagation.
     """
 
     def __init__(
@@ -93,8 +136,21 @@ class HierarchicalExchange:
         world: Optional[Collectives] = None,
         prefix: str = "dlgs",
         loss_scale: Optional[Callable[[], Any]] = None,
+        node_bucket_elements: int = NODE_BUCKET_ELEMENTS,
+        node_reduce: str = "auto",
         **kwargs: Any,
     ):
+        if node_reduce not in NODE_REDUCES:
+            raise ValueError(
+                f"node_reduce must be one of {', '.join(map(repr, NODE_REDUCES))}, "
+                f"got {node_reduce!r}"
+            )
+        if isinstance(node_bucket_elements, bool) or not isinstance(node_bucket_elements, int):
+            raise TypeError(
+                f"node_bucket_elements must be an int >= 1, got {node_bucket_elements!r}"
+            )
+        if node_bucket_elements < 1:
+            raise ValueError(f"node_bucket_elements must be >= 1, got {node_bucket_elements}")
         self.ops = ops
         self.node = node
         self.prefix = prefix
@@ -113,9 +169,35 @@ class HierarchicalExchange:
             agree=world,
             **kwargs,
         )
-        self._send: List[Any] = [None] * len(layers)  # L * m per layer, zero-padded
+        # Node buckets: consecutive layers; a layer's shard sits at offset
+        # ``_offset[i]`` of its bucket's shard (``width[b]`` elements).
+        self.buckets: List[List[int]] = []
+        self._bucket_of: List[int] = []
+        self._offset: List[int] = []
+        width = 0
+        for i, m in enumerate(self.shards):
+            if not self.buckets or (width + m) * local > node_bucket_elements:
+                self.buckets.append([])
+                width = 0
+            self.buckets[-1].append(i)
+            self._bucket_of.append(len(self.buckets) - 1)
+            self._offset.append(width)
+            width += m
+        self._width = [sum(self.shards[i] for i in members) for members in self.buckets]
+        # Reused buffers, made at the first step (on the gradients' device).
+        self._send: List[Any] = [None] * len(self.buckets)  # L x width, padding zero
+        self._gather_send: List[Any] = [None] * len(self.buckets)  # width
+        self._full: List[Any] = [None] * len(layers)  # L x m per layer
+        # This step: layers in, per-bucket arrivals, reduce-scatters started
+        # and not yet handed to the exchange between nodes.
+        self._submitted: set = set()
+        self._arrived = [0] * len(self.buckets)
         self._scatter: Dict[int, Any] = {}
         self._outputs: Dict[int, Any] = {}
+        #: The node reduction in use (``"auto"`` until the first step's probe)
+        #: and the probe's node-mean seconds per operation.
+        self.node_reduce = node_reduce
+        self.node_probe: Optional[Dict[str, float]] = None
 
     def __getattr__(self, name: str) -> Any:
         # What is not two-level reads the exchange between nodes: its layers
@@ -133,50 +215,141 @@ class HierarchicalExchange:
     def loss_scale(self, reader: Optional[Callable[[], Any]]) -> None:
         self.inner.loss_scale = reader
 
+    def probe_node_reduce(self, like: Any) -> str:
+        """Choose the node reduction for ``node_reduce="auto"``: time
+        :data:`PROBE_REPEATS` reduce-scatters and allreduces of the largest
+        bucket (after one of each untimed) on this node's ranks, average the
+        times over the node (so every rank of it chooses alike; nodes may
+        choose differently) and keep the faster. Collectives on every rank of
+        the node, in the same order: called at the first gradient of the
+        first step on each. Returns the choice."""
+        ops, node = self.ops, self.node
+        buf = ops.zeros(node.size * max(self._width), "float32", like)
+        seconds = {}
+        for op in ("reducescatter", "allreduce"):
+            start = node.reducescatter_async if op == "reducescatter" else node.allreduce_async
+            node.synchronize(start(buf, f"{self.prefix}.probe.{op}.warm"))
+            t0 = time.perf_counter()
+            for r in range(PROBE_REPEATS):
+                node.synchronize(start(buf, f"{self.prefix}.probe.{op}.{r}"))
+            seconds[op] = (time.perf_counter() - t0) / PROBE_REPEATS
+        zero = ops.zeros(1, "float32", like)
+        times = ops.concat([ops.affine(zero, 1.0, seconds[op]) for op in seconds])
+        agreed = ops.to_host(node.synchronize(node.allreduce_async(times, f"{self.prefix}.probe")))
+        self.node_probe = {"reducescatter": float(agreed[0]), "allreduce": float(agreed[1])}
+        self.node_reduce = min(self.node_probe, key=self.node_probe.__getitem__)
+        logger.info(
+            "dlgs: node reduction %s (%s elements: reduce-scatter %.1f ms, allreduce %.1f ms, "
+            "node mean)",
+            self.node_reduce,
+            ops.numel(buf),
+            1e3 * self.node_probe["reducescatter"],
+            1e3 * self.node_probe["allreduce"],
+        )
+        return self.node_reduce
+
     def pending(self) -> List[int]:
         """Layers not yet submitted this step."""
-        return [i for i in range(len(self.sizes)) if i not in self._scatter]
+        return [i for i in range(len(self.sizes)) if i not in self._submitted]
 
     def submit(self, i: int, grad: Any) -> None:
-        """Hand in layer ``i``'s gradient: starts its reduce-scatter in the node."""
+        """Hand in layer ``i``'s gradient: copied into its node bucket, whose
+        reduce-scatter starts once every member is in; buckets whose
+        reduce-scatter has completed go on to the exchange between nodes."""
         ops = self.ops
         n = self.sizes[i]
         if ops.numel(grad) != n:
             raise ValueError(
                 f"gradient of {self.names[i]!r} has {ops.numel(grad)} elements, expected {n}"
             )
-        if i in self._scatter:
+        if i in self._submitted:
             raise RuntimeError(f"gradient of {self.names[i]!r} submitted twice in one step")
-        buf = self._send[i]
-        if buf is None:
-            buf = self._send[i] = ops.zeros(self.node.size * self.shards[i], "float32", grad)
-        ops.copy_(ops.narrow(buf, 0, 0, n), grad)
-        self._scatter[i] = self.node.reducescatter_async(buf, f"{self.prefix}.rs.{self.names[i]}")
+        b, local = self._bucket_of[i], self.node.size
+        if self.node_reduce == "auto":
+            self.probe_node_reduce(grad)
+        if self._send[b] is None:
+            self._send[b] = ops.zeros(local * self._width[b], "float32", grad)
+        # Shard l of the layer is row l of its column block: full rows, then
+        # the last partial one (the padding stays zero from the start).
+        m, off = self.shards[i], self._offset[i]
+        rows = ops.reshape(self._send[b], (local, self._width[b]))
+        whole, rest = divmod(n, m)
+        flat = ops.reshape(grad, (-1,))
+        if whole:
+            block = ops.narrow(ops.narrow(rows, 0, 0, whole), 1, off, m)
+            ops.copy_(block, ops.narrow(flat, 0, 0, whole * m))
+        if rest:
+            row = ops.reshape(ops.narrow(rows, 0, whole, 1), (-1,))
+            ops.copy_(ops.narrow(row, 0, off, rest), ops.narrow(flat, 0, whole * m, rest))
+        self._submitted.add(i)
+        self._arrived[b] += 1
+        if self._arrived[b] == len(self.buckets[b]):
+            if self.node_reduce == "allreduce":
+                start = self.node.allreduce_async
+            else:
+                start = self.node.reducescatter_async
+            self._scatter[b] = start(self._send[b], f"{self.prefix}.rs.{b}")
+        # Not while the next step's agreement is due: its blocking collective
+        # would wait here, in back-propagation, for ranks still in theirs.
+        if not self.inner.agreement_pending:
+            for done in [c for c, h in self._scatter.items() if self.node.poll(h)]:
+                self._forward(done)
+
+    def _forward(self, b: int) -> None:
+        """Bucket ``b``'s reduced shard into the exchange between nodes."""
+        shard = self.ops.reshape(self.node.synchronize(self._scatter.pop(b)), (-1,))
+        if self.node_reduce == "allreduce":  # the whole node mean: this rank's row
+            shard = self.ops.narrow(shard, 0, self.node.rank * self._width[b], self._width[b])
+        for i in self.buckets[b]:
+            self.inner.submit(i, self.ops.narrow(shard, 0, self._offset[i], self.shards[i]))
 
     def wait(self) -> Dict[int, Any]:
-        """Complete the step: each layer's shard through the exchange between
-        nodes, then the node's allgather. Returns each layer's mean gradient
-        (flat, ``n`` elements)."""
-        missing = [self.names[i] for i in range(len(self.sizes)) if i not in self._scatter]
+        """Complete the step: the remaining buckets through the exchange
+        between nodes, then each bucket's allgather in the node. Returns each
+        layer's mean gradient (flat, ``n`` elements; views into reused
+        buffers, valid until the next step's :meth:`wait`)."""
+        missing = [self.names[i] for i in self.pending()]
         if missing:
             raise RuntimeError(f"wait() before every layer was submitted; missing {missing[:5]}")
-        ops = self.ops
-        for i in range(len(self.sizes)):
-            shard = self.node.synchronize(self._scatter.pop(i))
-            self.inner.submit(i, shard)
+        ops, local = self.ops, self.node.size
+        for b in sorted(self._scatter):
+            self._forward(b)
         results = self.inner.wait(finish=False)
-        handles = {
-            i: self.node.allgather_async(results[i], f"{self.prefix}.ag.{self.names[i]}")
-            for i in range(len(self.sizes))
-        }
+        handles = []
+        for b, members in enumerate(self.buckets):
+            width = self._width[b]
+            send = self._gather_send[b]
+            if send is None:
+                send = self._gather_send[b] = ops.zeros(width + 1, "float32", results[0])
+            body = ops.narrow(send, 0, 0, width)
+            for i in members:
+                ops.copy_(ops.narrow(body, 0, self._offset[i], self.shards[i]), results[i])
+            # One more element: inf where this rank's shards are non-finite
+            # (they read NaN on every owner then), 1 otherwise; the node learns
+            # every rank's verdict from it without a pass over the whole layers.
+            bad = ops.cast(ops.any_nonfinite([body]), "float32")
+            ops.copy_(ops.narrow(send, 0, width, 1), ops.reciprocal(ops.affine(bad, -1.0, 1.0)))
+            handles.append(self.node.allgather_async(send, f"{self.prefix}.ag.{b}"))
         out = {}
-        for i, handle in handles.items():
-            full = self.node.synchronize(handle)
-            out[i] = ops.narrow(ops.reshape(full, (-1,)), 0, 0, self.sizes[i])
-        # The other shards' verdicts arrive with their results (NaN where some
-        # rank was non-finite): checked with this rank's own before any state
-        # is kept, so every rank of the node decides the same.
-        self.inner.finish(external=list(out.items()))
+        verdicts = []
+        for b, handle in enumerate(handles):
+            rows = ops.reshape(self.node.synchronize(handle), (local, self._width[b] + 1))
+            verdicts.append(ops.narrow(rows, 1, self._width[b], 1))
+            for i in self.buckets[b]:
+                m = self.shards[i]
+                if self._full[i] is None:
+                    self._full[i] = ops.zeros(local * m, "float32", results[0])
+                ops.copy_(
+                    ops.reshape(self._full[i], (local, m)),
+                    ops.narrow(rows, 1, self._offset[i], m),
+                )
+                out[i] = ops.narrow(self._full[i], 0, 0, self.sizes[i])
+        self._submitted.clear()
+        self._arrived = [0] * len(self.buckets)
+        # The other shards' verdicts arrive with their results: checked with
+        # this rank's own before any state is kept, so every rank of the node
+        # decides the same (the layers are read only to name them in a warning).
+        self.inner.finish(external=list(out.items()), verdicts=verdicts)
         self._outputs = out
         return out
 

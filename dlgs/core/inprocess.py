@@ -25,6 +25,7 @@ class _Meeting:
     """One collective: every rank posts its part, everyone gets the result."""
 
     def __init__(self):
+        self.name = ""
         self.parts: Dict[int, Any] = {}
         self.result: Any = None
         self.done = threading.Event()
@@ -48,20 +49,37 @@ class InProcessWorld:
     def meet(self, rank: int, name: str, part: Any, combine: Callable[[List[Any]], Any]) -> Any:
         """Post ``part`` under ``name`` and return ``combine(parts in rank order)``
         (computed once, by the last rank to arrive)."""
+        return self.collect(self.post(rank, name, part, combine))
+
+    def post(self, rank: int, name: str, part: Any, combine: Callable[[List[Any]], Any]) -> Any:
+        """:meth:`meet`'s first half, never blocking: post ``part`` and return
+        the meeting, for :meth:`collect` (and :meth:`done`)."""
         with self._lock:
             # The n-th use of a name by a rank meets the n-th use by the others.
             n = self._counts.get((rank, name), 0)
             self._counts[(rank, name)] = n + 1
             key = f"{name}#{n}"
             meeting = self._meetings.setdefault(key, _Meeting())
+            meeting.name = key
             meeting.parts[rank] = part
             if len(meeting.parts) == self.size:
                 meeting.result = combine([meeting.parts[r] for r in range(self.size)])
                 meeting.done.set()
                 del self._meetings[key]  # every rank holds the meeting already
+        return meeting
+
+    @staticmethod
+    def done(meeting: Any) -> bool:
+        """Whether every rank has posted to ``meeting``."""
+        return meeting.done.is_set()
+
+    def collect(self, meeting: Any) -> Any:
+        """Wait for every rank's part of a :meth:`post`; the combined result."""
         if not meeting.done.wait(self.timeout):
             missing = sorted(set(range(self.size)) - set(meeting.parts))
-            raise TimeoutError(f"collective {name!r}: ranks {missing} never joined (a hang)")
+            raise TimeoutError(
+                f"collective {meeting.name!r}: ranks {missing} never joined (a hang)"
+            )
         return meeting.result
 
     def run(self, fn: Callable[[int], Any]) -> List[Any]:

@@ -115,8 +115,14 @@ class HorovodNodeCollectives:
     def allgather_async(self, tensor, name):
         return hvd.allgather_async(tensor, name=name, process_set=self.process_set)
 
+    def allreduce_async(self, tensor, name):
+        return hvd.allreduce_async(tensor, name=name, op=hvd.Average, process_set=self.process_set)
+
     def synchronize(self, handle):
         return hvd.synchronize(handle)
+
+    def poll(self, handle):
+        return hvd.poll(handle)
 
 
 def check_topology(topology: Any, ranks_per_node: Any) -> None:
