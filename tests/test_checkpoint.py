@@ -102,7 +102,7 @@ def test_changed_thresholding_restarts_with_a_warning(saved_opts, new_opts, word
     if new_opts.get("controller") == "fixed":
         for layer in ex.layers:
             if ex.is_sparse(layer):
-                assert float(layer.ctrl["theta"]) == new_opts["threshold"]
+                assert float(layer.controller_state["theta"]) == new_opts["threshold"]
     for _ in range(3):  # trains on (no KeyError from a foreign controller state)
         step(model, opt)
     assert ex.step == saved["dlgs"]["step"] + 3

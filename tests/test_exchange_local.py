@@ -138,7 +138,7 @@ def test_nonfinite_on_one_rank_is_seen_everywhere_and_undone_exactly(controller,
     def record(rank, ex, out):
         state = {
             # Copies: controller entries are views of the exchange's state vectors.
-            i: (layer.residual.copy(), {k: np.copy(v) for k, v in layer.ctrl.items()})
+            i: (layer.residual.copy(), {k: np.copy(v) for k, v in layer.controller_state.items()})
             for i, layer in enumerate(ex.layers)
             if layer.residual is not None
         }
@@ -296,7 +296,7 @@ def test_exchange_matches_the_reference_step_by_step(case, ranks):
                 {
                     "out": [np.array(out[i], np.float64) for i in range(len(SIZES))],
                     "theta": {
-                        i: float(layer.theta)
+                        i: float(layer.threshold)
                         for i, layer in enumerate(ex.layers)
                         if ex.is_sparse(layer)
                     },
@@ -482,13 +482,13 @@ def test_a_checkpoint_keeps_the_controllers_learnt_gain():
     def body(rank, comm):
         ex = SparseExchange(OPS, comm, cfg, [("w", n)])
         run(ex, 0, cut)
-        gain = float(ex.layers[0].ctrl["gain"])
+        gain = float(ex.layers[0].controller_state["gain"])
         state = ex.state_dict()
         resumed = SparseExchange(OPS, comm, cfg, [("w", n)], prefix="r")
         resumed.load_state_dict(state, like=None)
         return (
             gain,
-            float(resumed.layers[0].ctrl["gain"]),
+            float(resumed.layers[0].controller_state["gain"]),
             run(ex, cut, steps),
             run(resumed, cut, steps),
         )
@@ -554,7 +554,7 @@ def test_dynamic_controller_sends_its_target_every_step_not_in_bursts(
 
     def record(rank, ex, out):
         row = ex.stats()[0]
-        return row["sent"], row["selected"], row["k"], float(ex.layers[0].ctrl["gain"])
+        return row["sent"], row["selected"], row["k"], float(ex.layers[0].controller_state["gain"])
 
     recs = run_steps(
         LocalWorld(1),

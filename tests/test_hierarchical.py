@@ -14,6 +14,7 @@ from dlgs.core import SparsityConfig
 from dlgs.core.hierarchical import HierarchicalExchange, shard_size
 from dlgs.core.inprocess import InProcessWorld, sent_values
 from dlgs.core.layout import plan_messages
+from dlgs.core.topology import probe_topology
 from dlgs.core.wire import plan_layers
 from dlgs.selfcheck import TorchComm, TorchNodeComm
 from dlgs.torch._ops import OPS
@@ -281,6 +282,32 @@ class _SoloNode(_Solo):
     """Node collectives of ``size`` ranks that no test step uses."""
 
 
+def test_topology_probe_times_both_exchanges_and_agrees_on_every_rank():
+    cfg = SparsityConfig(density=0.02, min_sparse_size=1000)
+    nodes = [InProcessWorld(LOCAL, timeout=60.0) for _ in range(NODES)]
+    crosses = [InProcessWorld(NODES, timeout=60.0) for _ in range(LOCAL)]
+    world = InProcessWorld(P, timeout=60.0)
+
+    def probe(rank):
+        node, local = divmod(rank, LOCAL)
+        return probe_topology(
+            OPS,
+            TorchComm(world, rank),
+            TorchNodeComm(nodes[node], local),
+            TorchComm(crosses[local], node),
+            [n for _, n in LAYERS],
+            cfg,
+            torch.zeros(1),
+        )
+
+    probes = world.run(probe)
+    assert all(p == probes[0] for p in probes)
+    got = probes[0]
+    assert got.flat > 0 and got.hierarchical > 0 and got.elements == sum(n for _, n in LAYERS)
+    assert got.choice == ("hierarchical" if got.hierarchical < got.flat else "flat")
+    assert got.choice in got.describe()
+
+
 # -- real ranks under horovodrun: 4 ranks as 2 nodes of 2 (ranks_per_node=2) ------------
 
 
@@ -312,6 +339,15 @@ def test_density_one_is_horovods_allreduce_bit_for_bit(tmp_path, monkeypatch):
     ranks = _launch("gloo", tmp_path, 1.0)
     for r in ranks:
         assert r["dlgs"] == r["horovod"]
+
+
+def test_auto_topology_times_both_and_every_rank_takes_the_same(tmp_path):
+    ranks = _launch("gloo", tmp_path, 0.05, "auto")
+    assert all("error" not in r for r in ranks), [r.get("error") for r in ranks]
+    chose = {r["describe"].splitlines()[0] for r in ranks}
+    assert len(chose) == 1 and "topology='auto' chose" in chose.pop(), ranks[0]["describe"]
+    for r in ranks[1:]:
+        assert r["dlgs"] == ranks[0]["dlgs"]
 
 
 def test_without_dynamic_process_sets_every_rank_says_what_to_add(tmp_path):

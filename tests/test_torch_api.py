@@ -106,7 +106,7 @@ def test_generated_class_mirrors_horovod():
         # and the message is the buffer handed to the allgather.
         assert r["sent"] == int(torch.count_nonzero(params[r["name"]].grad))
         assert 0 < r["sent"] <= r["capacity"] and r["sent"] <= r["selected"]
-        chunk = ex.groups[ex.layers[ex.index(r["name"])].group].chunk
+        chunk = ex.groups[ex.layers[ex.index(r["name"])].message].chunk
         assert r["message_bytes"] == chunk.numel() * chunk.element_size()
         assert r["wire_bytes"] == r["message_bytes"] - 4  # alone: the message's fingerprint word
         assert r["threshold"] > 0

@@ -1,16 +1,17 @@
 """An exchange's checkpoint: its format, the validation of a saved state
 before anything changes, and the conversions a load needs.
 
-Pure functions of the saved state, the model's layers and the options; the
-exchange (:meth:`SparseExchange.state_dict` / ``load_state_dict``) decides
-what to restore. No collective here: a load is local to its rank
+Functions of the saved state, the model's layers and the options (and, to
+save or restore them, the exchange's :class:`~dlgs.core.records.LayerRecord`
+s); the exchange (:meth:`SparseExchange.state_dict` / ``load_state_dict``)
+decides what to restore. No collective here: a load is local to its rank
 (:mod:`dlgs.core.resume` agrees across ranks at the next gradient).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Sequence, Tuple
 
 import numpy as np
 
@@ -18,11 +19,17 @@ from ._checks import check_float
 from .backend import ArrayOps
 from .config import SparsityConfig
 
+if TYPE_CHECKING:
+    from .controller import ThresholdController
+    from .records import LayerRecord
+
 __all__ = [
     "STATE_VERSION",
     "check_finite_state",
     "host_number",
     "layer_densities",
+    "layer_states",
+    "restore_layers",
     "restored",
     "validate",
 ]
@@ -163,3 +170,67 @@ def _all_finite(ops: ArrayOps, buf: Any) -> bool:
     if isinstance(buf, (np.ndarray, np.generic)):
         return bool(np.isfinite(buf).all())
     return not bool(np.ravel(ops.to_host(ops.any_nonfinite([buf])))[0])
+
+
+def layer_states(ops: ArrayOps, records: Sequence["LayerRecord"]) -> Dict[str, Any]:
+    """The per-layer part of a state: residual, velocity, controller state
+    (numbers: device scalars of the fixed controller read on the host) and
+    the ``k`` it was planned with, by layer name."""
+    return {
+        layer.name: {
+            "residual": layer.residual,
+            "velocity": layer.velocity,
+            "controller": {
+                key: v if isinstance(v, int) else host_number(ops, v)
+                for key, v in layer.ctrl.items()
+            },
+            "k": layer.plan.k if layer.plan is not None else None,
+        }
+        for layer in records
+    }
+
+
+def restore_layers(
+    ops: ArrayOps,
+    controller: "ThresholdController",
+    records: Sequence["LayerRecord"],
+    sparse: Sequence[bool],
+    densities: Sequence[float],
+    saved: Dict[str, Any],
+    like: Any,
+    *,
+    own: bool,
+    restart: bool,
+) -> None:
+    """Restore :func:`layer_states` (validated already) into an exchange's
+    layer records, laid out already (``sparse``: each layer's mode now). A
+    state not ``own`` (another rank's) restores no residual or velocity;
+    ``restart`` (or another ``k``) starts the thresholds afresh."""
+    for layer, is_sparse, density in zip(records, sparse, densities):
+        entry = saved[layer.name]
+        plan = layer.plan
+        assert plan is not None  # set by the layout
+        if not is_sparse:
+            # Sent dense now: restore what it still owed (flushed next step)
+            # and, with momentum correction, its velocity.
+            for attr in ("residual", "velocity"):
+                setattr(layer, attr, None)
+                if own and entry[attr] is not None:
+                    buf = ops.zeros(layer.numel + 1, "float32", like)
+                    setattr(layer, attr, ops.copy_(buf, entry[attr]))
+            continue
+        for attr in ("residual", "velocity"):
+            buf = getattr(layer, attr)
+            if buf is not None:
+                ops.mul_(buf, 0.0)
+                if own and entry[attr] is not None:
+                    ops.copy_(buf, entry[attr])
+        fresh = controller.init_state(ops, like, density)
+        ctrl = entry.get("controller") or {}
+        if not restart and entry.get("k") == plan.k and set(ctrl) == set(fresh):
+            # Each entry in the kind of its fresh value: Python numbers (the
+            # dynamic controller's host state, also from checkpoints that
+            # held device scalars) or device scalars (the fixed threshold).
+            layer.ctrl = {key: restored(ops, fresh[key], v, like) for key, v in ctrl.items()}
+        else:
+            layer.ctrl = fresh

@@ -35,6 +35,7 @@ from .config import SparsityConfig
 from .consistency import agreed_options, check_ranks_agree, signature
 from .exchange import Collectives, SparseExchange, check_finite_state, log_stats
 from .hierarchical import HierarchicalExchange
+from .topology import TopologyProbe, probe_topology
 
 __all__ = ["CompressionAliases", "Engine", "OptimizerAliases", "check_unique_names"]
 
@@ -79,6 +80,9 @@ class Engine:
             returning ``(node, cross)`` collectives, called by :meth:`build`
             after every rank was checked to agree (making them may be a
             collective, such as adding Horovod process sets).
+        choose_topology: with ``topology``, time both exchanges' collectives
+            for this model first and keep the faster
+            (:func:`~dlgs.core.topology.probe_topology`; ``topology="auto"``).
     """
 
     def __init__(
@@ -96,9 +100,13 @@ class Engine:
         loss_scale: Optional[Callable[[], Any]] = None,
         logger: Optional[logging.Logger] = None,
         topology: Optional[Callable[[], Tuple[Any, Any]]] = None,
+        choose_topology: bool = False,
     ):
         self.ops = ops
         self._topology = topology
+        self._choose_topology = choose_topology
+        #: ``topology="auto"``'s measurement (:class:`~dlgs.core.topology.TopologyProbe`).
+        self.topology_probe: Optional[TopologyProbe] = None
         self.comm = comm
         self.config = config
         self._planner = planner
@@ -159,8 +167,25 @@ class Engine:
             )
         numel = [(str(n), math.prod(int(s) for s in shape)) for n, shape, _ in ordered]
         exchange: Any
+        two_levels = None
         if self._topology is not None:
             node, cross = self._topology()
+            two_levels = node, cross
+            if self._choose_topology and like is not None:
+                self.topology_probe = probe_topology(
+                    self.ops,
+                    self.comm,
+                    node,
+                    cross,
+                    [n for _, n in numel],
+                    self.config,
+                    like,
+                    prefix=self.prefix,
+                )
+                if self.topology_probe.choice == "flat":
+                    two_levels = None
+        if two_levels is not None:
+            node, cross = two_levels
             exchange = HierarchicalExchange(
                 self.ops,
                 node,
@@ -256,7 +281,8 @@ class Engine:
         density = f"density {ex.density:g}" + (
             f" (per layer {min(each):g} to {max(each):g})" if ex.auto_layers is not None else ""
         )
-        lines = [
+        lines = [] if self.topology_probe is None else [self.topology_probe.describe()]
+        lines += [
             f"dlgs at step {ex.step}: {density}, {len(ex.layers)} layers in "
             f"{len(ex.groups)} messages ({sparse} sparse), {ex.wire_bytes()} bytes per step "
             "from this rank"

@@ -20,9 +20,7 @@ Horovod would. Nothing on this path reads a device value on the host.
 from __future__ import annotations
 
 import logging
-import math
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import numpy as np
@@ -33,23 +31,28 @@ from .backend import ArrayOps
 from .bank import ControllerBank
 from .checkpoint import STATE_VERSION, check_finite_state
 from .config import SparsityConfig, ValueDType
-from .controller import ThresholdController, make_controller
+from .controller import make_controller
 from .layout import plan_messages
-from .resume import SyncRecord, resolve
-from .selection import FusedSelection, select_and_pack
+from .nonfinite import NonFiniteLog
+from .records import LayerRecord, MessageRecord, StepHook, StepRecord, StepTrace
+from .resume import agree_shared
+from .selection import FusedSelection, select, select_and_pack, select_with_total
 from .transport import MAX_MESSAGE_ELEMENTS, Transport, make_transport
+from .views import LayerInfo, MessageInfo, layer_stats, log_stats
 from .wire import (
-    GroupLayout,
     LayerPlan,
-    MemberViews,
     plan_layers,
 )
 
 __all__ = [
     "Collectives",
+    "LayerInfo",
     "LayerPlan",
+    "MessageInfo",
     "SparseExchange",
     "StepHook",
+    "StepRecord",
+    "StepTrace",
     "check_finite_state",
     "log_stats",
     "plan_layers",
@@ -59,14 +62,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-
-# Non-finite steps are logged at most once per this many seconds.
-_NONFINITE_LOG_INTERVAL = 30.0
-#: A run of this many non-finite steps in a row is warned about (and again at
-#: every doubling; twice as many with a loss scaler): a scaler halving from
-#: 65536 is finite long before.
-NONFINITE_RUN = 16
 
 
 class Collectives(Protocol):
@@ -93,157 +88,6 @@ class Collectives(Protocol):
 
     def allgather_object(self, obj: Any, name: str) -> List[Any]:
         """Every rank's ``obj``, in rank order (picklable Python objects)."""
-
-
-def select(
-    ops: ArrayOps,
-    controller: ThresholdController,
-    state: Dict[str, Any],
-    acc: Any,
-    k: int,
-    capacity: int,
-    step: int,
-    scratch_abs: Any,
-    scratch_mask: Any,
-) -> Tuple[Any, Any, Any]:
-    """One layer's selection: ``|acc| >= theta`` with ``theta`` from the controller.
-
-    Five memory-bound passes (``|a|``, its sum, compare, count, compaction) and
-    no sort (except when the controller anchors). Updates the controller's
-    state from the count it selected (the dynamic controller reads it on the
-    host: an exchange instead batches every layer's count into one read per step).
-
-    Args:
-        acc: the accumulated gradient (1-D, ``n`` elements).
-        k: target count; capacity: most indices returned.
-        scratch_abs / scratch_mask: reusable float32 / bool buffers of ``n``.
-
-    Returns:
-        ``(idx, count, theta)``: ``capacity`` int64 indices of the first
-        selected elements in index order, padded with ``n`` (a slot that reads
-        as zero); the number of elements at or above ``theta`` (0-d, on
-        device); the threshold used.
-    """
-    idx, count, theta, _ = _select(
-        ops, controller, state, acc, k, capacity, step, scratch_abs, scratch_mask
-    )
-    return idx, count, theta
-
-
-def _select(ops, controller, state, acc, k, capacity, step, scratch_abs, scratch_mask, update=True):
-    """:func:`select`, also returning the sum of ``|acc|`` (NaN or infinite
-    exactly when some element is, or when finite magnitudes overflow float32:
-    the non-finite check). ``update=False`` leaves the controller's update to
-    the caller (an exchange updates all its layers at once, at the end of a
-    finite step)."""
-    n = ops.numel(acc)
-    absx = ops.abs_(acc, scratch_abs)
-    total = ops.total(absx)
-    theta = controller.threshold(ops, state, absx, k, step, total)
-    mask = ops.ge_(absx, theta, scratch_mask)
-    count = ops.count_nonzero(mask)
-    idx = ops.nonzero_static(mask, capacity, n)
-    if update:
-        controller.update(ops, state, theta, count, k)
-    return idx, count, theta, total
-
-
-class _Layer:
-    """Mutable per-layer state: residual, optional velocity, controller state.
-
-    Residual and velocity are double-buffered: a step writes its new state into
-    the ``*_next`` buffers and :meth:`SparseExchange.finish` swaps them in only
-    if the step was finite on every rank, so a skipped step is undone exactly
-    and at no cost (no copy, no extra pass).
-    """
-
-    __slots__ = (
-        "name",
-        "numel",
-        "plan",
-        "residual",
-        "residual_next",
-        "velocity",
-        "velocity_next",
-        "send",
-        "ctrl",
-        "ctrl_prev",
-        "flush",
-        "count",
-        "theta",
-        "group",
-        "member",
-        "views",
-        "work",
-    )
-
-    def __init__(self, name: str, numel: int):
-        self.name = name
-        self.numel = numel
-        self.plan: Optional[LayerPlan] = None
-        # n + 1 float32, in unscaled gradient units: the last slot is the padding slot.
-        self.residual: Any = None
-        self.residual_next: Any = None
-        self.velocity: Any = None
-        self.velocity_next: Any = None
-        # A dense layer's send buffer under momentum correction (n float32):
-        # its velocity stays this rank's own, whatever the reduction does in place.
-        self.send: Any = None
-        self.ctrl: Dict[str, Any] = {}
-        self.ctrl_prev: Optional[Dict[str, Any]] = None
-        self.flush = False  # a dense layer sent what its residual owed this step
-        self.count: Any = None
-        self.theta: Any = None
-        self.group = -1
-        self.member = -1
-        # Views reused every step (each new view is an operation): buffer id ->
-        # (buffer, view of its first ``numel`` elements). Holding the buffer
-        # keeps its id from being reused while the entry exists.
-        self.views: Dict[int, Tuple[Any, Any]] = {}
-        # The fused selection's scratch for this layer (FusedSelection.workspace).
-        self.work: Any = None
-
-    def head(self, ops: ArrayOps, buf: Any) -> Any:
-        """The first ``numel`` elements of ``buf`` (a cached view)."""
-        hit = self.views.get(id(buf))
-        if hit is not None and hit[0] is buf:
-            return hit[1]
-        view = ops.narrow(buf, 0, 0, self.numel)
-        self.views[id(buf)] = (buf, view)
-        return view
-
-
-class _Group:
-    """One message: sparse (allgather of a packed chunk) or dense (allreduce)."""
-
-    __slots__ = (
-        "members",
-        "sparse",
-        "layout",
-        "chunk",
-        "dense",
-        "ready",
-        "handle",
-        "verified",
-        "name",
-        "member_views",
-        "outputs",
-    )
-
-    def __init__(self, members: List[int], sparse: bool, name: str):
-        self.members = members
-        self.sparse = sparse
-        self.name = name
-        self.layout: Optional[GroupLayout] = None
-        self.chunk: Any = None  # sparse: int32 send buffer
-        self.dense: Any = None  # dense with > 1 member: the send buffer
-        self.ready = 0
-        self.handle: Any = None
-        self.verified = False
-        # sparse: per member, its views of ``chunk`` (GroupLayout.member_views).
-        self.member_views: List[MemberViews] = []
-        # sparse: each member's view of the step's receive buffer (_Unpack.dense).
-        self.outputs: List[Any] = []
 
 
 Plan = Sequence[Tuple[Sequence[int], Optional[bool]]]
@@ -329,17 +173,21 @@ class SparseExchange:
         self.prefix = prefix
         self.dense_external = dense_external
         self.clock = clock
-        self.layers = [_Layer(name, int(n)) for name, n in layers]
+        self._layers = [LayerRecord(name, int(n)) for name, n in layers]
         self._index = {name: i for i, name in enumerate(names)}
         self._plan: Optional[List[Tuple[List[int], Optional[bool]]]] = None
-        self.groups: List[_Group] = []
+        self._groups: List[MessageRecord] = []
+        self._layer_views = tuple(
+            LayerInfo(layer, lambda: self._groups, i) for i, layer in enumerate(self._layers)
+        )
+        self._group_views: Tuple[MessageInfo, ...] = ()
         self._wire_bytes: Optional[int] = None  # wire_bytes() of the layout in force
-        self._dense_bytes = 4 * sum(layer.numel for layer in self.layers)
+        self._dense_bytes = 4 * sum(layer.numel for layer in self._layers)
         self.step = 0
         self._density: Optional[float] = None
         # density="auto": what the planner chose (None: not yet, AUTO_START).
         self._auto_density: Optional[float] = None
-        # ... and with auto_layers, each layer's (self.layers order), or None.
+        # ... and with auto_layers, each layer's (self._layers order), or None.
         self._auto_layers: Optional[Tuple[float, ...]] = None
         self._scratch_abs: Any = None
         self._scratch_mask: Any = None
@@ -379,11 +227,7 @@ class SparseExchange:
         self._finite = True
         # A step's flags and dense outputs, not checked yet (no state to undo).
         self._lazy_flag: Any = None
-        #: Steps whose gradients were non-finite somewhere (state left untouched).
-        self.nonfinite_steps = 0
-        self._nonfinite_logged = -math.inf  # time of the last warning
-        self._nonfinite_unlogged = 0
-        self._nonfinite_run = 0  # consecutive non-finite steps up to the last one
+        self._nonfinite = NonFiniteLog(lambda: self.loss_scale is not None)
         # What every rank must agree on (step, plan, profile, density) is
         # agreed at the first gradient after construction and after every
         # load, never inside load_state_dict (dlgs.core.resume).
@@ -391,6 +235,17 @@ class SparseExchange:
         self._loaded = False  # loaded a checkpoint since the last agreement
 
     # -- introspection -------------------------------------------------------
+    @property
+    def layers(self) -> Tuple[LayerInfo, ...]:
+        """Every layer, in the exchange's order: read-only live views."""
+        return self._layer_views
+
+    @property
+    def groups(self) -> Tuple[MessageInfo, ...]:
+        """The messages of the layout in force (none before the first step):
+        read-only live views."""
+        return self._group_views
+
     def index(self, name: str) -> int:
         return self._index[name]
 
@@ -406,8 +261,13 @@ class SparseExchange:
                 flags = flags + [self.ops.any_nonfinite(dense)]
             if self.ops.to_host(self.ops.any_true(flags)):
                 self._finite = False
-                self.nonfinite_steps += 1
+                self._nonfinite.found_late()
         return self._finite
+
+    @property
+    def nonfinite_steps(self) -> int:
+        """Steps whose gradients were non-finite somewhere (state left untouched)."""
+        return self._nonfinite.steps
 
     @property
     def last_step_seconds(self) -> Optional[float]:
@@ -448,7 +308,7 @@ class SparseExchange:
         for every layer, unless ``density="auto"`` chose per-layer densities."""
         if self._auto_layers is not None:
             return self._auto_layers
-        return (self.density,) * len(self.layers)
+        return (self.density,) * len(self._layers)
 
     @property
     def auto_layers(self) -> Optional[Tuple[float, ...]]:
@@ -466,7 +326,7 @@ class SparseExchange:
         if self._submitted:
             raise RuntimeError("set_density() in the middle of a step")
         check_float("density", density, low=0, high=1, low_open=True)
-        each = None if layers is None else checkpoint.layer_densities(layers, len(self.layers))
+        each = None if layers is None else checkpoint.layer_densities(layers, len(self._layers))
         if (float(density), each) != (self._auto_density, self._auto_layers):
             self._density = None  # lay out again at the next step
         self._auto_density, self._auto_layers = float(density), each
@@ -487,9 +347,9 @@ class SparseExchange:
             raise RuntimeError("set_plan() in the middle of a step")
         if plan is not None:
             flat = [i for members, _ in plan for i in members]
-            if len(set(flat)) != len(flat) or any(not 0 <= i < len(self.layers) for i in flat):
+            if len(set(flat)) != len(flat) or any(not 0 <= i < len(self._layers) for i in flat):
                 raise ValueError(
-                    f"a plan must list distinct layer indices in [0, {len(self.layers)}), "
+                    f"a plan must list distinct layer indices in [0, {len(self._layers)}), "
                     f"got {plan!r}"
                 )
             self._plan = [(list(members), sparse) for members, sparse in plan]
@@ -501,12 +361,16 @@ class SparseExchange:
         """Shorthand for :meth:`set_plan` with every group's mode chosen by rule."""
         self.set_plan(None if groups is None else [(g, None) for g in groups])
 
-    def is_sparse(self, layer: "_Layer") -> bool:
-        """Whether ``layer`` is sent sparse under the current layout."""
-        return layer.group >= 0 and self.groups[layer.group].sparse
+    def is_sparse(self, layer: LayerInfo) -> bool:
+        """Whether ``layer`` is sent sparse under the current layout
+        (:attr:`LayerInfo.sparse`)."""
+        return layer.sparse
+
+    def _sparse(self, layer: LayerRecord) -> bool:
+        return layer.group >= 0 and self._groups[layer.group].sparse
 
     def layer_plans(self) -> List[LayerPlan]:
-        return plan_layers([layer.numel for layer in self.layers], self.densities, self.config)
+        return plan_layers([layer.numel for layer in self._layers], self.densities, self.config)
 
     # -- layout ----------------------------------------------------------------
     def _relayout(self, like: Any) -> None:
@@ -531,17 +395,17 @@ class SparseExchange:
                 logger.debug("dlgs: sparse layers select with %s kernels", self._kernels.name)
         messages = plan_messages(
             plans,
-            [layer.name for layer in self.layers],
+            [layer.name for layer in self._layers],
             self._plan,
             self.prefix,
             self.config.value_dtype,
             self.config.index_coding,
             dense_alone=self.dense_external,
         )
-        for layer in self.layers:
+        for layer in self._layers:
             layer.views.clear()
         sparse_layers = {i for m in messages if m.sparse for i in m.members}
-        for i, (layer, plan) in enumerate(zip(self.layers, plans)):
+        for i, (layer, plan) in enumerate(zip(self._layers, plans)):
             old = layer.plan
             layer.plan = plan
             layer.group = layer.member = -1
@@ -561,11 +425,11 @@ class SparseExchange:
             if self.config.momentum and layer.velocity is not None:
                 if layer.velocity_next is None:
                     layer.velocity_next = ops.zeros(layer.numel + 1, "float32", like)
-        self.groups = []
+        self._groups = []
         self._wire_bytes = None
         for gi, spec in enumerate(messages):
             members = list(spec.members)
-            group = _Group(members, spec.sparse, spec.name)
+            group = MessageRecord(members, spec.sparse, spec.name)
             if spec.sparse:
                 layout = spec.layout
                 assert layout is not None
@@ -577,13 +441,14 @@ class SparseExchange:
             elif len(members) > 1:
                 group.dense = ops.zeros(spec.size, "float32", like)
             for m, i in enumerate(members):
-                self.layers[i].group = gi
-                self.layers[i].member = m
+                self._layers[i].group = gi
+                self._layers[i].member = m
                 if not spec.sparse:
-                    self.layers[i].ctrl = {}
+                    self._layers[i].ctrl = {}
                     self._dense_offsets[i] = spec.offsets[m]
-            self.groups.append(group)
-        self._modes = tuple(i in sparse_layers for i in range(len(self.layers)))
+            self._groups.append(group)
+        self._group_views = tuple(MessageInfo(g, n) for n, g in enumerate(self._groups))
+        self._modes = tuple(i in sparse_layers for i in range(len(self._layers)))
         self._build_unpack(like)
         self._build_bank(like)
         biggest = max((plans[i].numel for i in sparse_layers), default=0)
@@ -594,14 +459,14 @@ class SparseExchange:
             "dlgs layout at step %d: density %g, %d layers in %d messages (%d sparse)",
             self.step,
             density,
-            len(self.layers),
-            len(self.groups),
-            sum(1 for g in self.groups if g.sparse),
+            len(self._layers),
+            len(self._groups),
+            sum(1 for g in self._groups if g.sparse),
         )
 
     def _build_unpack(self, like: Any) -> None:
         """The transport's receive buffers; each sparse member's output a view."""
-        sparse = [g for g in self.groups if g.sparse]
+        sparse = [g for g in self._groups if g.sparse]
         outputs = self._transport.layout([g.layout for g in sparse], like)  # type: ignore[misc]
         for group, views in zip(sparse, outputs):
             group.outputs = views
@@ -611,7 +476,7 @@ class SparseExchange:
         """The sparse layers' controller learning state in one bank (their
         values carried over), so a step updates every layer at once."""
         # The transport's member order: the step's count words arrive in it.
-        layers = [self.layers[i] for i in self._sparse_members]
+        layers = [self._layers[i] for i in self._sparse_members]
         self._bank = ControllerBank.of(
             self.ops,
             self.controller,
@@ -672,7 +537,7 @@ class SparseExchange:
         otherwise None. Multiply the caller's reduced result by
         :meth:`external_scale` (when not None) before handing it on.
         """
-        layer = self.layers[i]
+        layer = self._layers[i]
         ops = self.ops
         if ops.numel(grad) != layer.numel:
             raise ValueError(
@@ -693,7 +558,7 @@ class SparseExchange:
         if trace is not None:
             t0 = self.clock()
         self._submitted.add(i)
-        group = self.groups[layer.group]
+        group = self._groups[layer.group]
         result = None
         if group.sparse:
             self._sparsify(layer, group, grad)
@@ -719,7 +584,7 @@ class SparseExchange:
         self._submit_seconds += time.perf_counter() - entered
         return result
 
-    def _dense_send(self, layer: _Layer, grad: Any) -> Any:
+    def _dense_send(self, layer: LayerRecord, grad: Any) -> Any:
         """What a dense layer sends: its gradient (scaled units), or with
         momentum correction its new velocity (unscaled), plus any residual it
         still owes. State goes to the ``*_next`` buffers (see :meth:`finish`)."""
@@ -755,7 +620,7 @@ class SparseExchange:
             layer.flush = True
         return grad
 
-    def _advance_velocity(self, layer: _Layer, grad: Any) -> Any:
+    def _advance_velocity(self, layer: LayerRecord, grad: Any) -> Any:
         """``u' = m u + g / scale`` into the layer's spare velocity buffer."""
         n = layer.numel
         return self.ops.momentum_into_(
@@ -773,7 +638,7 @@ class SparseExchange:
             return self._scale
         return None
 
-    def _sparsify(self, layer: _Layer, group: _Group, grad: Any) -> None:
+    def _sparsify(self, layer: LayerRecord, group: MessageRecord, grad: Any) -> None:
         ops = self.ops
         plan = layer.plan
         assert plan is not None  # set by _relayout before any submit
@@ -815,7 +680,7 @@ class SparseExchange:
             ops.add_into_(acc, res, vel, None)
         else:
             ops.add_into_(acc, res, grad, self._inv_scale)
-        idx, count, theta, total = _select(
+        idx, count, theta, total = select_with_total(
             ops,
             self.controller,
             layer.ctrl,
@@ -850,12 +715,12 @@ class SparseExchange:
 
     def pending(self) -> List[int]:
         """Layers not yet submitted this step."""
-        return [i for i in range(len(self.layers)) if i not in self._submitted]
+        return [i for i in range(len(self._layers)) if i not in self._submitted]
 
     def _tracks_state(self) -> bool:
         """Whether this step changed state that a non-finite step must undo."""
         return bool(self.config.momentum) or any(
-            g.sparse or any(self.layers[i].flush for i in g.members) for g in self.groups
+            g.sparse or any(self._layers[i].flush for i in g.members) for g in self._groups
         )
 
     def wait(self, finish: bool = True) -> Dict[int, Any]:
@@ -869,13 +734,13 @@ class SparseExchange:
         """
         missing = self.pending()
         if missing:
-            names = [self.layers[i].name for i in missing[:5]]
+            names = [self._layers[i].name for i in missing[:5]]
             raise RuntimeError(f"wait() before every layer was submitted; missing {names}")
         ops = self.ops
         out: Dict[int, Any] = {}
         handles: List[Any] = []
         verify: List[bool] = []
-        for group in self.groups:
+        for group in self._groups:
             if not group.sparse:
                 if self.dense_external:
                     out[group.members[0]] = group.handle
@@ -887,7 +752,7 @@ class SparseExchange:
                     out[group.members[0]] = reduced
                 else:
                     for i in group.members:
-                        off, n = self._dense_offsets[i], self.layers[i].numel
+                        off, n = self._dense_offsets[i], self._layers[i].numel
                         out[i] = ops.narrow(ops.reshape(reduced, (-1,)), 0, off, n)
                 self._dense_out[group.members[0]] = reduced
             else:
@@ -934,8 +799,8 @@ class SparseExchange:
         if finite and self._bank is not None:
             self._update_bank(words)
         for i in submitted:
-            layer = self.layers[i]
-            sparse = self.is_sparse(layer)
+            layer = self._layers[i]
+            sparse = self._sparse(layer)
             if finite:
                 if sparse:
                     layer.residual, layer.residual_next = layer.residual_next, layer.residual
@@ -950,11 +815,9 @@ class SparseExchange:
             layer.ctrl_prev = None
             layer.flush = False
         if not finite:
-            self.nonfinite_steps += 1
-            self._nonfinite_run += 1
-            self._log_nonfinite(external)
+            self._nonfinite.nonfinite(self.step, lambda: self._nonfinite_names(external))
         else:
-            self._nonfinite_run = 0
+            self._nonfinite.finite()
         self._finite = finite
         self._flags.clear()
         self._dense_out.clear()
@@ -978,59 +841,6 @@ class SparseExchange:
             hook(self, record)
         return finite
 
-    def _log_nonfinite(self, external: Sequence[Tuple[int, Any]]) -> None:
-        """Name the layers of a non-finite step (rate-limited; reads flags on
-        the host, which only a non-finite step pays), and warn of a run of
-        them (:data:`NONFINITE_RUN`, then every doubling)."""
-        self._nonfinite_unlogged += 1
-        run = self._nonfinite_run
-        # A scaler that starts high overflows for a while by design (from 2^30,
-        # about 15 halvings): twice the run before it is called one.
-        first = NONFINITE_RUN * (2 if self.loss_scale is not None else 1)
-        long_run = run >= first and run & (run - 1) == 0  # 16 (32), 32 (64), ...
-        now = time.monotonic()
-        if now - self._nonfinite_logged < _NONFINITE_LOG_INTERVAL and not long_run:
-            return
-        found = self._nonfinite_names(external)
-        names = ", ".join(repr(n) for n in found[:8]) + (" ..." if len(found) > 8 else "")
-        if long_run:
-            # A scaler backs off to a finite scale within a few steps; a run
-            # this long skips every update, whatever the scaler does.
-            logger.warning(
-                "step %d: the last %d steps were all non-finite (NaN or Inf) on at least "
-                "one rank (now in %s): no update has been applied since (with a loss "
-                "scaler, or when skipping on .dlgs.last_step_finite). Likely causes: "
-                "non-finite parameters or inputs, a learning rate that diverged, a loss "
-                "scaler that never backs off (scaler.update() not called), or a damaged "
-                "checkpoint",
-                self.step,
-                run,
-                names,
-            )
-        else:
-            # With a loss scaler, overflow is how it calibrates: not worth a warning.
-            level = logging.INFO if self.loss_scale is not None else logging.WARNING
-            skip = (
-                "the loss scaler skips the step"
-                if self.loss_scale is not None
-                else "without a loss scaler, skip the update when .dlgs.last_step_finite "
-                "is False (opt.synchronize(), then step only if finite)"
-            )
-            logger.log(
-                level,
-                "step %d: non-finite gradient (NaN or Inf) on at least one rank in %s; "
-                "%d such step(s) since the last report, %d in all. Residuals and "
-                "thresholds are left as before the step; the optimizer receives NaN "
-                "for these layers on every rank (%s)",
-                self.step,
-                names,
-                self._nonfinite_unlogged,
-                self.nonfinite_steps,
-                skip,
-            )
-        self._nonfinite_logged = now
-        self._nonfinite_unlogged = 0
-
     def _nonfinite_names(self, external: Sequence[Tuple[int, Any]]) -> List[str]:
         """The layers whose reduced gradient is non-finite this step: each
         member of a merged dense message checked on its own."""
@@ -1039,28 +849,32 @@ class SparseExchange:
         flags = self._transport.bad
         if self._sparse_members and flags is not None:
             bad = ops.to_host(flags)
-            names += [self.layers[i].name for i, b in zip(self._sparse_members, bad) if b]
+            names += [self._layers[i].name for i, b in zip(self._sparse_members, bad) if b]
         parts = []
         for first, t in self._dense_out.items():
-            members = self.groups[self.layers[first].group].members
+            members = self._groups[self._layers[first].group].members
             if len(members) == 1:
                 parts.append((first, t))
                 continue
             flat = ops.reshape(t, (-1,))
             for j in members:
-                parts.append((j, ops.narrow(flat, 0, self._dense_offsets[j], self.layers[j].numel)))
+                parts.append(
+                    (j, ops.narrow(flat, 0, self._dense_offsets[j], self._layers[j].numel))
+                )
         for i, t in parts + list(external):
             if ops.to_host(ops.any_nonfinite([t])):
-                names.append(self.layers[i].name)
+                names.append(self._layers[i].name)
         return names
 
     # -- statistics and checkpoints -------------------------------------------
-    def message_bytes(self, group: _Group) -> int:
-        """Bytes this rank contributes to ``group``'s message per step."""
+    def message_bytes(self, message: Any) -> int:
+        """Bytes this rank contributes to ``message`` (a :class:`MessageInfo`,
+        or the exchange's own record) per step."""
+        group = self._groups[message.index] if isinstance(message, MessageInfo) else message
         if group.sparse:
             assert group.layout is not None
             return 4 * group.layout.chunk_words
-        return 4 * sum(self.layers[i].numel for i in group.members)
+        return 4 * sum(self._layers[i].numel for i in group.members)
 
     def wire_bytes(self) -> int:
         """Bytes this rank contributes per step under the layout in force, over
@@ -1068,7 +882,7 @@ class SparseExchange:
         word; dense layers as float32, before any Horovod compression). No
         device read; computed once per layout."""
         if self._wire_bytes is None:
-            self._wire_bytes = sum(self.message_bytes(g) for g in self.groups)
+            self._wire_bytes = sum(self.message_bytes(g) for g in self._groups)
         return self._wire_bytes
 
     def dense_bytes(self) -> int:
@@ -1088,35 +902,7 @@ class SparseExchange:
         whole message from this rank, with its 4-byte fingerprint word: what
         the collective moves; :meth:`wire_bytes` sums them).
         """
-        ops = self.ops
-        rows = []
-        for layer in self.layers:
-            plan = layer.plan
-            if plan is None:
-                continue
-            sparse = self.is_sparse(layer)
-            row: Dict[str, Any] = {
-                "name": layer.name,
-                "numel": layer.numel,
-                "sparse": sparse,
-                "k": plan.k,
-                "capacity": plan.capacity,
-                # This rank's contribution: count word, values and indices, or the
-                # float32 gradient (before any Horovod compression of dense layers).
-                "wire_bytes": plan.wire_bytes if sparse else 4 * layer.numel,
-                "message": layer.group,
-                "message_bytes": self.message_bytes(self.groups[layer.group]),
-            }
-            if sparse and layer.count is not None:
-                selected = int(ops.to_host(layer.count))
-                row.update(
-                    selected=selected,
-                    sent=min(selected, plan.capacity),
-                    density=selected / layer.numel,
-                    threshold=float(ops.to_host(layer.theta)),
-                )
-            rows.append(row)
-        return rows
+        return layer_stats(self)
 
     def state_dict(self) -> Dict[str, Any]:
         """This rank's residuals, velocities and controller states, with the step.
@@ -1125,25 +911,13 @@ class SparseExchange:
         yet); the dict is tagged with rank and world size so that
         :meth:`load_state_dict` restores them only where they belong.
         """
-        layers = {}
-        for layer in self.layers:
-            layers[layer.name] = {
-                "residual": layer.residual,
-                "velocity": layer.velocity,
-                # Numbers (device scalars of the fixed controller read on the host).
-                "controller": {
-                    key: v if isinstance(v, int) else checkpoint.host_number(self.ops, v)
-                    for key, v in layer.ctrl.items()
-                },
-                "k": layer.plan.k if layer.plan is not None else None,
-            }
         return {
             "version": STATE_VERSION,
             **self._shared_state(),
             "rank": self.comm.rank,
             "size": self.comm.size,
             "config": self.config.to_dict(),
-            "layers": layers,
+            "layers": checkpoint.layer_states(self.ops, self._layers),
         }
 
     def _shared_state(self) -> Dict[str, Any]:
@@ -1220,7 +994,7 @@ class SparseExchange:
         next gradient; on an error nothing is changed."""
         auto_layers = state.get("auto_layers")
         if auto_layers is not None:
-            auto_layers = checkpoint.layer_densities(auto_layers, len(self.layers))
+            auto_layers = checkpoint.layer_densities(auto_layers, len(self._layers))
         plan = state.get("plan")
         old = (self.step, self._plan, self._auto_density, self._auto_layers)
         self.step = state["step"]
@@ -1249,27 +1023,9 @@ class SparseExchange:
         agree = self._agree
         if agree.size <= 1:
             return
-        mine = SyncRecord(loaded, self._shared_state())
-        gathered = [
-            SyncRecord(*r) for r in agree.allgather_object(tuple(mine), f"{self.prefix}.sync")
-        ]
-        verdict = resolve(gathered)
-        if verdict.root is None:
-            return
-        part = gathered[verdict.root].shared
-        if agree.rank in verdict.adopters:
+        part = agree_shared(agree, loaded, self._shared_state(), f"{self.prefix}.sync")
+        if part is not None:
             self._apply_shared(part)
-        logger.log(
-            logging.WARNING if agree.rank == 0 else logging.DEBUG,
-            "dlgs: rank %d resumed from a checkpoint of step %d and rank(s) %s did not load "
-            "one: they take its step, merge plan, profile and density; their residuals "
-            "(what they had not sent yet) are not in the checkpoint and their thresholds "
-            "start afresh. To resume every rank's residuals, save and load one dlgs state "
-            "per rank (docs/design.md, 'Checkpoints and residuals')",
-            verdict.root,
-            part["step"],
-            ", ".join(map(str, verdict.adopters)),
-        )
 
     def check_state_dict(self, state: Any) -> Tuple[bool, List[str]]:
         """Validate a :meth:`state_dict` for this exchange without changing
@@ -1281,124 +1037,32 @@ class SparseExchange:
         return checkpoint.validate(
             self.ops,
             state,
-            [(layer.name, layer.numel) for layer in self.layers],
+            [(layer.name, layer.numel) for layer in self._layers],
             self.config,
             self.comm.rank,
             self.comm.size,
         )
 
     def _restore_layers(self, saved: Dict[str, Any], like: Any, own: bool, restart: List[str]):
-        ops = self.ops
-        for layer, density in zip(self.layers, self.densities):
-            entry = saved[layer.name]
-            plan = layer.plan
-            assert plan is not None  # set by _relayout above
-            if not self.is_sparse(layer):
-                # Sent dense now: restore what it still owed (flushed next step)
-                # and, with momentum correction, its velocity.
-                for attr in ("residual", "velocity"):
-                    setattr(layer, attr, None)
-                    if own and entry[attr] is not None:
-                        buf = ops.zeros(layer.numel + 1, "float32", like)
-                        setattr(layer, attr, ops.copy_(buf, entry[attr]))
-                continue
-            for attr in ("residual", "velocity"):
-                buf = getattr(layer, attr)
-                if buf is not None:
-                    ops.mul_(buf, 0.0)
-                    if own and entry[attr] is not None:
-                        ops.copy_(buf, entry[attr])
-            fresh = self.controller.init_state(ops, like, density)
-            ctrl = entry.get("controller") or {}
-            if not restart and entry.get("k") == plan.k and set(ctrl) == set(fresh):
-                # Each entry in the kind of its fresh value: Python numbers (the
-                # dynamic controller's host state, also from checkpoints that
-                # held device scalars) or device scalars (the fixed threshold).
-                layer.ctrl = {
-                    key: checkpoint.restored(ops, fresh[key], v, like) for key, v in ctrl.items()
-                }
-            else:
-                layer.ctrl = fresh
+        sparse = [self._sparse(layer) for layer in self._layers]
+        checkpoint.restore_layers(
+            self.ops,
+            self.controller,
+            self._layers,
+            sparse,
+            self.densities,
+            saved,
+            like,
+            own=own,
+            restart=bool(restart),
+        )
         self._build_bank(like)
 
 
-@dataclass
-class StepTrace:
-    """Host times (``clock()``, after the device finished) of one timed step
-    (:meth:`SparseExchange.trace_next_step`)."""
-
-    #: Layer index -> when its gradient was submitted.
-    arrive: Dict[int, float] = field(default_factory=dict)
-    #: Layer index -> when its selection and packing (or dense send) returned.
-    done: Dict[int, float] = field(default_factory=dict)
-    #: When the step's wait() ended.
-    waited: Optional[float] = None
-
-    @property
-    def end(self) -> Optional[float]:
-        """Seconds from the first gradient to the end of the wait."""
-        if self.waited is None or not self.arrive:
-            return None
-        return self.waited - min(self.arrive.values())
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    """What a finished step hands its step hooks (and leaves in
-    :attr:`SparseExchange.last_step`)."""
-
-    #: The step's index (``exchange.step`` was this during it).
-    step: int
-    #: Host seconds from the first submit to the end of the wait (no device sync).
-    seconds: Optional[float]
-    #: Host seconds inside submit(): selection, packing, starting collectives.
-    submit_seconds: float
-    #: Per layer (exchange order), whether it was sent sparse.
-    layers_sparse: Tuple[bool, ...]
-    #: Layer-by-layer times, if :meth:`SparseExchange.trace_next_step` asked for them.
-    trace: Optional[StepTrace] = None
-
-
-class StepHook(Protocol):
-    """What :attr:`SparseExchange.step_hooks` hold (e.g. the online planner).
-
-    Called with the exchange and the step's :class:`StepRecord` after every
-    step. Optional members: ``on_density(ex, density)`` returning a plan for a
-    new density (applied in that layout) or None; ``state_dict()`` /
-    ``load_state_dict(state, ex)``, saved in the exchange's state under
-    ``state_key`` (default: the class name).
-    """
-
-    def __call__(self, exchange: "SparseExchange", record: StepRecord) -> None: ...
-
-
-def _plan(layer: _Layer) -> LayerPlan:
+def _plan(layer: LayerRecord) -> LayerPlan:
     assert layer.plan is not None  # set by the layout
     return layer.plan
 
 
 def _hook_key(hook: Any) -> str:
     return getattr(hook, "state_key", type(hook).__name__)
-
-
-def log_stats(exchange: SparseExchange, log: logging.Logger, level: int = logging.INFO):
-    """Per-layer statistics of ``exchange``'s last step (:meth:`SparseExchange.stats`,
-    which synchronises), also written to ``log`` for every sparse layer."""
-    rows = exchange.stats()
-    if log.isEnabledFor(level):
-        for row in rows:
-            if row["sparse"] and "selected" in row:
-                log.log(
-                    level,
-                    "step %d %s: selected %d of %d (density %.4g, target %d), threshold %.3g, "
-                    "%d bytes",
-                    exchange.step,
-                    row["name"],
-                    row["selected"],
-                    row["numel"],
-                    row["density"],
-                    row["k"],
-                    row["threshold"],
-                    row["wire_bytes"],
-                )
-    return rows

@@ -26,12 +26,23 @@ rank (:func:`resolve`).
 
 from __future__ import annotations
 
+import logging
 import zlib
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence
+from typing import Any, Dict, List, NamedTuple, Optional, Protocol, Sequence
 
 from .consistency import RankMismatchError
 
-__all__ = ["SHARED_KEYS", "Resolution", "SyncRecord", "digest", "resolve", "shared"]
+__all__ = [
+    "SHARED_KEYS",
+    "Resolution",
+    "SyncRecord",
+    "agree_shared",
+    "digest",
+    "resolve",
+    "shared",
+]
+
+logger = logging.getLogger("dlgs.core.exchange")
 
 #: The keys of an exchange's ``state_dict()`` that every rank must agree on.
 SHARED_KEYS = ("step", "plan", "hooks", "auto_density", "auto_layers")
@@ -109,3 +120,42 @@ def _differences(records: Sequence[SyncRecord], root: int, others) -> str:
                     a, b = (f"crc {zlib.crc32(repr(x).encode())}" for x in (a, b))
                 problems.append(f"{key} {b!r:.60} on rank {rank} but {a!r:.60} on rank {root}")
     return "; ".join(problems[:4]) or "their states differ"
+
+
+class _Gather(Protocol):
+    rank: int
+    size: int
+
+    def allgather_object(self, obj: Any, name: str) -> List[Any]: ...
+
+
+def agree_shared(
+    comm: _Gather, loaded: bool, mine: Dict[str, Any], name: str
+) -> Optional[Dict[str, Any]]:
+    """The agreement at the first gradient after construction or a load: one
+    gather of every rank's :class:`SyncRecord` (``loaded``, its :func:`shared`
+    state ``mine``) on ``comm``, judged alike on every rank by
+    :func:`resolve` (a :class:`~dlgs.core.consistency.RankMismatchError`
+    where ranks that loaded disagree). Returns the shared state this rank must
+    put in force, or None (logged on rank 0 when some rank adopts one)."""
+    if comm.size <= 1:
+        return None
+    gathered = [
+        SyncRecord(*r) for r in comm.allgather_object(tuple(SyncRecord(loaded, mine)), name)
+    ]
+    verdict = resolve(gathered)
+    if verdict.root is None:
+        return None
+    part = gathered[verdict.root].shared
+    logger.log(
+        logging.WARNING if comm.rank == 0 else logging.DEBUG,
+        "dlgs: rank %d resumed from a checkpoint of step %d and rank(s) %s did not load "
+        "one: they take its step, merge plan, profile and density; their residuals "
+        "(what they had not sent yet) are not in the checkpoint and their thresholds "
+        "start afresh. To resume every rank's residuals, save and load one dlgs state "
+        "per rank (docs/design.md, 'Checkpoints and residuals')",
+        verdict.root,
+        part["step"],
+        ", ".join(map(str, verdict.adopters)),
+    )
+    return part if comm.rank in verdict.adopters else None

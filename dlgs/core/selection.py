@@ -1,6 +1,6 @@
 """A sparse layer's selection and packing through fused kernels.
 
-The exchange's own path (:func:`dlgs.core.exchange.select` and
+The exchange's own path (:func:`select` and
 :meth:`GroupLayout.pack_into`) is written once against :class:`ArrayOps`, one
 framework operation per pass: about 18 device kernels per sparse layer per
 step. A framework may also offer :class:`FusedSelection` (``dlgs.torch``: three
@@ -12,13 +12,68 @@ it needs them, from the magnitudes themselves).
 
 from __future__ import annotations
 
-from typing import Any, Optional, Protocol, Tuple
+from typing import Any, Dict, Optional, Protocol, Tuple
 
 from .backend import ArrayOps
 from .controller import ThresholdController
 from .wire import GroupLayout, MemberViews
 
-__all__ = ["FusedSelection", "select_and_pack"]
+__all__ = ["FusedSelection", "select", "select_and_pack", "select_with_total"]
+
+
+def select(
+    ops: ArrayOps,
+    controller: ThresholdController,
+    state: Dict[str, Any],
+    acc: Any,
+    k: int,
+    capacity: int,
+    step: int,
+    scratch_abs: Any,
+    scratch_mask: Any,
+) -> Tuple[Any, Any, Any]:
+    """One layer's selection: ``|acc| >= theta`` with ``theta`` from the controller.
+
+    Five memory-bound passes (``|a|``, its sum, compare, count, compaction) and
+    no sort (except when the controller anchors). Updates the controller's
+    state from the count it selected (the dynamic controller reads it on the
+    host: an exchange instead batches every layer's count into one read per step).
+
+    Args:
+        acc: the accumulated gradient (1-D, ``n`` elements).
+        k: target count; capacity: most indices returned.
+        scratch_abs / scratch_mask: reusable float32 / bool buffers of ``n``.
+
+    Returns:
+        ``(idx, count, theta)``: ``capacity`` int64 indices of the first
+        selected elements in index order, padded with ``n`` (a slot that reads
+        as zero); the number of elements at or above ``theta`` (0-d, on
+        device); the threshold used.
+    """
+    idx, count, theta, _ = select_with_total(
+        ops, controller, state, acc, k, capacity, step, scratch_abs, scratch_mask
+    )
+    return idx, count, theta
+
+
+def select_with_total(
+    ops, controller, state, acc, k, capacity, step, scratch_abs, scratch_mask, update=True
+):
+    """:func:`select`, also returning the sum of ``|acc|`` (NaN or infinite
+    exactly when some element is, or when finite magnitudes overflow float32:
+    the non-finite check). ``update=False`` leaves the controller's update to
+    the caller (an exchange updates all its layers at once, at the end of a
+    finite step)."""
+    n = ops.numel(acc)
+    absx = ops.abs_(acc, scratch_abs)
+    total = ops.total(absx)
+    theta = controller.threshold(ops, state, absx, k, step, total)
+    mask = ops.ge_(absx, theta, scratch_mask)
+    count = ops.count_nonzero(mask)
+    idx = ops.nonzero_static(mask, capacity, n)
+    if update:
+        controller.update(ops, state, theta, count, k)
+    return idx, count, theta, total
 
 
 class FusedSelection(Protocol):

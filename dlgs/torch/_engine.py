@@ -240,6 +240,7 @@ def build_engine(
         loss_scale=scale_reader(scaler),
         logger=logger,
         topology=_two_levels(topology, ranks_per_node),
+        choose_topology=topology == "auto",
     )
     device = params[0][1].device if params else torch.device("cpu")
     engine.build(
@@ -252,8 +253,9 @@ def build_engine(
 
 def _two_levels(topology: str, ranks_per_node: Optional[int]):
     """The engine's ``topology``: None (flat), or what makes the node and
-    cross-node collectives; ``"auto"`` is two levels where Horovod sees
-    several ranks per node and several nodes (or ``ranks_per_node`` says so)."""
+    cross-node collectives; ``"auto"`` makes them where Horovod sees several
+    ranks per node and several nodes (or ``ranks_per_node`` says so), and the
+    engine then times both exchanges and keeps the faster."""
     if topology == "auto":
         local = ranks_per_node or hvd.local_size()
         several = local >= 2 and hvd.size() % local == 0 and hvd.size() // local >= 2

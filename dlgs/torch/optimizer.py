@@ -293,11 +293,13 @@ def DistributedOptimizer(
             each node, the sparse exchange of each rank's shard between nodes,
             a dense allgather inside the node: each node's link carries one
             selection instead of one per rank, at the price of two dense
-            collectives on the fast links and of selecting at the end of
-            back-propagation. Needs Horovod's dynamic process sets
+            collectives on the fast links (per 16 MiB bucket of layers).
+            Needs Horovod's dynamic process sets
             (``hvd.init(process_sets="dynamic")``), ``op=hvd.Average`` and the
-            global process set. ``"auto"``: hierarchical where Horovod sees
-            several ranks per node and several nodes. At ``density=1.0``
+            global process set. ``"auto"``: where Horovod sees several ranks
+            per node and several nodes, both exchanges' collectives for this
+            model are timed once at construction and the faster is kept
+            (``.dlgs.describe()`` says which and why). At ``density=1.0``
             every layer is dense and goes through Horovod's own allreduce
             (flat) whatever this says. See docs/design.md, "Topology".
         ranks_per_node: with ``topology``: ranks per node (consecutive ranks

@@ -154,7 +154,7 @@ def _state_finite(ex) -> bool:
         for buf in (layer.residual, layer.velocity):
             if buf is not None and not bool(torch.isfinite(buf).all()):
                 return False
-        for v in layer.ctrl.values():
+        for v in layer.controller_state.values():
             if isinstance(v, torch.Tensor) and not bool(torch.isfinite(v).all()):
                 return False
     return True
@@ -164,7 +164,10 @@ def _snapshot(ex):
     return {
         i: (
             None if layer.residual is None else layer.residual.clone(),
-            {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in layer.ctrl.items()},
+            {
+                k: (v.clone() if isinstance(v, torch.Tensor) else v)
+                for k, v in layer.controller_state.items()
+            },
         )
         for i, layer in enumerate(ex.layers)
     }
@@ -180,10 +183,10 @@ def _changed(ex, snap) -> float:
             return math.inf
         if resid is not None:
             worst = max(worst, (layer.residual - resid).abs().max().item())
-        if set(ctrl) != set(layer.ctrl):
+        if set(ctrl) != set(layer.controller_state):
             return math.inf
         for k, v in ctrl.items():
-            now = layer.ctrl[k]
+            now = layer.controller_state[k]
             diff = (now - v).abs().max().item() if isinstance(v, torch.Tensor) else abs(now - v)
             worst = max(worst, diff)
     return worst

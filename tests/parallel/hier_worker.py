@@ -1,9 +1,10 @@
 """Real ranks of ``topology="hierarchical"`` (tests/test_hierarchical.py):
-``python hier_worker.py OUT DENSITY [plain]``. Four ranks as 2 nodes of 2
+``python hier_worker.py OUT DENSITY [plain|auto]``. Four ranks as 2 nodes of 2
 (``ranks_per_node=2``); a small MLP trained 6 steps on per-rank data; each
 rank writes the digest of its parameters after every step, and at density
 1.0 those of stock Horovod's optimizer on the same data. ``plain``: Horovod
-started without dynamic process sets (the error must say what to add)."""
+started without dynamic process sets (the error must say what to add);
+``auto``: ``topology="auto"`` (timed; either exchange may be chosen)."""
 
 import hashlib
 import json
@@ -15,7 +16,8 @@ import torch
 import dlgs.torch
 
 out, density = sys.argv[1], float(sys.argv[2])
-plain = len(sys.argv) > 3 and sys.argv[3] == "plain"
+mode = sys.argv[3] if len(sys.argv) > 3 else ""
+plain = mode == "plain"
 hvd.init() if plain else hvd.init(process_sets="dynamic")
 rank = hvd.rank()
 torch.set_num_threads(1)
@@ -38,7 +40,7 @@ def model_and_opt(dlgs_form: bool):
             density=density,
             merge="none",
             min_sparse_size=1000,
-            topology="hierarchical",
+            topology="auto" if mode == "auto" else "hierarchical",
             ranks_per_node=2,
         )
     else:

@@ -185,7 +185,7 @@ def _snapshot(ex):
     return {
         i: (
             {k: _host(b) for k in ("residual", "velocity") if (b := getattr(lay, k)) is not None},
-            {k: _host(v) for k, v in lay.ctrl.items()},
+            {k: _host(v) for k, v in lay.controller_state.items()},
         )
         for i, lay in enumerate(ex.layers)
     }

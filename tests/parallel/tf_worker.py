@@ -392,7 +392,11 @@ def against_reference():
                 lays = list(enumerate(ex.layers))
                 outs.append([np.asarray(got[order[i]]).ravel() for i, _ in lays])
                 thetas.append(
-                    {i: float(np.asarray(_read(lay.theta))) for i, lay in lays if ex.is_sparse(lay)}
+                    {
+                        i: float(np.asarray(_read(lay.threshold)))
+                        for i, lay in lays
+                        if ex.is_sparse(lay)
+                    }
                 )
                 residuals.append(
                     {i: _read(lay.residual).numpy()[:-1] for i, lay in lays if ex.is_sparse(lay)}

@@ -705,7 +705,7 @@ def against_reference():
                 )
                 thetas.append(
                     {
-                        i: float(layer.theta)
+                        i: float(layer.threshold)
                         for i, layer in enumerate(ex.layers)
                         if ex.is_sparse(layer)
                     }
