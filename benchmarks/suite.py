@@ -271,6 +271,48 @@ def merge_goals(rows: Sequence[dict]) -> List[str]:
     return lines
 
 
+def topology_goals(rows: Sequence[dict]) -> List[str]:
+    """A Markdown table judging ``dlgs-hier`` (and ``dlgs-auto``, the
+    measured choice) in every two-level cell (label ``BW/NxL``) against issue
+    31's goals: at least 1.3x flat dlgs where flat is at most 80% efficient,
+    never below 0.97x flat; at least 1.2x the better of dense and fp16 where
+    that is at most 60% efficient."""
+    by_cell: Dict[tuple, Dict[str, float]] = {}
+    for r in rows:
+        if "x" in str(r.get("label", "")).rpartition("/")[2]:
+            key = (r.get("label", ""), r["model"])
+            by_cell.setdefault(key, {})[r["method"]] = float(r["median_step_s"])
+    lines = [
+        "| cell | flat dlgs eff. | hier eff. | hier / flat | goal | best of dense, fp16 (eff.) "
+        "| hier / it | goal | auto / flat |",
+        "|---|---:|---:|---:|---|---|---:|---|---:|",
+    ]
+    for (label, model), step in by_cell.items():
+        if not {"no-comm", "dlgs", "dlgs-hier"} <= set(step):
+            continue
+        eff = {m: step["no-comm"] / t for m, t in step.items()}
+        ratio = step["dlgs"] / step["dlgs-hier"]
+        goal = (
+            f">= 1.3x: {_verdict(ratio >= 1.3)}"
+            if eff["dlgs"] <= 0.80
+            else f">= 0.97x: {_verdict(ratio >= 0.97)}"
+        )
+        dense = [m for m in ("dense", "fp16") if m in step]
+        base = base_ratio = base_goal = "—"
+        if dense:
+            best = min(dense, key=step.__getitem__)
+            base = f"{best} ({100 * eff[best]:.0f}%)"
+            base_ratio = f"{step[best] / step['dlgs-hier']:.2f}x"
+            if eff[best] <= 0.60:
+                base_goal = f">= 1.2x: {_verdict(step[best] / step['dlgs-hier'] >= 1.2)}"
+        auto = f"{step['dlgs'] / step['dlgs-auto']:.2f}x" if "dlgs-auto" in step else "—"
+        lines.append(
+            f"| {model}, {label} | {100 * eff['dlgs']:.0f}% | {100 * eff['dlgs-hier']:.0f}% "
+            f"| {ratio:.2f}x | {goal} | {base} | {base_ratio} | {base_goal} | {auto} |"
+        )
+    return lines
+
+
 def _eff(step: Dict[str, float], method: str) -> str:
     """``method``'s efficiency against no-comm, as a percentage, or a dash."""
     if "no-comm" not in step or method not in step:
@@ -297,6 +339,18 @@ def report(out: Path, command: str) -> None:
             "dense is at most 65% efficient, at least 0.97x everywhere. Ring capacity: what "
             "the bridge carried with every link of a ring sending at once (measured before the "
             "cell; 2-worker cells measure one link only).",
+            "",
+            *judged,
+            "",
+        ]
+    judged = topology_goals(rows)
+    if len(judged) > 2:
+        lines += [
+            "## Goals: topology (two-level cells)",
+            "",
+            'dlgs-hier: `topology="hierarchical"`; dlgs-auto: `topology="auto"` (timed '
+            "choice); both with the dp merge plan, as flat dlgs. Efficiency against no-comm "
+            "(medians of the timed steps).",
             "",
             *judged,
             "",
