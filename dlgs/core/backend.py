@@ -14,7 +14,7 @@ always use the return value.
 
 from __future__ import annotations
 
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol, Sequence, Tuple
 
 import numpy as np
 
@@ -145,6 +145,24 @@ class ArrayOps(Protocol):
         vals[r, i]``. Indices are unique within a row except a padding slot that
         only ever receives zeros. The result must be bit-identical on every rank
         given identical inputs (no atomics racing on one slot across rows)."""
+
+    # -- the sparse reduction by regions (dlgs.core.reduction) --------------
+    def region_slots(self, idx: T, bounds: T, width: int) -> Tuple[T, T]:
+        """For ascending indices ``idx`` (padded with values ``>= bounds[-1]``)
+        and region bounds ``b_0 < ... < b_R`` (a 1-D integer vector): each
+        entry's slot ``r * width + j`` (region ``r``, ``j``-th of its entries
+        in that region) where ``j < width``, else ``R * width`` (not sent;
+        padding too), int64; and its offset ``idx - b_r`` in its region
+        (int32; any value where not sent)."""
+
+    def scatter_(self, dst: T, idx: T, src: T) -> T:
+        """``dst[idx[i]] = src[i]`` (``idx`` unique, except a slot whose value
+        is never read)."""
+
+    def add_unkept_(self, dst: T, idx: T, vals: T, kept: T, slots: T, sent_below: int) -> T:
+        """``dst[idx[i]] += vals[i]`` where entry ``i`` was not both sent
+        (``slots[i] < sent_below``) and kept (``kept[idx[i]]``, a bool vector);
+        ``idx`` unique except a padding slot whose values are 0."""
 
     def mul_(self, x: T, factor: float) -> T:
         """``x *= factor``; with ``factor == 0`` every element becomes 0, NaN and

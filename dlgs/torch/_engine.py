@@ -167,9 +167,26 @@ def node_and_cross_sets(ranks_per_node: Optional[int]) -> Tuple[Any, Any]:
             )
     nodes = [list(range(n * local, (n + 1) * local)) for n in range(size // local)]
     crosses = [list(range(j, size, local)) for j in range(local)]
+    node_sets = [_process_set(ranks) for ranks in nodes]
+    cross_sets = [_process_set(ranks) for ranks in crosses]
+    return node_sets[rank // local], cross_sets[rank % local]
+
+
+#: The process sets dlgs added, by their ranks: a second two-level optimizer
+#: (another model, or one built again) reuses them, as Horovod refuses to add
+#: a set twice. Every rank builds its optimizers in the same order, so every
+#: rank finds the same sets here.
+_PROCESS_SETS: Dict[Tuple[int, ...], Any] = {}
+
+
+def _process_set(ranks: List[int]) -> Any:
+    """The process set of ``ranks`` that dlgs added before and Horovod still
+    holds, or a new one (a collective: every rank adds every set, in order)."""
+    known = _PROCESS_SETS.get(tuple(ranks))
+    if known is not None and known.process_set_id is not None:  # not removed since
+        return known
     try:
-        node_sets = [hvd.add_process_set(ranks) for ranks in nodes]
-        cross_sets = [hvd.add_process_set(ranks) for ranks in crosses]
+        added = hvd.add_process_set(ranks)
     except ValueError as err:
         if "HOROVOD_DYNAMIC_PROCESS_SETS" in str(err):
             raise ValueError(
@@ -177,8 +194,15 @@ def node_and_cross_sets(ranks_per_node: Optional[int]) -> Tuple[Any, Any]:
                 "start Horovod with hvd.init(process_sets='dynamic') (or set "
                 "HOROVOD_DYNAMIC_PROCESS_SETS=1 before hvd.init())"
             ) from None
+        if "duplicate" in str(err):
+            raise ValueError(
+                f"topology='hierarchical' adds the process set of ranks {ranks}, which exists "
+                "already (added by the script, or at hvd.init(process_sets=...)): leave "
+                "dlgs's node and cross-node sets to dlgs"
+            ) from None
         raise
-    return node_sets[rank // local], cross_sets[rank % local]
+    _PROCESS_SETS[tuple(ranks)] = added
+    return added
 
 
 def named_trainable(

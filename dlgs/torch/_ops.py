@@ -156,6 +156,28 @@ class TorchOps:
             dst.index_add_(0, idx[r], vals[r], alpha=alpha)
         return dst
 
+    def region_slots(self, idx, bounds, width):
+        parts = bounds.numel() - 1
+        bounds = bounds.to(idx.dtype)
+        # Region of each entry: how many upper bounds are at or below it.
+        region = torch.searchsorted(bounds[1:], idx, right=True)
+        starts = torch.searchsorted(idx, bounds[:-1])
+        inside = region.clamp(max=parts - 1)
+        pos = torch.arange(idx.numel(), device=idx.device) - starts[inside]
+        sent = torch.lt(region, parts) & torch.lt(pos, width)
+        trash = _const(parts * width, torch.int64, idx.device)
+        slots = torch.where(sent, inside * width + pos, trash)
+        local = (idx - bounds[inside]).to(torch.int32)
+        return slots, local
+
+    def scatter_(self, dst, idx, src):
+        return dst.index_copy_(0, idx, src.to(dst.dtype) if src.dtype != dst.dtype else src)
+
+    def add_unkept_(self, dst, idx, vals, kept, slots, sent_below):
+        keep = kept.index_select(0, idx) & torch.lt(slots, sent_below)
+        back = torch.where(keep, _const(0.0, vals.dtype, vals.device), vals)
+        return dst.index_add_(0, idx, back.to(dst.dtype))
+
     def mul_(self, x, factor):
         return x.mul_(factor) if factor != 0.0 else x.zero_()
 

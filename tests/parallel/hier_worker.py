@@ -4,7 +4,8 @@
 rank writes the digest of its parameters after every step, and at density
 1.0 those of stock Horovod's optimizer on the same data. ``plain``: Horovod
 started without dynamic process sets (the error must say what to add);
-``auto``: ``topology="auto"`` (timed; either exchange may be chosen)."""
+``auto``: ``topology="auto"`` (timed; either exchange may be chosen). By
+default a first optimizer is built and trained before the one recorded."""
 
 import hashlib
 import json
@@ -70,6 +71,12 @@ def train(model, opt):
 
 result = {"rank": rank}
 try:
+    if not mode:
+        # A two-level optimizer built before (another model, or the same one
+        # again): the next one reuses its process sets (Horovod refuses to
+        # add a set twice).
+        first, first_opt = model_and_opt(True)
+        train(first, first_opt)
     model, opt = model_and_opt(True)
     result["dlgs"], result["losses"] = train(model, opt)
     result["describe"] = opt.dlgs.describe()
