@@ -1,5 +1,6 @@
-"""Bytes that cross each node's link per step: dense Horovod, flat dlgs and
-``topology="hierarchical"`` dlgs, interleaved in rounds in one job (issue 31).
+"""Bytes that cross each node's link per step: dense Horovod, flat dlgs,
+``topology="hierarchical"`` dlgs (issue 31) and ``transport="reduce"`` dlgs
+(issue 32), interleaved in rounds in one job.
 
 Run inside the two-level local cluster, whose nodes see their link as
 ``dlgs0``::
@@ -15,6 +16,12 @@ ways) around them, between two barriers. The bytes are a count, the same at
 any bandwidth (the cluster may run uncapped); the step times (rank 0's, between
 the barriers) depend on the cap and, on a small machine, on its cores (the
 ranks of a "node" share them, and its dense traffic is memory copies).
+
+With ``--ranks-per-node 1`` every rank is a node: the bytes are per rank, as
+the reduction's goal counts them (at 2, 4 and 8 ranks)::
+
+    python -m benchmarks.cluster --nodes 8 --bandwidth none --no-measure -- \
+        python -m benchmarks.link_bytes --methods dlgs-flat,dlgs-reduce --out OUT
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ from dlgs.core.catalog import MODELS, catalog_model
 
 logger = logging.getLogger("benchmarks.link_bytes")
 
-METHODS = ("dense", "dlgs-flat", "dlgs-hier")
+METHODS = ("dense", "dlgs-flat", "dlgs-hier", "dlgs-reduce")
 
 
 def _barrier() -> None:
@@ -60,8 +67,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     methods = tuple(m for m in METHODS if m in args.methods.split(","))
     unknown = set(args.methods.split(",")) - set(METHODS)
-    if unknown or not {"dlgs-flat", "dlgs-hier"} <= set(methods):
-        parser.error(f"argument --methods: needs dlgs-flat, dlgs-hier; unknown {sorted(unknown)}")
+    if unknown or "dlgs-flat" not in methods or len(methods) < 2:
+        parser.error(f"argument --methods: needs dlgs-flat and another; unknown {sorted(unknown)}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     hvd.init(process_sets="dynamic")
     torch.set_num_threads(1)
@@ -86,6 +93,7 @@ def main(argv=None) -> int:
             value_dtype=args.value_dtype,
             merge="none",
             topology="hierarchical" if method == "dlgs-hier" else "flat",
+            transport="reduce" if method == "dlgs-reduce" else "allgather",
         )
 
     opts = {m: optimizer(m) for m in methods}
@@ -124,8 +132,9 @@ def main(argv=None) -> int:
             m: (min(min(ps[m]) for ps in nodes), max(max(ps[m]) for ps in nodes)) for m in methods
         }
         ell = hvd.local_size()
-        ratio = summary["dlgs-hier"] / summary["dlgs-flat"]
-        speedup = statistics.median(seconds["dlgs-flat"]) / statistics.median(seconds["dlgs-hier"])
+        other = "dlgs-hier" if "dlgs-hier" in methods else methods[-1]
+        ratio = summary[other] / summary["dlgs-flat"]
+        speedup = statistics.median(seconds["dlgs-flat"]) / statistics.median(seconds[other])
         lines = [
             f"# Bytes across each node's link per step: {args.model}, "
             f"{hvd.size() // ell} nodes x {ell} ranks",
@@ -148,19 +157,27 @@ def main(argv=None) -> int:
             )
         lines += [
             "",
-            f"dlgs-hier / dlgs-flat = {ratio:.3f} (goal: at most 1.1/L = {1.1 / ell:.3f})"
+            f"{other} / dlgs-flat = {ratio:.3f}"
+            + (f" (goal: at most 1.1/L = {1.1 / ell:.3f})" if other == "dlgs-hier" else "")
             + (
                 f"; dlgs-flat / dense = {summary['dlgs-flat'] / summary['dense']:.3f}."
                 if "dense" in summary
                 else "."
             ),
-            f"Step time dlgs-flat / dlgs-hier = {speedup:.2f}x (medians of rounds).",
+            f"Step time dlgs-flat / {other} = {speedup:.2f}x (medians of rounds).",
         ]
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "link_bytes.md").write_text("\n".join(lines) + "\n")
         (args.out / "link_bytes.json").write_text(
             json.dumps(
-                {"per_step": summary, "spread": spread, "ratio": ratio, "seconds": seconds},
+                {
+                    "per_step": summary,
+                    "spread": spread,
+                    "ratio": ratio,
+                    "seconds": seconds,
+                    "ranks": hvd.size(),
+                    "ranks_per_node": ell,
+                },
                 indent=2,
             )
         )

@@ -94,6 +94,9 @@ class TorchComm:
     def allgather_async(self, chunk, name):
         return ("gather", name, chunk.clone())
 
+    def alltoall_async(self, tensor, name):
+        return ("alltoall", name, tensor.clone())
+
     def allreduce_async(self, tensor, name):
         return ("reduce", name, tensor)
 
@@ -101,6 +104,9 @@ class TorchComm:
         kind, name, tensor = handle
         if kind == "gather":
             return self.world.meet(self.rank, name, tensor, torch.cat)
+        if kind == "alltoall":
+            parts = self.world.meet(self.rank, name, tensor, list)
+            return torch.cat([p.view(self.size, -1)[self.rank] for p in parts])
 
         def average(parts):
             total = parts[0].double().clone()

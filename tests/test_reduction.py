@@ -173,3 +173,144 @@ def test_an_entry_one_rank_could_not_send_is_returned_even_where_another_rank_ke
     np.testing.assert_array_equal(out[high].numpy(), 2.0)  # rank 1's alone
     np.testing.assert_array_equal(residual0[high].numpy(), 1.0)  # rank 0's, back
     assert not residual0[low].any() and not recs[1][3].any()
+
+
+# -- the exchange with transport="reduce" (in-process ranks) ---------------------------
+
+from dlgs.core import SparsityConfig  # noqa: E402
+from dlgs.core.exchange import SparseExchange  # noqa: E402
+from dlgs.core.inprocess import sent_values  # noqa: E402
+from dlgs.selfcheck import TorchComm  # noqa: E402
+
+LAYERS = [("w1", 6000), ("b1", 40), ("w2", 3001), ("w3", 2500)]
+
+
+def exchange_run(parts, config, grads, steps, record, groups=None):
+    """``record(rank, exchange, outputs)`` after every step of every rank."""
+    world = InProcessWorld(parts, timeout=60.0)
+
+    def make(rank):
+        ex = SparseExchange(OPS, TorchComm(world, rank), config, LAYERS, average=False)
+        if groups is not None:
+            ex.set_groups(groups)
+        return ex
+
+    return InProcessWorld(parts).run_steps(make, grads, steps, record)
+
+
+def flat_out(out):
+    return torch.cat([out[i].reshape(-1) for i in sorted(out)]).clone()
+
+
+@pytest.mark.parametrize("parts", [2, 3, 4])
+@pytest.mark.parametrize("groups", [None, [[0, 2], [1], [3]]])
+def test_exchange_with_the_reduction_sums_k_sparse_inputs_exactly(parts, groups):
+    """Every rank holds at most k non-zeros per layer, at positions shared by
+    all ranks (the union fits every block): the sums come back exactly, the
+    same bits on every rank, and nothing goes back into a residual."""
+    cfg = SparsityConfig(density=0.01, min_sparse_size=1000, transport="reduce", controller="topk")
+    rng = np.random.default_rng(7)
+    where = {}
+    for i, (_, n) in enumerate(LAYERS):
+        k = max(1, int(np.ceil(0.01 * n)))
+        where[i] = np.linspace(0, n - 1, k).astype(int) if n >= 1000 else np.arange(n)
+    # One sign per position on every rank: no sum cancels to zero (an owner
+    # keeps no zero sum; it would go back into the residuals).
+    signs = {i: rng.choice([-1, 1], where[i].size) for i in range(len(LAYERS))}
+    values = {
+        (r, i): rng.integers(1, 64, size=where[i].size) * 0.25 * signs[i]
+        for r in range(parts)
+        for i in range(len(LAYERS))
+    }
+
+    def grads(rank, step):
+        out = []
+        for i, (_, n) in enumerate(LAYERS):
+            g = np.zeros(n)
+            g[where[i]] = values[rank, i]
+            out.append(torch.tensor(g, dtype=torch.float32))
+        return out
+
+    def record(rank, ex, out):
+        return flat_out(out), {i: v.clone() for i, v in ex.returned().items()}
+
+    recs = exchange_run(parts, cfg, grads, 1, record, groups)
+    want = sum(torch.cat(grads(r, 0)).double() for r in range(parts)).numpy()
+    got = recs[0][0][0].double().numpy()
+    offsets = np.cumsum([0] + [n for _, n in LAYERS])
+    for r in range(parts):
+        assert torch.equal(recs[r][0][0], recs[0][0][0])
+        assert set(recs[r][0][1]) == {0, 2, 3}  # the sparse layers
+        assert not any(v.any() for v in recs[r][0][1].values())  # nothing came back
+    for i, (_, n) in enumerate(LAYERS):
+        lo, hi = offsets[i], offsets[i] + n
+        if n >= 1000:  # sparse: the sum, exactly
+            np.testing.assert_array_equal(got[lo:hi], want[lo:hi])
+        else:  # dense: the in-process allreduce averages
+            np.testing.assert_allclose(got[lo:hi], want[lo:hi] / parts, rtol=1e-6)
+
+
+@pytest.mark.parametrize("parts", [2, 3, 4])
+def test_exchange_with_the_reduction_conserves_every_ranks_gradient(parts):
+    """Per rank over 4 steps: what it accumulated is its residual plus what it
+    contributed (selected, less what came back); the contributions of every
+    rank are the outputs; the same bits on every rank."""
+    cfg = SparsityConfig(density=0.02, min_sparse_size=1000, transport="reduce")
+    steps = 4
+
+    def grads(rank, step):
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        return [torch.randn(n, generator=g) for _, n in LAYERS]
+
+    def record(rank, ex, out):
+        sent = sent_values(ex)
+        back = {i: v.double().numpy().copy() for i, v in ex.returned().items()}
+        res = {
+            i: la.residual[: la.numel].double().numpy().copy()
+            for i, la in enumerate(ex.layers)
+            if la.residual is not None
+        }
+        return flat_out(out), sent, back, res
+
+    recs = exchange_run(parts, cfg, grads, steps, record)
+    offsets = np.cumsum([0] + [n for _, n in LAYERS])
+    for s in range(steps):
+        for r in range(1, parts):
+            assert torch.equal(recs[r][s][0], recs[0][s][0])
+    sparse = sorted(recs[0][-1][3])
+    assert sparse, "no sparse layer"
+    for i in sparse:
+        n = LAYERS[i][1]
+        total_out = np.zeros(n)
+        for s in range(steps):
+            total_out += recs[0][s][0][offsets[i] : offsets[i] + n].double().numpy()
+        given_all = np.zeros(n)
+        for r in range(parts):
+            accumulated = sum(grads(r, s)[i].double().numpy() for s in range(steps))
+            given = sum(recs[r][s][1][i] - recs[r][s][2][i] for s in range(steps))
+            np.testing.assert_allclose(given + recs[r][-1][3][i], accumulated, rtol=0, atol=1e-5)
+            given_all += given
+        np.testing.assert_allclose(given_all, total_out, rtol=0, atol=1e-4)
+
+
+# -- real ranks under horovodrun -------------------------------------------------------
+
+from conftest import ROOT, horovodrun, load_ranks  # noqa: E402
+
+
+@pytest.mark.parametrize("backend,ranks", [("gloo", 3), ("mpi", 2), ("gloo", 4)])
+def test_real_ranks_with_the_reduction_hold_the_same_parameters(backend, ranks, tmp_path):
+    worker = ROOT / "tests" / "parallel" / "reduce_worker.py"
+    horovodrun(backend, ranks, [worker, tmp_path, 0.05], timeout=240)
+    got = load_ranks(tmp_path, ranks)
+    for r in got[1:]:
+        assert r["dlgs"] == got[0]["dlgs"]  # every step, bit for bit
+    assert all(np.isfinite(r["losses"]).all() for r in got)
+    assert "sparse" in got[0]["describe"], got[0]["describe"]
+
+
+def test_real_ranks_with_the_reduction_at_density_one_are_horovods(tmp_path):
+    worker = ROOT / "tests" / "parallel" / "reduce_worker.py"
+    horovodrun("gloo", 2, [worker, tmp_path, 1.0], timeout=240)
+    for r in load_ranks(tmp_path, 2):
+        assert r["dlgs"] == r["horovod"]

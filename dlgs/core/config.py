@@ -179,6 +179,15 @@ class SparsityConfig:
             keep the same bits; the dynamic controller's threshold follows
             the sum of ``|a|``, which the kernels add in another order, so
             its selection may differ at the margin. See docs/gpus.md.
+        transport: How sparse messages travel. ``"allgather"`` (default):
+            every rank gathers every rank's selection, ``(P - 1) k`` values
+            received per rank. ``"reduce"``: a sparse reduction by regions
+            (:mod:`dlgs.core.reduction`): each rank sends the entries of each
+            of ``P`` regions to its owner, the owners sum them and every rank
+            gathers the sums, about ``4 k`` values per rank whatever ``P``
+            is; what a rank could not send or an owner did not keep goes back
+            into that rank's residual. Two collectives per message instead of
+            one; PyTorch only so far, without momentum correction.
     """
 
     density: Union[float, str] = 0.01
@@ -198,6 +207,7 @@ class SparsityConfig:
     value_dtype: ValueDType = ValueDType.FLOAT32
     index_coding: IndexCoding = IndexCoding.AUTO
     kernels: str = "auto"
+    transport: str = "allgather"
 
     def __post_init__(self) -> None:
         if not (isinstance(self.density, str) and self.density == "auto"):
@@ -222,6 +232,18 @@ class SparsityConfig:
         if self.kernels not in KERNELS:
             raise ValueError(
                 f"kernels must be one of {', '.join(map(repr, KERNELS))}, got {self.kernels!r}"
+            )
+        if not isinstance(self.transport, str):
+            raise TypeError(f"transport must be a str, got {type(self.transport).__name__}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(
+                f"transport must be one of {', '.join(map(repr, TRANSPORTS))}, "
+                f"got {self.transport!r}"
+            )
+        if self.transport == "reduce" and self.momentum:
+            raise ValueError(
+                "transport='reduce' does not support momentum correction yet: momentum must "
+                f"be 0 with it, got {self.momentum!r}"
             )
         check_float("max_ratio", self.max_ratio, low=1.0, high=16.0)
         check_int("min_sparse_size", self.min_sparse_size, 1)
@@ -305,6 +327,8 @@ def _member(kind, name: str, value):
 
 #: The values of ``SparsityConfig.kernels``.
 KERNELS = ("auto", "torch", "triton")
+#: The values of ``SparsityConfig.transport``.
+TRANSPORTS = ("allgather", "reduce")
 
 #: The density ``density="auto"`` starts at, until the planner has chosen.
 AUTO_START = 0.01

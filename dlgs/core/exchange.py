@@ -200,7 +200,7 @@ class SparseExchange:
         # with the non-finite verdict) and each target k + 1.
         self._bank: Optional[ControllerBank] = None
         # How sparse messages travel and come back summed (dlgs.core.transport).
-        self._transport: Transport = make_transport("flat", ops, comm, config.value_dtype)
+        self._transport: Transport = make_transport(config.transport, ops, comm, config.value_dtype)
         # Sparse layers in the transport's member order (its flags and count words).
         self._sparse_members: List[int] = []
         self._submitted: set = set()
@@ -468,8 +468,9 @@ class SparseExchange:
         """The transport's receive buffers; each sparse member's output a view."""
         sparse = [g for g in self._groups if g.sparse]
         outputs = self._transport.layout([g.layout for g in sparse], like)  # type: ignore[misc]
-        for group, views in zip(sparse, outputs):
+        for position, (group, views) in enumerate(zip(sparse, outputs)):
             group.outputs = views
+            group.position = position
         self._sparse_members = [i for g in sparse for i in g.members]
 
     def _build_bank(self, like: Any) -> None:
@@ -509,7 +510,8 @@ class SparseExchange:
         read, of the anchors), then host arithmetic; no device operation."""
         assert self._bank is not None and words is not None
         words = np.asarray(words, np.float64)
-        self._bank.update(self.ops, words.reshape(self.comm.size, -1)[self.comm.rank])
+        own = self._transport.own_counts(words, self.comm.rank, self.comm.size)
+        self._bank.update(self.ops, own)
 
     # -- the per-step path -----------------------------------------------------
     def _begin_step(self) -> None:
@@ -564,7 +566,7 @@ class SparseExchange:
             self._sparsify(layer, group, grad)
             group.ready += 1
             if group.ready == len(group.members):
-                group.handle = self._transport.start(group.chunk, group.name)
+                group.handle = self._transport.start(group.position, group.chunk, group.name)
         else:
             grad = self._dense_send(layer, grad)
             if self.dense_external:
@@ -767,9 +769,29 @@ class SparseExchange:
             # Every sparse message of the step at once; members non-finite on
             # some rank read NaN on every rank.
             self._flags.append(self._transport.finish(handles, verify, self._out_scale))
+            self._take_back()
         if finish:
             self.finish()
         return out
+
+    def returned(self) -> Dict[int, Any]:
+        """For checks: what the last step put back into each sparse layer's
+        residual because the transport did not deliver it (a reduction's
+        unsent or unkept entries; empty for the allgather), by layer index
+        (``numel`` float32, views valid until the next step's :meth:`wait`)."""
+        sparse = [g for g in self._groups if g.sparse]
+        return {
+            i: view
+            for group, views in zip(sparse, self._transport.returned())
+            for i, view in zip(group.members, views)
+        }
+
+    def _take_back(self) -> None:
+        """What the transport did not deliver of this rank's selection (a
+        reduction's unsent or unkept entries) back into the new residuals."""
+        for i, view in self.returned().items():
+            layer = self._layers[i]
+            self.ops.add_(layer.head(self.ops, layer.residual_next), view)
 
     def finish(
         self, external: Sequence[Tuple[int, Any]] = (), verdicts: Optional[Sequence[Any]] = None

@@ -99,6 +99,7 @@ class MessageRecord:
         "name",
         "member_views",
         "outputs",
+        "position",
     )
 
     def __init__(self, members: List[int], sparse: bool, name: str):
@@ -115,6 +116,8 @@ class MessageRecord:
         self.member_views: List[MemberViews] = []
         # sparse: each member's view of the step's receive buffer (_Unpack.dense).
         self.outputs: List[Any] = []
+        # sparse: the message's position among the layout's sparse ones (the transport's).
+        self.position = -1
 
 
 @dataclass

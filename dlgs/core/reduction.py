@@ -39,8 +39,9 @@ import math
 from typing import Any, List, Sequence, Tuple
 
 from .backend import ArrayOps
+from .wire import DevicePart, UnpackPlan, unpack
 
-__all__ = ["SparseReduction", "balanced_bounds", "even_bounds"]
+__all__ = ["ReducingTransport", "SparseReduction", "balanced_bounds", "even_bounds"]
 
 #: The smallest positive float32 (a subnormal): ``theta`` is raised to it, so
 #: that a zero sum is never kept.
@@ -265,3 +266,140 @@ def _none(ops: ArrayOps, flags: Any) -> Any:
     any)`` is finite exactly then)."""
     some = ops.cast(ops.any_true([flags]), "float32")
     return ops.below_inf(ops.reciprocal(ops.affine(some, -1.0, 1.0)))
+
+
+class ReducingTransport:
+    """A :class:`~dlgs.core.transport.Transport` that reduces each sparse
+    message by regions (:class:`SparseReduction`) instead of allgathering it.
+
+    :meth:`start` decodes this rank's own chunk (the exchange packed it as for
+    the allgather: values in the wire dtype, indices in their coding), sends
+    its entries to the regions' owners (an alltoall of fixed blocks) and
+    returns; :meth:`finish` reduces at the owners, allgathers the kept
+    entries and assembles every message, times ``scale``. What this rank
+    selected but did not send or the owners did not keep is in
+    :meth:`returned` afterwards, by member, for the exchange to add back into
+    its residuals.
+
+    ``width``: each block's entries as a multiple of a message's capacity
+    divided by the ranks (at least one): a rank sends ``P`` blocks and
+    receives ``P`` blocks of about ``width * capacity / P`` entries, so its
+    bytes do not grow with ``P``. The owners keep every non-zero sum, up to
+    their block, in index order (no global threshold yet).
+
+    The collectives need ``alltoall_async(tensor, name)`` (equal splits) and
+    ``allgather_async``.
+    """
+
+    name = "reduce"
+
+    def __init__(self, ops: ArrayOps, comm: Any, value_dtype: Any, width: float = 2.0):
+        self.ops, self.comm, self.value_dtype, self.width = ops, comm, value_dtype, width
+        self.layouts: List[Any] = []
+        self.reductions: List[SparseReduction] = []
+        self.counts: Any = None
+        self.bad: Any = None
+        self._own: List[Any] = []
+        self._names: List[str] = []
+        self._decoders: List[Tuple[Any, ...]] = []
+        self._returns: List[Any] = []
+        self._firsts: List[Any] = []
+        self._zero: Any = None
+        self._tiny: Any = None
+
+    def layout(self, layouts: Sequence[Any], like: Any) -> List[List[Any]]:
+        ops, size, rank = self.ops, self.comm.size, self.comm.rank
+        self.layouts = list(layouts)
+        self.counts = self.bad = None
+        self.reductions, self._decoders, self._returns = [], [], []
+        self._firsts = []
+        self._own = [None] * len(layouts)
+        self._names = [""] * len(layouts)
+        outputs = []
+        for layout in self.layouts:
+            dense = layout.dense_size
+            cap = layout.total_capacity
+            width = max(1, math.ceil(self.width * cap / size))
+            red = SparseReduction(ops, dense, size, rank, width, width, like)
+            plan = UnpackPlan.of([layout], 1)
+            wide = "int64" if dense > 2**31 - 1 else "int32"
+            self._decoders.append(
+                (
+                    ops.zeros(dense + 1, "float32", like),  # this rank's selection, dense
+                    ops.zeros(dense + 1, "float32", like),  # its magnitudes
+                    ops.zeros(dense + 1, "bool", like),
+                    [DevicePart(ops, part, self.value_dtype, wide, like) for part in plan.parts],
+                    ops.index_vector(plan.counts, like),
+                    cap,
+                )
+            )
+            self._returns.append(ops.zeros(dense + 1, "float32", like))
+            self.reductions.append(red)
+            offsets = [layout.dense_offset(m) for m in range(layout.members)]
+            self._firsts.append(ops.index_vector(offsets, like))
+            outputs.append([ops.narrow(red.out, 0, o, n) for o, n in zip(offsets, layout.sizes)])
+        self._zero = ops.scalar(0.0, like)
+        self._tiny = ops.scalar(_TINY, like)
+        return outputs
+
+    def start(self, message: int, chunk: Any, name: str) -> Any:
+        """Decode this rank's chunk of sparse message ``message`` and send its
+        entries to their owners; returns the alltoall's handle."""
+        ops = self.ops
+        mine, mags, mask, parts, counts_at, cap = self._decoders[message]
+        ops.mul_(mine, 0.0)
+        counts, bad = unpack(ops, chunk, 1, self.value_dtype, mine, 1.0, parts, counts_at)
+        ops.abs_(mine, mags)
+        ops.ge_(mags, self._tiny, mask)
+        idx = ops.nonzero_static(mask, cap, ops.numel(mine) - 1)
+        vals = ops.take(mine, idx)
+        flag = ops.count_or_flag(ops.count_nonzero(mask), _none(ops, bad))
+        self._own[message] = counts
+        self._names[message] = name
+        send = self.reductions[message].pack(idx, vals, flag)
+        return self.comm.alltoall_async(send, f"{name}.a2a")
+
+    def finish(self, handles: Sequence[Any], verify: Sequence[bool], scale: Any) -> Any:
+        ops = self.ops
+        gathers = []
+        for m, handle in enumerate(handles):
+            received = self.comm.synchronize(handle)
+            block = self.reductions[m].reduce(received, self._zero)
+            gathers.append(self.comm.allgather_async(block, f"{self._names[m]}.kept"))
+        flags, words = [], []
+        for m, handle in enumerate(gathers):
+            red = self.reductions[m]
+            _, owners, bad = red.unpack(self.comm.synchronize(handle), scale)
+            ret = ops.mul_(self._returns[m], 0.0)
+            red.return_unkept(ret)
+            members = self.layouts[m].members
+            flags.append(_repeat(ops, bad, members))
+            # This rank's count words, -1 where the message was non-finite anywhere.
+            own = self._own[m]
+            words.append(ops.count_or_flag(own, _none(ops, ops.reshape(bad, (1,)))))
+        self.bad = flags[0] if len(flags) == 1 else ops.concat(flags)
+        self.counts = words[0] if len(words) == 1 else ops.concat(words)
+        for m, red in enumerate(self.reductions):
+            layout = self.layouts[m]
+            first = ops.index_vector(
+                [layout.dense_offset(i) for i in range(layout.members)], red.out
+            )
+            ops.nan_at_(red.out, first, _repeat(ops, ops.any_true([flags[m]]), layout.members))
+        return self.bad
+
+    def own_counts(self, words: Any, rank: int, size: int) -> Any:
+        """This rank's count words from the host copy of :attr:`counts`."""
+        return words
+
+    def returned(self) -> List[List[Any]]:
+        """Per message, per member: what goes back into its residual this step
+        (views, ``n`` elements each, valid until the next step's finish)."""
+        return [
+            [self.ops.narrow(ret, 0, layout.dense_offset(m), n) for m, n in enumerate(layout.sizes)]
+            for ret, layout in zip(self._returns, self.layouts)
+        ]
+
+
+def _repeat(ops: ArrayOps, flag: Any, n: int) -> Any:
+    """A 0-d (or 1-element) bool as a vector of ``n``."""
+    return ops.concat([ops.reshape(flag, (1,))] * n)

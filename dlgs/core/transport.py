@@ -40,8 +40,9 @@ class Transport(Protocol):
         message order); return each message's member outputs (views that the
         step's unpack fills; valid until the next step's)."""
 
-    def start(self, chunk: Any, name: str) -> Any:
-        """Start moving one message's packed chunk; return a handle."""
+    def start(self, message: int, chunk: Any, name: str) -> Any:
+        """Start moving sparse message ``message``'s packed chunk (its
+        position in :meth:`layout`'s list); return a handle."""
 
     def finish(self, handles: Sequence[Any], verify: Sequence[bool], scale: Any) -> Any:
         """Complete the step's messages (handles in message order), check them
@@ -50,8 +51,19 @@ class Transport(Protocol):
         NaN. Returns the members' non-finite flags (device bools, message
         order), also :attr:`bad`."""
 
-    #: The last step's count words of every rank (rank-major, device int32),
-    #: -1 where a member was non-finite; None before the first step.
+    def own_counts(self, words: Any, rank: int, size: int) -> Any:
+        """This rank's count words (one per sparse member, message order) from
+        the host copy of :attr:`counts`."""
+
+    def returned(self) -> List[List[Any]]:
+        """After :meth:`finish`: per message, per member, what goes back into
+        the member's residual this step (``n`` elements; empty where nothing
+        ever does, as with the allgather)."""
+
+    #: The last step's count words (device int32, -1 where a member was
+    #: non-finite; the step was finite everywhere exactly when none is
+    #: negative): :class:`FlatTransport`'s are every rank's, rank-major; None
+    #: before the first step.
     counts: Any
     #: The last step's per-member non-finite flags (see :meth:`finish`).
     bad: Any
@@ -100,8 +112,14 @@ class FlatTransport:
             for layout, base in zip(self.layouts, plan.bases)
         ]
 
-    def start(self, chunk: Any, name: str) -> Any:
+    def start(self, message: int, chunk: Any, name: str) -> Any:
         return self.comm.allgather_async(chunk, name)
+
+    def own_counts(self, words: Any, rank: int, size: int) -> Any:
+        return words.reshape(size, -1)[rank]
+
+    def returned(self) -> List[List[Any]]:
+        return []  # an allgather sends every selected value
 
     def finish(self, handles: Sequence[Any], verify: Sequence[bool], scale: Any) -> Any:
         ops = self.ops
@@ -129,7 +147,19 @@ class FlatTransport:
 
 
 def make_transport(kind: str, ops: ArrayOps, comm: Any, value_dtype: ValueDType) -> Transport:
-    """The transport named ``kind`` (only ``"flat"`` so far)."""
-    if kind != "flat":
-        raise ValueError(f"topology must be 'flat', got {kind!r}")
-    return FlatTransport(ops, comm, value_dtype)
+    """The transport of ``SparsityConfig.transport``: ``"allgather"``
+    (:class:`FlatTransport`) or ``"reduce"``
+    (:class:`~dlgs.core.reduction.ReducingTransport`, which needs the
+    collectives' ``alltoall_async``)."""
+    if kind == "allgather":
+        return FlatTransport(ops, comm, value_dtype)
+    if kind == "reduce":
+        if not callable(getattr(comm, "alltoall_async", None)):
+            raise ValueError(
+                "transport='reduce' needs an alltoall, which this framework's collectives "
+                "lack so far (PyTorch only); use transport='allgather'"
+            )
+        from .reduction import ReducingTransport  # it builds on this module's protocol
+
+        return ReducingTransport(ops, comm, value_dtype)
+    raise ValueError(f"transport must be 'allgather' or 'reduce', got {kind!r}")

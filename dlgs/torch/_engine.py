@@ -78,6 +78,10 @@ class HorovodCollectives(HorovodSet):
     def allgather_async(self, chunk, name):
         return hvd.allgather_async(chunk, name=name, process_set=self.process_set)
 
+    def alltoall_async(self, tensor, name):
+        """Equal blocks of a 1-D tensor to every rank (``transport="reduce"``)."""
+        return _AllToAll(hvd.alltoall_async(tensor, name=name, process_set=self.process_set))
+
     def allreduce_async(self, tensor, name):
         wire = tensor.float() if tensor.dtype in _WIRE_UNSUPPORTED else tensor
         wire, ctx = self.compression.compress(wire)
@@ -92,10 +96,21 @@ class HorovodCollectives(HorovodSet):
         return handle, ctx
 
     def synchronize(self, handle):
+        if isinstance(handle, _AllToAll):
+            return hvd.synchronize(handle.handle)[0]  # (output, received splits)
         if isinstance(handle, tuple):
             handle, ctx = handle
             return self.compression.decompress(hvd.synchronize(handle), ctx)
         return hvd.synchronize(handle)
+
+
+class _AllToAll:
+    """An alltoall's Horovod handle (its result is a pair)."""
+
+    __slots__ = ("handle",)
+
+    def __init__(self, handle):
+        self.handle = handle
 
 
 class HorovodNodeCollectives:
