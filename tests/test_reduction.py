@@ -314,3 +314,22 @@ def test_real_ranks_with_the_reduction_at_density_one_are_horovods(tmp_path):
     horovodrun("gloo", 2, [worker, tmp_path, 1.0], timeout=240)
     for r in load_ranks(tmp_path, 2):
         assert r["dlgs"] == r["horovod"]
+
+
+def test_each_owner_keeps_its_largest_sums():
+    """Rank 0 alone selects 40 entries of distinct magnitudes in region 0; its
+    owner keeps the 5 largest, and the other 35 go back."""
+    idx = np.arange(0, 400, 10)
+    vals = np.arange(1, 41, dtype=np.float64) * np.where(idx % 20 == 0, 1, -1)
+    pad = 48 - idx.size
+    mine = (
+        torch.tensor(np.concatenate([idx, np.full(pad, SIZE)]), dtype=torch.int64),
+        torch.tensor(np.concatenate([vals, np.zeros(pad)]), dtype=torch.float32),
+    )
+    none = (torch.full((48,), SIZE, dtype=torch.int64), torch.zeros(48))
+    recs = run(2, [mine, none], send_width=40, keep_width=5)
+    out, counts, _, residual, kept = recs[0]
+    largest = idx[np.argsort(-np.abs(vals))[:5]]
+    assert sorted(np.flatnonzero(kept.numpy())) == sorted(largest)
+    np.testing.assert_array_equal(out[largest].numpy(), vals[np.argsort(-np.abs(vals))[:5]])
+    assert int((residual != 0).sum()) == 35 and int(counts[0]) == 5

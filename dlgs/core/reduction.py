@@ -10,9 +10,9 @@ two collectives of fixed-size blocks (no sizes to agree on, no host read):
    the entries it selected there, at most ``send_width`` of them in index
    order, as ``(offset in the region, float32 value)``;
 2. **at the owner**: the ``P`` blocks are summed into the region in rank
-   order (the same bits on every rank that computes them), and the entries
-   whose ``|sum|`` is at or above the global threshold ``theta`` are kept, at
-   most ``keep_width`` in index order;
+   order (the same bits on every rank that computes them), and its
+   ``keep_width`` largest sums are kept (none below a threshold ``theta``,
+   none zero; ties at the smallest kept magnitude in index order);
 3. **to everyone** (an allgather): the owners' kept ``(index, sum)`` pairs;
    every rank assembles the same reduced message from them.
 
@@ -203,9 +203,11 @@ class SparseReduction:
 
     def reduce(self, received: Any, theta: Any) -> Any:
         """Phase 2 at the owner: the ``parts`` blocks ``received`` (from rank
-        0 up) summed into this rank's region in rank order; the entries with
-        ``|sum| >= theta`` (and not zero) kept, at most ``keep_width`` in index
-        order. Returns this rank's block for the allgather."""
+        0 up) summed into this rank's region in rank order; its ``keep_width``
+        largest ``|sum|`` kept (none below ``theta``, none zero; ties at the
+        smallest kept magnitude in index order). Returns this rank's block for
+        the allgather (its count word: the sums at or above the magnitude
+        kept)."""
         ops, w, parts, kw = self.ops, self.send_width, self.parts, self.keep_width
         rows = ops.reshape(received, (parts, self.send_words))
         offsets, values, flags = self._offsets, self._values, self._flags
@@ -216,7 +218,10 @@ class SparseReduction:
         idx = ops.cast(offsets, "int64")
         ops.index_add_rows_(region, idx, ops.view_as(values, "float32"), 1.0, parts)
         ops.abs_(region, self._abs)
-        theta = ops.clamp(theta, _TINY, math.inf)
+        # The owner's share of a top-k: its keep_width largest sums (and none
+        # below theta, none zero).
+        kth = ops.kth_largest(ops.narrow(self._abs, 0, 0, self.region), min(kw, self.region))
+        theta = ops.clamp(ops.kth_largest(ops.stack([theta, kth]), 1), _TINY, math.inf)
         ops.ge_(self._abs, theta, self._mask)
         ops.fill_at_(self._mask, self._region_pad, 0.0)
         count = ops.count_nonzero(self._mask)
@@ -284,8 +289,8 @@ class ReducingTransport:
     ``width``: each block's entries as a multiple of a message's capacity
     divided by the ranks (at least one): a rank sends ``P`` blocks and
     receives ``P`` blocks of about ``width * capacity / P`` entries, so its
-    bytes do not grow with ``P``. The owners keep every non-zero sum, up to
-    their block, in index order (no global threshold yet).
+    bytes do not grow with ``P``. Each owner keeps its largest sums, up to its
+    block (its share of a top-k; no threshold agreed across owners yet).
 
     The collectives need ``alltoall_async(tensor, name)`` (equal splits) and
     ``allgather_async``.

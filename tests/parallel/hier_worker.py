@@ -1,18 +1,19 @@
 """Real ranks of ``topology="hierarchical"`` (tests/test_hierarchical.py):
 ``python hier_worker.py OUT DENSITY [plain|auto]``. Four ranks as 2 nodes of 2
-(``ranks_per_node=2``); a small MLP trained 6 steps on per-rank data; each
-rank writes the digest of its parameters after every step, and at density
-1.0 those of stock Horovod's optimizer on the same data. ``plain``: Horovod
-started without dynamic process sets (the error must say what to add);
-``auto``: ``topology="auto"`` (timed; either exchange may be chosen). By
-default a first optimizer is built and trained before the one recorded."""
+(``ranks_per_node=2``); the shared MLP (mlp_steps.py) trained 6 steps on
+per-rank data; each rank writes the digest of its parameters after every
+step, and at density 1.0 those of stock Horovod's optimizer on the same data.
+``plain``: Horovod started without dynamic process sets (the error must say
+what to add); ``auto``: ``topology="auto"`` (timed; either exchange may be
+chosen). By default a first optimizer is built and trained before the one
+recorded."""
 
-import hashlib
 import json
 import sys
 
 import horovod.torch as hvd
 import torch
+from mlp_steps import horovod_opt, model_and_opt, train
 
 import dlgs.torch
 
@@ -24,49 +25,16 @@ rank = hvd.rank()
 torch.set_num_threads(1)
 
 
-def model_and_opt(dlgs_form: bool):
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(32, 96),
-        torch.nn.ReLU(),
-        torch.nn.Linear(96, 40),
-        torch.nn.ReLU(),
-        torch.nn.Linear(40, 10),
+def dlgs_opt(sgd, model):
+    return dlgs.torch.DistributedOptimizer(
+        sgd,
+        named_parameters=model.named_parameters(),
+        density=density,
+        merge="none",
+        min_sparse_size=1000,
+        topology="auto" if mode == "auto" else "hierarchical",
+        ranks_per_node=2,
     )
-    sgd = torch.optim.SGD(model.parameters(), lr=0.05)
-    if dlgs_form:
-        opt = dlgs.torch.DistributedOptimizer(
-            sgd,
-            named_parameters=model.named_parameters(),
-            density=density,
-            merge="none",
-            min_sparse_size=1000,
-            topology="auto" if mode == "auto" else "hierarchical",
-            ranks_per_node=2,
-        )
-    else:
-        opt = hvd.DistributedOptimizer(sgd, named_parameters=model.named_parameters())
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    return model, opt
-
-
-def digest(model):
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    return hashlib.sha256(flat.numpy().tobytes()).hexdigest()[:16]
-
-
-def train(model, opt):
-    digests, losses = [], []
-    for step in range(6):
-        g = torch.Generator().manual_seed(100 * step + rank)
-        x, y = torch.randn(16, 32, generator=g), torch.randint(0, 10, (16,), generator=g)
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        digests.append(digest(model))
-        losses.append(float(loss))
-    return digests, losses
 
 
 result = {"rank": rank}
@@ -75,14 +43,12 @@ try:
         # A two-level optimizer built before (another model, or the same one
         # again): the next one reuses its process sets (Horovod refuses to
         # add a set twice).
-        first, first_opt = model_and_opt(True)
-        train(first, first_opt)
-    model, opt = model_and_opt(True)
-    result["dlgs"], result["losses"] = train(model, opt)
+        train(*model_and_opt(dlgs_opt), rank)
+    model, opt = model_and_opt(dlgs_opt)
+    result["dlgs"], result["losses"] = train(model, opt, rank)
     result["describe"] = opt.dlgs.describe()
     if density == 1.0:
-        ref, ref_opt = model_and_opt(False)
-        result["horovod"], _ = train(ref, ref_opt)
+        result["horovod"], _ = train(*model_and_opt(horovod_opt), rank)
 except ValueError as err:
     result["error"] = str(err)
 with open(f"{out}/rank{rank}.json", "w") as f:
