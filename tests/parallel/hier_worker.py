@@ -13,9 +13,7 @@ import sys
 
 import horovod.torch as hvd
 import torch
-from mlp_steps import horovod_opt, model_and_opt, train
-
-import dlgs.torch
+from mlp_steps import dlgs_opts, horovod_opt, model_and_opt, train
 
 out, density = sys.argv[1], float(sys.argv[2])
 mode = sys.argv[3] if len(sys.argv) > 3 else ""
@@ -25,16 +23,12 @@ rank = hvd.rank()
 torch.set_num_threads(1)
 
 
-def dlgs_opt(sgd, model):
-    return dlgs.torch.DistributedOptimizer(
-        sgd,
-        named_parameters=model.named_parameters(),
-        density=density,
-        merge="none",
-        min_sparse_size=1000,
-        topology="auto" if mode == "auto" else "hierarchical",
-        ranks_per_node=2,
-    )
+dlgs_opt = dlgs_opts(
+    density,
+    merge="none",
+    topology="auto" if mode == "auto" else "hierarchical",
+    ranks_per_node=2,
+)
 
 
 result = {"rank": rank}

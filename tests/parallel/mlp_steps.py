@@ -7,6 +7,8 @@ import hashlib
 import horovod.torch as hvd
 import torch
 
+import dlgs.torch
+
 
 def model_and_opt(make_opt):
     """The MLP (the same weights on every rank) and ``make_opt(sgd, model)``."""
@@ -21,6 +23,22 @@ def model_and_opt(make_opt):
     opt = make_opt(torch.optim.SGD(model.parameters(), lr=0.05), model)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     return model, opt
+
+
+def dlgs_opts(density, **options):
+    """A ``make_opt`` for :func:`model_and_opt`: dlgs's optimizer with the
+    MLP's two larger layers sparse, and ``options``."""
+
+    def make(sgd, model):
+        return dlgs.torch.DistributedOptimizer(
+            sgd,
+            named_parameters=model.named_parameters(),
+            density=density,
+            min_sparse_size=1000,
+            **options,
+        )
+
+    return make
 
 
 def horovod_opt(sgd, model):

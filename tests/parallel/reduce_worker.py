@@ -9,24 +9,13 @@ import sys
 
 import horovod.torch as hvd
 import torch
-from mlp_steps import horovod_opt, model_and_opt, train
-
-import dlgs.torch
+from mlp_steps import dlgs_opts, horovod_opt, model_and_opt, train
 
 out, density = sys.argv[1], float(sys.argv[2])
 hvd.init()
 rank = hvd.rank()
 torch.set_num_threads(1)
-
-
-def dlgs_opt(sgd, model):
-    return dlgs.torch.DistributedOptimizer(
-        sgd,
-        named_parameters=model.named_parameters(),
-        density=density,
-        min_sparse_size=1000,
-        transport="reduce",
-    )
+dlgs_opt = dlgs_opts(density, transport="reduce")
 
 
 result = {"rank": rank}
