@@ -789,6 +789,8 @@ class SparseExchange:
     def _take_back(self) -> None:
         """What the transport did not deliver of this rank's selection (a
         reduction's unsent or unkept entries) back into the new residuals."""
+        if not self._transport.returned():  # the allgather delivers everything
+            return
         for i, view in self.returned().items():
             layer = self._layers[i]
             self.ops.add_(layer.head(self.ops, layer.residual_next), view)

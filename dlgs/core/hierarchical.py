@@ -187,13 +187,18 @@ class HierarchicalExchange:
         # Reused buffers, made at the first step (on the gradients' device).
         self._send: List[Any] = [None] * len(self.buckets)  # L x width, padding zero
         self._gather_send: List[Any] = [None] * len(self.buckets)  # width
-        self._full: List[Any] = [None] * len(layers)  # L x m per layer
+        # Per layer, views made once (each new view is an operation): where
+        # its gradient goes in the bucket (full rows, the partial last row),
+        # where its result goes in the gather's send buffer, its L x m and
+        # n-element views of its full buffer.
+        self._into: List[Any] = [None] * len(layers)
+        self._gather_into: List[Any] = [None] * len(layers)
+        self._full_views: List[Any] = [None] * len(layers)
         # This step: layers in, per-bucket arrivals, reduce-scatters started
         # and not yet handed to the exchange between nodes.
         self._submitted: set = set()
         self._arrived = [0] * len(self.buckets)
         self._scatter: Dict[int, Any] = {}
-        self._outputs: Dict[int, Any] = {}
         #: The node reduction in use (``"auto"`` until the first step's probe)
         #: and the probe's node-mean seconds per operation.
         self.node_reduce = node_reduce
@@ -264,23 +269,20 @@ class HierarchicalExchange:
             )
         if i in self._submitted:
             raise RuntimeError(f"gradient of {self.names[i]!r} submitted twice in one step")
-        b, local = self._bucket_of[i], self.node.size
+        b = self._bucket_of[i]
         if self.node_reduce == "auto":
             self.probe_node_reduce(grad)
-        if self._send[b] is None:
-            self._send[b] = ops.zeros(local * self._width[b], "float32", grad)
+        if self._into[i] is None:
+            self._into[i] = self._bucket_views(i, grad)
         # Shard l of the layer is row l of its column block: full rows, then
         # the last partial one (the padding stays zero from the start).
-        m, off = self.shards[i], self._offset[i]
-        rows = ops.reshape(self._send[b], (local, self._width[b]))
-        whole, rest = divmod(n, m)
+        block, tail = self._into[i]
+        whole = ops.numel(block) if block is not None else 0
         flat = ops.reshape(grad, (-1,))
-        if whole:
-            block = ops.narrow(ops.narrow(rows, 0, 0, whole), 1, off, m)
-            ops.copy_(block, ops.narrow(flat, 0, 0, whole * m))
-        if rest:
-            row = ops.reshape(ops.narrow(rows, 0, whole, 1), (-1,))
-            ops.copy_(ops.narrow(row, 0, off, rest), ops.narrow(flat, 0, whole * m, rest))
+        if block is not None:
+            ops.copy_(block, ops.narrow(flat, 0, 0, whole))
+        if tail is not None:
+            ops.copy_(tail, ops.narrow(flat, 0, whole, n - whole))
         self._submitted.add(i)
         self._arrived[b] += 1
         if self._arrived[b] == len(self.buckets[b]):
@@ -294,6 +296,22 @@ class HierarchicalExchange:
         if not self.inner.agreement_pending:
             for done in [c for c, h in self._scatter.items() if self.node.poll(h)]:
                 self._forward(done)
+
+    def _bucket_views(self, i: int, like: Any) -> Tuple[Any, Any]:
+        """Layer ``i``'s places in its bucket's ``L x width`` send buffer
+        (made at the first use): the block of its full rows and the start of
+        its partial last row (None where there is none)."""
+        ops, local, b = self.ops, self.node.size, self._bucket_of[i]
+        if self._send[b] is None:
+            self._send[b] = ops.zeros(local * self._width[b], "float32", like)
+        rows = ops.reshape(self._send[b], (local, self._width[b]))
+        m, off = self.shards[i], self._offset[i]
+        whole, rest = divmod(self.sizes[i], m)
+        block = ops.narrow(ops.narrow(rows, 0, 0, whole), 1, off, m) if whole else None
+        tail = None
+        if rest:
+            tail = ops.narrow(ops.reshape(ops.narrow(rows, 0, whole, 1), (-1,)), 0, off, rest)
+        return block, tail
 
     def _forward(self, b: int) -> None:
         """Bucket ``b``'s reduced shard into the exchange between nodes."""
@@ -323,7 +341,9 @@ class HierarchicalExchange:
                 send = self._gather_send[b] = ops.zeros(width + 1, "float32", results[0])
             body = ops.narrow(send, 0, 0, width)
             for i in members:
-                ops.copy_(ops.narrow(body, 0, self._offset[i], self.shards[i]), results[i])
+                if self._gather_into[i] is None:
+                    self._gather_into[i] = ops.narrow(body, 0, self._offset[i], self.shards[i])
+                ops.copy_(self._gather_into[i], results[i])
             # One more element: inf where this rank's shards are non-finite
             # (they read NaN on every owner then), 1 otherwise; the node learns
             # every rank's verdict from it without a pass over the whole layers.
@@ -337,20 +357,21 @@ class HierarchicalExchange:
             verdicts.append(ops.narrow(rows, 1, self._width[b], 1))
             for i in self.buckets[b]:
                 m = self.shards[i]
-                if self._full[i] is None:
-                    self._full[i] = ops.zeros(local * m, "float32", results[0])
-                ops.copy_(
-                    ops.reshape(self._full[i], (local, m)),
-                    ops.narrow(rows, 1, self._offset[i], m),
-                )
-                out[i] = ops.narrow(self._full[i], 0, 0, self.sizes[i])
+                if self._full_views[i] is None:
+                    full = ops.zeros(local * m, "float32", results[0])
+                    self._full_views[i] = (
+                        ops.reshape(full, (local, m)),
+                        ops.narrow(full, 0, 0, self.sizes[i]),
+                    )
+                grid, whole_layer = self._full_views[i]
+                ops.copy_(grid, ops.narrow(rows, 1, self._offset[i], m))
+                out[i] = whole_layer
         self._submitted.clear()
         self._arrived = [0] * len(self.buckets)
         # The other shards' verdicts arrive with their results: checked with
         # this rank's own before any state is kept, so every rank of the node
         # decides the same (the layers are read only to name them in a warning).
         self.inner.finish(external=list(out.items()), verdicts=verdicts)
-        self._outputs = out
         return out
 
     def state_dict(self) -> Dict[str, Any]:

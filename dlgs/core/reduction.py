@@ -309,6 +309,7 @@ class ReducingTransport:
         self._decoders: List[Tuple[Any, ...]] = []
         self._returns: List[Any] = []
         self._firsts: List[Any] = []
+        self._returned: List[List[Any]] = []
         self._zero: Any = None
         self._tiny: Any = None
 
@@ -317,7 +318,7 @@ class ReducingTransport:
         self.layouts = list(layouts)
         self.counts = self.bad = None
         self.reductions, self._decoders, self._returns = [], [], []
-        self._firsts = []
+        self._firsts, self._returned = [], []
         self._own = [None] * len(layouts)
         self._names = [""] * len(layouts)
         outputs = []
@@ -338,11 +339,14 @@ class ReducingTransport:
                     cap,
                 )
             )
-            self._returns.append(ops.zeros(dense + 1, "float32", like))
+            returns = ops.zeros(dense + 1, "float32", like)
+            self._returns.append(returns)
             self.reductions.append(red)
             offsets = [layout.dense_offset(m) for m in range(layout.members)]
             self._firsts.append(ops.index_vector(offsets, like))
-            outputs.append([ops.narrow(red.out, 0, o, n) for o, n in zip(offsets, layout.sizes)])
+            members = list(zip(offsets, layout.sizes))
+            outputs.append([ops.narrow(red.out, 0, o, n) for o, n in members])
+            self._returned.append([ops.narrow(returns, 0, o, n) for o, n in members])
         self._zero = ops.scalar(0.0, like)
         self._tiny = ops.scalar(_TINY, like)
         return outputs
@@ -384,12 +388,9 @@ class ReducingTransport:
             words.append(ops.count_or_flag(own, _none(ops, ops.reshape(bad, (1,)))))
         self.bad = flags[0] if len(flags) == 1 else ops.concat(flags)
         self.counts = words[0] if len(words) == 1 else ops.concat(words)
-        for m, red in enumerate(self.reductions):
-            layout = self.layouts[m]
-            first = ops.index_vector(
-                [layout.dense_offset(i) for i in range(layout.members)], red.out
-            )
-            ops.nan_at_(red.out, first, _repeat(ops, ops.any_true([flags[m]]), layout.members))
+        # A message non-finite on some rank reads NaN in every member, everywhere.
+        for red, firsts, flag in zip(self.reductions, self._firsts, flags):
+            ops.nan_at_(red.out, firsts, flag)
         return self.bad
 
     def own_counts(self, words: Any, rank: int, size: int) -> Any:
@@ -399,10 +400,7 @@ class ReducingTransport:
     def returned(self) -> List[List[Any]]:
         """Per message, per member: what goes back into its residual this step
         (views, ``n`` elements each, valid until the next step's finish)."""
-        return [
-            [self.ops.narrow(ret, 0, layout.dense_offset(m), n) for m, n in enumerate(layout.sizes)]
-            for ret, layout in zip(self._returns, self.layouts)
-        ]
+        return self._returned
 
 
 def _repeat(ops: ArrayOps, flag: Any, n: int) -> Any:
