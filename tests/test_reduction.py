@@ -16,32 +16,46 @@ from dlgs.torch._ops import OPS
 SIZE = 1000
 
 
-def selection(rank, parts, per_rank, seed, capacity):
+def selection(rank, parts, per_rank, seed, capacity, size=SIZE):
     """Rank ``rank``'s selected entries: ``per_rank`` distinct indices with
-    quarter-integer values (sums of them are exact in float32), ascending,
-    padded with SIZE to ``capacity``."""
+    quarter-integer values (sums of them are exact in float32, float16 and
+    bfloat16), ascending, padded with ``size`` to ``capacity``."""
     rng = np.random.default_rng(seed * 100 + rank)
-    idx = np.sort(rng.choice(SIZE, size=per_rank, replace=False))
+    idx = np.sort(rng.choice(size, size=per_rank, replace=False))
     vals = rng.integers(1, 64, size=per_rank) * 0.25 * rng.choice([-1, 1], per_rank)
     pad = capacity - per_rank
     return (
-        torch.tensor(np.concatenate([idx, np.full(pad, SIZE)]), dtype=torch.int64),
+        torch.tensor(np.concatenate([idx, np.full(pad, size)]), dtype=torch.int64),
         torch.tensor(np.concatenate([vals, np.zeros(pad)]), dtype=torch.float32),
     )
 
 
-def run(parts, inputs, send_width, keep_width, theta=0.0, flags=None, bounds=None):
+def run(
+    parts,
+    inputs,
+    send_width,
+    keep_width,
+    theta=0.0,
+    flags=None,
+    bounds=None,
+    size=SIZE,
+    value_dtype="float32",
+    coding="int32",
+):
     """Each rank: pack, alltoall, reduce, allgather, unpack, return_unkept
-    into a zero residual. Returns per rank (out, counts, bad, residual, kept)."""
+    into a zero residual. Returns per rank (out, counts, bad, residual, kept,
+    the rank's reduction)."""
     world = InProcessWorld(parts, timeout=60.0)
 
     def body(rank):
-        red = SparseReduction(OPS, SIZE, parts, rank, send_width, keep_width, torch.zeros(1))
+        red = SparseReduction(
+            OPS, size, parts, rank, send_width, keep_width, torch.zeros(1), value_dtype, coding
+        )
         if bounds is not None:
             red.set_bounds(bounds)
         idx, vals = inputs[rank]
         flag = torch.tensor(
-            -1 if flags and flags[rank] else int((idx < SIZE).sum()), dtype=torch.int32
+            -1 if flags and flags[rank] else int((idx < size).sum()), dtype=torch.int32
         )
         send = red.pack(idx, vals, flag)
         parts_sent = world.meet(rank, "alltoall", send.clone(), list)
@@ -49,17 +63,17 @@ def run(parts, inputs, send_width, keep_width, theta=0.0, flags=None, bounds=Non
         block = red.reduce(received, torch.tensor(theta))
         gathered = world.meet(rank, "allgather", block.clone(), torch.cat)
         out, counts, bad = red.unpack(gathered, 1.0)
-        residual = torch.zeros(SIZE + 1)
+        residual = torch.zeros(size + 1)
         red.return_unkept(residual)
-        return out.clone(), counts.clone(), bool(bad), residual, red.kept[:SIZE].clone()
+        return out.clone(), counts.clone(), bool(bad), residual, red.kept[:size].clone(), red
 
     return world.run(body)
 
 
-def dense(idx, vals):
-    out = np.zeros(SIZE + 1)
+def dense(idx, vals, size=SIZE):
+    out = np.zeros(size + 1)
     np.add.at(out, idx.numpy(), vals.double().numpy())
-    return out[:SIZE]
+    return out[:size]
 
 
 @pytest.mark.parametrize("parts", [2, 3, 4])
@@ -71,7 +85,7 @@ def test_inputs_whose_union_fits_come_back_exactly_on_every_rank(parts):
     recs = run(parts, inputs, send_width=per_rank, keep_width=per_rank * parts)
     want = sum(dense(*inputs[r]) for r in range(parts))
     for rank in range(parts):
-        out, counts, bad, residual, _ = recs[rank]
+        out, counts, bad, residual, _, _ = recs[rank]
         assert torch.equal(out, recs[0][0])  # the same bits everywhere
         np.testing.assert_array_equal(out.double().numpy(), want)
         assert not bad and int(counts.sum()) == int(np.count_nonzero(want))
@@ -89,7 +103,7 @@ def test_what_is_not_sent_or_not_kept_goes_back_into_the_residual(parts):
     kept = recs[0][4]
     contributed = np.zeros(SIZE)
     for rank in range(parts):
-        out, counts, bad, residual, mine = recs[rank]
+        out, counts, bad, residual, mine, _ = recs[rank]
         assert torch.equal(out, recs[0][0]) and torch.equal(mine, kept)
         selected = dense(*inputs[rank])
         back = residual[:SIZE].double().numpy()
@@ -111,7 +125,7 @@ def test_a_non_finite_rank_makes_every_owner_say_so():
     parts = 3
     inputs = [selection(r, parts, 10, 3, 16) for r in range(parts)]
     recs = run(parts, inputs, send_width=16, keep_width=48, flags=[False, True, False])
-    for _, counts, bad, _, _ in recs:
+    for _, counts, bad, _, _, _ in recs:
         assert bad and (counts == -1).all()
 
 
@@ -168,11 +182,108 @@ def test_an_entry_one_rank_could_not_send_is_returned_even_where_another_rank_ke
 
     inputs = [entries(np.concatenate([low, high]), 1.0), entries(high, 2.0)]
     recs = run(2, inputs, send_width=10, keep_width=20)
-    out, _, _, residual0, kept = recs[0]
+    out, _, _, residual0, kept, _ = recs[0]
     assert kept[high].all() and kept[low].all()
     np.testing.assert_array_equal(out[high].numpy(), 2.0)  # rank 1's alone
     np.testing.assert_array_equal(residual0[high].numpy(), 1.0)  # rank 0's, back
     assert not residual0[low].any() and not recs[1][3].any()
+
+
+# -- wire formats: 16-bit values, compact offsets ---------------------------------------
+
+from dlgs.core.blocks import BlockFormat, block_words, even_width  # noqa: E402
+from dlgs.core.reduction import reduction_bytes  # noqa: E402
+
+#: Over three 65,536-element boundaries: compact offsets carry block counts.
+LARGE = 200_000
+
+
+@pytest.mark.parametrize("limit", [1000, 70_000, 300_000])
+@pytest.mark.parametrize("value_dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("compact", [False, True])
+def test_blocks_give_back_the_offsets_exactly_and_the_values_as_written(
+    limit, value_dtype, compact
+):
+    rng = np.random.default_rng(limit)
+    rows, width = 3, even_width(37, value_dtype, compact)
+    fmt = BlockFormat(OPS, rows, width, limit, value_dtype, compact, torch.zeros(1))
+    assert fmt.words == block_words(width, limit, value_dtype, "block16" if compact else "int32")
+    offsets = []
+    for _ in range(rows):  # ascending, padded with the row's own limit
+        n, pad = rng.integers(0, width + 1), rng.integers(1, limit + 1)
+        chosen = np.sort(rng.choice(pad, size=n, replace=False))
+        offsets.append(np.concatenate([chosen, np.full(width - n, pad)]))
+    offsets = torch.tensor(np.concatenate(offsets), dtype=torch.int32)
+    values = torch.randn(rows * width, generator=torch.Generator().manual_seed(limit)) * 100
+    buffer = torch.zeros(rows * fmt.words, dtype=torch.int32)
+    written = fmt.write(buffer, offsets, values, torch.tensor([5, -1, 7], dtype=torch.int32))
+    written = written.clone()
+    got, vals, words = fmt.read(buffer)
+    assert torch.equal(got, offsets)
+    assert torch.equal(vals, written)
+    assert words.tolist() == [5, -1, 7]
+    want = values.to(getattr(torch, value_dtype)).float()
+    assert torch.equal(written, want)  # rounded to the wire dtype, nothing else
+    if compact and limit > 65536:
+        assert fmt.hi == limit // 65536
+
+
+def test_sixteen_bit_blocks_take_fewer_bytes():
+    wide = block_words(1000, LARGE, "float32", "int32")
+    assert wide == 1 + 2 * 1000
+    assert block_words(1000, LARGE, "float16", "auto") == 1 + LARGE // 65536 + 500 + 500
+    sent, kept = reduction_bytes(LARGE, 4000, 4, 1.0, "float16", "auto")
+    assert (sent, kept) == (4 * 4 * (1 + 3 + 500 + 500), 4 * (1 + 3 + 500 + 500))
+
+
+@pytest.mark.parametrize("parts", [2, 3, 4])
+@pytest.mark.parametrize("value_dtype", ["float16", "bfloat16"])
+def test_sixteen_bits_and_compact_offsets_are_exact_where_the_union_fits(parts, value_dtype):
+    per_rank = 64
+    inputs = [selection(r, parts, per_rank, 5, 80, size=LARGE) for r in range(parts)]
+    recs = run(
+        parts,
+        inputs,
+        per_rank,
+        per_rank * parts,
+        size=LARGE,
+        value_dtype=value_dtype,
+        coding="auto",
+    )
+    red = recs[0][5]
+    assert red.sending.compact and red.sending.hi == 3 and red.gathered.narrow_values
+    want = sum(dense(*inputs[r], size=LARGE) for r in range(parts))
+    for out, _, bad, residual, _, _ in recs:
+        assert torch.equal(out, recs[0][0])
+        np.testing.assert_array_equal(out.double().numpy(), want)
+        assert not bad and not residual.any()
+
+
+@pytest.mark.parametrize("value_dtype", ["float16", "bfloat16"])
+def test_what_sixteen_bits_round_off_stays_in_the_residuals(value_dtype):
+    """Values and sums not representable in 16 bits, a float16 overflow, and
+    narrow blocks: over all ranks, the reduced message plus every residual is
+    exactly (to float32 rounding) every rank's selection."""
+    parts, per_rank = 3, 120
+    inputs = []
+    shared, _ = selection(0, parts, per_rank, 6, 128, size=LARGE)  # sums of 3 values each
+    for r in range(parts):
+        _, vals = selection(r, parts, per_rank, 6, 128, size=LARGE)
+        noise = torch.randn(128, generator=torch.Generator().manual_seed(r)) * 37.1
+        vals = torch.where(shared < LARGE, vals * 3.3 + noise, vals)
+        vals[0] = 1e6  # beyond float16: clipped, the rest stays behind
+        inputs.append((shared, vals))
+    recs = run(parts, inputs, 30, 25, size=LARGE, value_dtype=value_dtype, coding="auto")
+    total = recs[0][0].double().numpy().copy()
+    for _, _, _, residual, _, _ in recs:
+        assert residual[LARGE] == 0
+        total += residual[:LARGE].double().numpy()
+    want = sum(dense(*inputs[r], size=LARGE) for r in range(parts))
+    np.testing.assert_allclose(total, want, rtol=1e-6, atol=1e-3)
+    kept = recs[0][4].numpy()
+    assert 0 < kept.sum() <= recs[0][5].keep_width * parts  # 26: rounded up to even
+    # The rounding is real: some residual is non-zero where a sum was kept.
+    assert any(np.abs(r[3][:LARGE].numpy()[kept]).sum() > 0 for r in recs)
 
 
 # -- the exchange with transport="reduce" (in-process ranks) ---------------------------
@@ -299,12 +410,26 @@ from conftest import ROOT, horovodrun, load_ranks  # noqa: E402
 
 
 @pytest.mark.parametrize("backend,ranks", [("gloo", 3), ("mpi", 2), ("gloo", 4)])
-def test_real_ranks_with_the_reduction_hold_the_same_parameters(backend, ranks, tmp_path):
+def test_real_ranks_with_the_reduction_hold_the_same_parameters(
+    backend, ranks, tmp_path, monkeypatch
+):
+    """Every step bit-identical on every rank (float32 and float16 on the
+    wire); a resumed run equals the uninterrupted one; different widths on
+    different ranks are refused on every rank. Without tensor fusion: which
+    dense tensors Horovod fuses into one ring allreduce depends on timing, and
+    at 3 or more ranks where an element falls in the ring decides the order
+    of its sum (the ranks agree, two runs may not)."""
+    monkeypatch.setenv("HOROVOD_FUSION_THRESHOLD", "0")
     worker = ROOT / "tests" / "parallel" / "reduce_worker.py"
     horovodrun(backend, ranks, [worker, tmp_path, 0.05], timeout=240)
     got = load_ranks(tmp_path, ranks)
     for r in got[1:]:
         assert r["dlgs"] == got[0]["dlgs"]  # every step, bit for bit
+        assert r["float16"] == got[0]["float16"]
+    for r in got:
+        assert r["resumed"] == r["straight"], f"rank {r['rank']}: the resumed run differs"
+        assert r["mismatch"] and "reduce_width" in r["mismatch"], r["mismatch"]
+    assert got[0]["float16"] != got[0]["dlgs"]  # float16 did change the wire
     assert all(np.isfinite(r["losses"]).all() for r in got)
     assert "sparse" in got[0]["describe"], got[0]["describe"]
 
@@ -328,8 +453,140 @@ def test_each_owner_keeps_its_largest_sums():
     )
     none = (torch.full((48,), SIZE, dtype=torch.int64), torch.zeros(48))
     recs = run(2, [mine, none], send_width=40, keep_width=5)
-    out, counts, _, residual, kept = recs[0]
+    out, counts, _, residual, kept, _ = recs[0]
     largest = idx[np.argsort(-np.abs(vals))[:5]]
     assert sorted(np.flatnonzero(kept.numpy())) == sorted(largest)
     np.testing.assert_array_equal(out[largest].numpy(), vals[np.argsort(-np.abs(vals))[:5]])
     assert int((residual != 0).sum()) == 35 and int(counts[0]) == 5
+
+
+# -- balance, 16-bit exchange, resume, bytes (in-process ranks) ---------------------------
+
+MERGED = [[0, 2, 3], [1]]  # one sparse message of 11,501 elements
+
+
+def skewed(rank, step):
+    """Most of layer w1's large entries in its first 600 elements: the first
+    of three even regions would take most of every rank's selection."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    out = [torch.randn(n, generator=g) for _, n in LAYERS]
+    out[0][:600] *= 50
+    return out
+
+
+def test_regions_move_to_where_the_ranks_select():
+    """Blocks wide enough for the union of the selections where the regions
+    share it equally: after the first step's balance the owners keep (almost)
+    all of it, where before the first owner's block overflowed."""
+    cfg = SparsityConfig(
+        density=0.02, min_sparse_size=1000, transport="reduce", reduce_width=3.0, controller="topk"
+    )
+
+    def record(rank, ex, out):
+        back = sum(int((v != 0).sum()) for v in ex.returned().values())
+        return list(ex.transport.reductions[0].bounds), back, ex.transport.rebalances
+
+    recs = exchange_run(3, cfg, skewed, 3, record, MERGED)
+    for r in range(3):
+        assert [s[0] for s in recs[r]] == [s[0] for s in recs[0]]  # the same bounds everywhere
+        assert recs[r][-1][2] == 1  # balanced once, after the first step
+    bounds = recs[0][0][0]
+    assert bounds[1] < 600 < 11501 // 3, bounds  # the crowded start cut into smaller regions
+    first, later = recs[0][0][1], recs[0][2][1]
+    assert later < first / 2, (first, later)  # fewer entries held back for a full block
+
+
+def test_a_sixteen_bit_exchange_loses_nothing_over_the_ranks():
+    """float16 on the wire: every rank's gradient over 4 steps is in the
+    outputs or in some rank's residual (a sender's rounding in its own, an
+    owner's in the owner's); the same bits on every rank."""
+    cfg = SparsityConfig(
+        density=0.02, min_sparse_size=1000, transport="reduce", value_dtype="float16"
+    )
+    parts, steps = 3, 4
+
+    def record(rank, ex, out):
+        res = {
+            i: la.residual[: la.numel].double().numpy().copy()
+            for i, la in enumerate(ex.layers)
+            if la.residual is not None
+        }
+        return flat_out(out), res
+
+    recs = exchange_run(parts, cfg, skewed, steps, record, MERGED)
+    offsets = np.cumsum([0] + [n for _, n in LAYERS])
+    for s in range(steps):
+        for r in range(1, parts):
+            assert torch.equal(recs[r][s][0], recs[0][s][0])
+    for i in sorted(recs[0][-1][1]):
+        n = LAYERS[i][1]
+        outs = sum(
+            recs[0][s][0][offsets[i] : offsets[i] + n].double().numpy() for s in range(steps)
+        )
+        held = sum(recs[r][-1][1][i] for r in range(parts))
+        given = sum(skewed(r, s)[i].double().numpy() for r in range(parts) for s in range(steps))
+        np.testing.assert_allclose(outs + held, given, rtol=0, atol=2e-3)
+
+
+def test_a_resumed_reduction_goes_on_with_the_saved_regions():
+    """Saved after 3 steps (the regions balanced at the first), resumed in
+    fresh exchanges on every rank: the next 3 steps are the uninterrupted
+    run's, bit for bit; without the saved regions they are not."""
+    import copy
+
+    cfg = SparsityConfig(density=0.02, min_sparse_size=1000, transport="reduce", reduce_width=1.0)
+    states = {}
+
+    def record(rank, ex, out):
+        if ex.step == 3:
+            states[rank] = copy.deepcopy(ex.state_dict())
+        return flat_out(out)
+
+    straight = exchange_run(3, cfg, skewed, 6, record, MERGED)
+
+    def resumed(drop_regions):
+        world = InProcessWorld(3, timeout=60.0)
+
+        def make(rank):
+            ex = SparseExchange(OPS, TorchComm(world, rank), cfg, LAYERS, average=False)
+            state = copy.deepcopy(states[rank])
+            if drop_regions:
+                state["regions"] = None
+            ex.load_state_dict(state, torch.zeros(1))
+            return ex
+
+        return world.run_steps(
+            make, lambda r, s: skewed(r, s + 3), 3, lambda r, ex, out: flat_out(out)
+        )
+
+    again = resumed(False)
+    for r in range(3):
+        assert all(torch.equal(a, b) for a, b in zip(again[r], straight[r][3:]))
+    other = resumed(True)
+    assert not all(torch.equal(a, b) for a, b in zip(other[0], straight[0][3:]))
+
+
+def test_wire_bytes_count_the_reductions_blocks():
+    """Four ranks put four blocks into the alltoall and one into the
+    allgather per message; the message (under 65,536 elements) takes 16-bit
+    offsets with the default coding, int32 ones with ``index_coding="int32"``."""
+    base = dict(density=0.02, min_sparse_size=1000, transport="reduce")
+
+    def record(rank, ex, out):
+        caps = [g.layout.total_capacity for g in ex.groups if g.sparse]
+        return ex.wire_bytes(), caps
+
+    def measure(**options):
+        return exchange_run(4, SparsityConfig(**base, **options), skewed, 1, record, MERGED)[0][0]
+
+    (auto, (cap,)), (wide, _), (half, _) = (
+        measure(),
+        measure(index_coding="int32"),
+        measure(value_dtype="float16"),
+    )
+    dense = 4 * LAYERS[1][1]
+    w = int(np.ceil(1.25 * cap / 4))  # the default width
+    even = w + w % 2
+    assert wide == dense + 4 * 5 * (1 + w + w)
+    assert auto == dense + 4 * 5 * (1 + even // 2 + even)
+    assert half == dense + 4 * 5 * (1 + even // 2 + even // 2)

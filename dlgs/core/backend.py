@@ -159,10 +159,17 @@ class ArrayOps(Protocol):
         """``dst[idx[i]] = src[i]`` (``idx`` unique, except a slot whose value
         is never read)."""
 
-    def add_unkept_(self, dst: T, idx: T, vals: T, kept: T, slots: T, sent_below: int) -> T:
+    def add_unkept_(
+        self, dst: T, idx: T, vals: T, sent: T, kept: T, slots: T, sent_below: int
+    ) -> T:
         """``dst[idx[i]] += vals[i]`` where entry ``i`` was not both sent
-        (``slots[i] < sent_below``) and kept (``kept[idx[i]]``, a bool vector);
-        ``idx`` unique except a padding slot whose values are 0."""
+        (``slots[i] < sent_below``) and kept (``kept[idx[i]]``, a bool
+        vector), else ``vals[i] - sent[i]`` (what rounding to the wire dtype
+        took; ``sent`` may be ``vals``); ``idx`` unique except a padding slot
+        whose values are 0."""
+
+    def add_high16_(self, out: T, low: T, high: T) -> T:
+        """``out = low + 65536 * high`` into an int32 ``out`` (integer inputs)."""
 
     def mul_(self, x: T, factor: float) -> T:
         """``x *= factor``; with ``factor == 0`` every element becomes 0, NaN and

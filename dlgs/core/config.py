@@ -184,10 +184,19 @@ class SparsityConfig:
             received per rank. ``"reduce"``: a sparse reduction by regions
             (:mod:`dlgs.core.reduction`): each rank sends the entries of each
             of ``P`` regions to its owner, the owners sum them and every rank
-            gathers the sums, about ``4 k`` values per rank whatever ``P``
-            is; what a rank could not send or an owner did not keep goes back
-            into that rank's residual. Two collectives per message instead of
-            one; PyTorch only so far, without momentum correction.
+            gathers the sums, about ``2 reduce_width k`` entries sent and
+            as many received per rank whatever ``P`` is, in the message's
+            value dtype and with 16-bit offsets where smaller; what a rank
+            could not send or an owner did not keep goes back into that
+            rank's residual. Two collectives per message instead of one;
+            PyTorch only so far, without momentum correction.
+        reduce_width: With ``transport="reduce"``, each block's entries as a
+            multiple of the message's capacity over the ranks, in [0.25, 64]:
+            each rank sends each owner at most ``reduce_width * cap / P``
+            entries and each owner keeps that many sums (its share of a
+            top-k of ``reduce_width * cap``). Wider sends more bytes and
+            holds back less (entries past a crowded region's block, sums an
+            owner could not keep); narrower the reverse.
     """
 
     density: Union[float, str] = 0.01
@@ -208,6 +217,7 @@ class SparsityConfig:
     index_coding: IndexCoding = IndexCoding.AUTO
     kernels: str = "auto"
     transport: str = "allgather"
+    reduce_width: float = 1.25
 
     def __post_init__(self) -> None:
         if not (isinstance(self.density, str) and self.density == "auto"):
@@ -246,6 +256,7 @@ class SparsityConfig:
                 f"be 0 with it, got {self.momentum!r}"
             )
         check_float("max_ratio", self.max_ratio, low=1.0, high=16.0)
+        check_float("reduce_width", self.reduce_width, low=0.25, high=64.0)
         check_int("min_sparse_size", self.min_sparse_size, 1)
         check_int("anchor_every", self.anchor_every, 0)
         check_int("warmup_steps", self.warmup_steps, 0)

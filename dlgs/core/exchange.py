@@ -200,7 +200,7 @@ class SparseExchange:
         # with the non-finite verdict) and each target k + 1.
         self._bank: Optional[ControllerBank] = None
         # How sparse messages travel and come back summed (dlgs.core.transport).
-        self._transport: Transport = make_transport(config.transport, ops, comm, config.value_dtype)
+        self._transport: Transport = make_transport(config, ops, comm)
         # Sparse layers in the transport's member order (its flags and count words).
         self._sparse_members: List[int] = []
         self._submitted: set = set()
@@ -248,6 +248,12 @@ class SparseExchange:
 
     def index(self, name: str) -> int:
         return self._index[name]
+
+    @property
+    def transport(self) -> Transport:
+        """How the sparse messages travel (:mod:`dlgs.core.transport`); for
+        reading (its bounds, counters), never for issuing collectives."""
+        return self._transport
 
     @property
     def last_step_finite(self) -> bool:
@@ -897,7 +903,7 @@ class SparseExchange:
         group = self._groups[message.index] if isinstance(message, MessageInfo) else message
         if group.sparse:
             assert group.layout is not None
-            return 4 * group.layout.chunk_words
+            return self._transport.message_bytes(group.layout)
         return 4 * sum(self._layers[i].numel for i in group.members)
 
     def wire_bytes(self) -> int:
@@ -954,6 +960,7 @@ class SparseExchange:
             },
             "auto_density": self._auto_density,
             "auto_layers": None if self._auto_layers is None else list(self._auto_layers),
+            "regions": self._transport.state(),
         }
 
     def load_state_dict(self, state: Dict[str, Any], like: Any) -> None:
@@ -1029,6 +1036,7 @@ class SparseExchange:
         # With auto_layers turned off since, one density for every layer.
         per_layer = self.config.auto and self.config.auto_layers
         self._auto_layers = auto_layers if per_layer else None
+        self._transport.load_state(state.get("regions"))
         try:
             for hook in self.step_hooks:
                 if hasattr(hook, "load_state_dict"):

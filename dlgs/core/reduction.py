@@ -28,24 +28,69 @@ A non-finite value anywhere makes the message non-finite on every rank: a
 rank's blocks carry a flag word (-1), the owners pass it on in their count
 word, and :meth:`SparseReduction.unpack` reports it.
 
-Region bounds balance the entries kept per owner: :func:`balanced_bounds`
-from a histogram every rank holds alike (the assembled indices), so every
-rank computes the same bounds.
+Region bounds balance the entries selected per owner: every
+``rebalance_every`` steps the ranks allgather how their selections fall into
+bins of each message, and every rank cuts the same :func:`balanced_bounds`
+from the sum (:class:`ReducingTransport`). The bounds are part of the state
+every rank shares, so a resumed run goes on with them.
+
+Values travel in the message's value dtype in both phases and offsets as 16
+bits with block counts where smaller (:mod:`dlgs.core.blocks`); what rounding
+takes stays in a residual (a sender's values in its own, an owner's sums in
+the owner's), so error feedback still loses nothing.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any, List, Sequence, Tuple
 
-from .backend import ArrayOps
-from .wire import DevicePart, UnpackPlan, unpack
+import numpy as np
 
-__all__ = ["ReducingTransport", "SparseReduction", "balanced_bounds", "even_bounds"]
+from .backend import ArrayOps
+from .blocks import BlockFormat, block_words, compact_offsets, even_width
+from .config import IndexCoding, ValueDType
+from .wire import FLOAT16_MAX, DevicePart, UnpackPlan, unpack
+
+__all__ = [
+    "ReducingTransport",
+    "SparseReduction",
+    "balanced_bounds",
+    "block_width",
+    "even_bounds",
+    "reduction_bytes",
+]
+
+logger = logging.getLogger("dlgs.core.exchange")
 
 #: The smallest positive float32 (a subnormal): ``theta`` is raised to it, so
 #: that a zero sum is never kept.
 _TINY = math.ldexp(1.0, -149)
+
+
+def block_width(width: float, capacity: int, parts: int) -> int:
+    """Entries per block: ``width`` times a message's capacity over the ranks,
+    at least one."""
+    return max(1, math.ceil(width * capacity / parts))
+
+
+def reduction_bytes(
+    size: int,
+    capacity: int,
+    parts: int,
+    width: float,
+    value_dtype: ValueDType,
+    coding: IndexCoding,
+) -> Tuple[int, int]:
+    """Bytes one rank puts into a message's two collectives per step: its
+    ``parts`` blocks of the alltoall (``parts - 1`` of them cross its link)
+    and its block of the allgather (each other rank receives it). Pure
+    arithmetic, as :class:`ReducingTransport` lays the blocks out."""
+    w = block_width(width, capacity, parts)
+    return 4 * parts * block_words(w, size, value_dtype, coding), 4 * block_words(
+        w, size, value_dtype, coding
+    )
 
 
 def even_bounds(size: int, parts: int) -> List[int]:
@@ -99,9 +144,16 @@ class SparseReduction:
         send_width: entries a rank sends each owner per step at most.
         keep_width: entries an owner keeps per step at most.
         like: a tensor on the message's device.
+        value_dtype: the values' dtype in both phases. With a 16-bit dtype
+            what rounding takes goes back into a residual: a sender's into
+            its own (:meth:`return_unkept`), an owner's rounding of its sums
+            into the owner's.
+        coding: the offsets' coding (:func:`~dlgs.core.blocks.compact_offsets`):
+            ``int32``, or 16-bit with block counts where smaller.
 
-    Per step: :meth:`pack` this rank's selection into the alltoall's send
-    buffer; :meth:`reduce` what it received into this rank's block for the
+    Widths are rounded up to even where a part is 16-bit. Per step:
+    :meth:`pack` this rank's selection into the alltoall's send buffer;
+    :meth:`reduce` what it received into this rank's block for the
     allgather; :meth:`unpack` the gathered blocks into the reduced message;
     :meth:`return_unkept` into this rank's residual.
     """
@@ -115,41 +167,53 @@ class SparseReduction:
         send_width: int,
         keep_width: int,
         like: Any,
+        value_dtype: ValueDType = ValueDType.FLOAT32,
+        coding: IndexCoding = IndexCoding.INT32,
     ):
         if not 0 <= rank < parts:
             raise ValueError(f"rank must be in [0, {parts}), got {rank}")
         if send_width < 1 or keep_width < 1:
             raise ValueError(f"widths must be >= 1, got {send_width}, {keep_width}")
+        value_dtype = ValueDType(value_dtype)
         self.ops, self.size, self.parts, self.rank = ops, size, parts, rank
+        self.like, self.value_dtype = like, value_dtype
+        # Offsets reach ``size`` (the kept entries' padding) at most.
+        compact = compact_offsets(send_width, size, coding)
+        send_width = even_width(send_width, value_dtype, compact)
+        self.sending = BlockFormat(ops, parts, send_width, size, value_dtype, compact, like)
+        compact = compact_offsets(keep_width, size, coding)
+        keep_width = even_width(keep_width, value_dtype, compact)
+        self.keeping = BlockFormat(ops, 1, keep_width, size, value_dtype, compact, like)
+        self.gathered = BlockFormat(ops, parts, keep_width, size, value_dtype, compact, like)
         self.send_width, self.keep_width = send_width, keep_width
-        self.like = like
-        #: Words per block sent to one owner: offsets, value bits, flag.
-        self.send_words = 2 * send_width + 1
-        #: Words of an owner's block in the allgather: indices, value bits, count.
-        self.keep_words = 2 * keep_width + 1
+        #: int32 words per block sent to one owner, and of an owner's block.
+        self.send_words, self.keep_words = self.sending.words, self.keeping.words
         self.send = ops.zeros(parts * self.send_words, "int32", like)
         self.block = ops.zeros(self.keep_words, "int32", like)
         self.out = ops.zeros(size + 1, "float32", like)  # the last slot: padding
         self.kept = ops.zeros(size + 1, "bool", like)
         self._none_kept = ops.zeros(size + 1, "bool", like)
         # Reused every step: phase 1's staging (one more slot: where unsent
-        # entries land), the received offsets / values / flags, the gathered
-        # indices / values / counts.
-        cells, kcells = parts * send_width, parts * keep_width
+        # entries land), the owner's region (at most the message, one more
+        # slot: the padding), the gathered indices.
+        cells = parts * send_width
         self._stage_idx = ops.zeros(cells + 1, "int32", like)
         self._stage_val = ops.zeros(cells + 1, "float32", like)
-        self._offsets = ops.zeros(cells, "int32", like)
-        self._values = ops.zeros(cells, "int32", like)
-        self._flags = ops.zeros(parts, "int32", like)
-        self._idx32 = ops.zeros(kcells, "int32", like)
-        self._bits = ops.zeros(kcells, "int32", like)
-        self._counts = ops.zeros(parts, "int32", like)
+        self._wired = ops.zeros(cells + 1, "float32", like) if self.sending.narrow_values else None
+        self._region_all = ops.zeros(size + 1, "float32", like)
+        self._abs_all = ops.zeros(size + 1, "float32", like)
+        self._mask_all = ops.zeros(size + 1, "bool", like)
+        self._idx = ops.zeros(parts * keep_width, "int64", like)
+        self._owner_err = ops.zeros(keep_width, "float32", like)
+        self._owner_idx = ops.zeros(keep_width, "int32", like)
         self._pad = ops.index_vector([size], like)
         self.bounds: List[int] = []
         self.set_bounds(even_bounds(size, parts))
         self._slots: Any = None  # this step's pack(): each entry's slot
-        self._idx: Any = None
-        self._vals: Any = None
+        self._sel_idx: Any = None
+        self._sel_vals: Any = None
+        self._sel_sent: Any = None
+        self._owner_kept: Any = None
 
     # -- regions ----------------------------------------------------------------
     def set_bounds(self, bounds: Sequence[int]) -> None:
@@ -162,22 +226,26 @@ class SparseReduction:
                 f"bounds must be {self.parts + 1} strictly ascending ints from 0 to "
                 f"{self.size}, got {bounds[:8]}"
             )
-        ops, like = self.ops, self.like
+        ops, like, kw = self.ops, self.like, self.keep_width
         self.bounds = bounds
         self._bounds = ops.index_vector(bounds, like)
         lo, hi = bounds[self.rank], bounds[self.rank + 1]
         self.region = hi - lo
-        self._region = ops.zeros(self.region + 1, "float32", like)  # + padding slot
-        self._mask = ops.zeros(self.region + 1, "bool", like)
+        self._region = ops.narrow(self._region_all, 0, 0, self.region + 1)  # + padding slot
+        self._mask = ops.narrow(self._mask_all, 0, 0, self.region + 1)
+        self._abs = ops.narrow(self._abs_all, 0, 0, self.region + 1)
         self._region_pad = ops.index_vector([self.region], like)
-        self._abs = ops.zeros(self.region + 1, "float32", like)
         # Unused send slots point at each owner's padding slot (its region's size).
         self._send_pad = ops.index_vector(
             [bounds[r + 1] - bounds[r] for r in range(self.parts) for _ in range(self.send_width)],
             like,
         )
         # Kept-index padding: the message's padding slot, ``size``, once offset.
-        self._keep_pad = ops.index_vector([self.size - lo] * self.keep_width, like)
+        self._keep_pad = ops.index_vector([self.size - lo] * kw, like)
+        # Each owner's offsets back to message indices.
+        self._starts = ops.index_vector(
+            [bounds[r] for r in range(self.parts) for _ in range(kw)], like
+        )
 
     # -- one step ---------------------------------------------------------------
     def pack(self, idx: Any, vals: Any, flag: Any) -> Any:
@@ -185,20 +253,21 @@ class SparseReduction:
         entries (``idx`` ascending message indices, padded with ``size``;
         ``vals`` float32) by region, and the flag word in each block (the
         selection's count, -1 where something was non-finite)."""
-        ops, w, parts = self.ops, self.send_width, self.parts
-        slots, local = ops.region_slots(idx, self._bounds, w)
-        rows = ops.reshape(self.send, (parts, self.send_words))
-        offsets = ops.narrow(rows, 1, 0, w)
-        values = ops.narrow(rows, 1, w, w)
+        ops, cells = self.ops, self.parts * self.send_width
+        slots, local = ops.region_slots(idx, self._bounds, self.send_width)
         stage_idx, stage_val = self._stage_idx, ops.mul_(self._stage_val, 0.0)
-        ops.copy_(ops.narrow(stage_idx, 0, 0, parts * w), self._send_pad)
+        ops.copy_(ops.narrow(stage_idx, 0, 0, cells), self._send_pad)
         ops.scatter_(stage_idx, slots, local)
         ops.scatter_(stage_val, slots, vals)
-        ops.copy_(offsets, ops.reshape(ops.narrow(stage_idx, 0, 0, parts * w), (parts, w)))
-        bits = ops.view_as(ops.narrow(stage_val, 0, 0, parts * w), "int32")
-        ops.copy_(values, ops.reshape(bits, (parts, w)))
-        ops.copy_(ops.narrow(rows, 1, 2 * w, 1), flag)
-        self._slots, self._idx, self._vals = slots, idx, vals
+        values = ops.narrow(stage_val, 0, 0, cells)
+        if self.value_dtype is ValueDType.FLOAT16:
+            values = ops.clamp(values, -FLOAT16_MAX, FLOAT16_MAX)
+        written = self.sending.write(self.send, ops.narrow(stage_idx, 0, 0, cells), values, flag)
+        sent = vals
+        if self._wired is not None:  # each entry's value as sent (0 where not sent)
+            ops.copy_(ops.narrow(self._wired, 0, 0, cells), written)
+            sent = ops.take(self._wired, slots)
+        self._slots, self._sel_idx, self._sel_vals, self._sel_sent = slots, idx, vals, sent
         return self.send
 
     def reduce(self, received: Any, theta: Any) -> Any:
@@ -208,15 +277,10 @@ class SparseReduction:
         smallest kept magnitude in index order). Returns this rank's block for
         the allgather (its count word: the sums at or above the magnitude
         kept)."""
-        ops, w, parts, kw = self.ops, self.send_width, self.parts, self.keep_width
-        rows = ops.reshape(received, (parts, self.send_words))
-        offsets, values, flags = self._offsets, self._values, self._flags
-        ops.copy_(ops.reshape(offsets, (parts, w)), ops.narrow(rows, 1, 0, w))
-        ops.copy_(ops.reshape(values, (parts, w)), ops.narrow(rows, 1, w, w))
-        ops.copy_(ops.reshape(flags, (parts, 1)), ops.narrow(rows, 1, 2 * w, 1))
+        ops, parts, kw = self.ops, self.parts, self.keep_width
+        offsets, values, flags = self.sending.read(received)
         region = ops.mul_(self._region, 0.0)
-        idx = ops.cast(offsets, "int64")
-        ops.index_add_rows_(region, idx, ops.view_as(values, "float32"), 1.0, parts)
+        ops.index_add_rows_(region, ops.cast(offsets, "int64"), values, 1.0, parts)
         ops.abs_(region, self._abs)
         # The owner's share of a top-k: its keep_width largest sums (and none
         # below theta, none zero).
@@ -226,13 +290,19 @@ class SparseReduction:
         ops.fill_at_(self._mask, self._region_pad, 0.0)
         count = ops.count_nonzero(self._mask)
         kept = ops.nonzero_static(self._mask, kw, self.region)
-        sums = ops.take(region, kept)
+        exact = sums = ops.take(region, kept)
+        if self.value_dtype is ValueDType.FLOAT16:
+            sums = ops.clamp(sums, -FLOAT16_MAX, FLOAT16_MAX)
         bad = ops.any_negative_rows(flags, parts)
-        global_idx = ops.where_below(kept, self.region, self._keep_pad)
-        ops.add_offset_(ops.narrow(self.block, 0, 0, kw), global_idx, self.bounds[self.rank])
-        ops.copy_(ops.narrow(self.block, 0, kw, kw), ops.view_as(sums, "int32"))
+        local = ops.where_below(kept, self.region, self._keep_pad)
         word = ops.count_or_flag(count, _none(ops, bad))
-        ops.copy_(ops.narrow(self.block, 0, 2 * kw, 1), word)
+        written = self.keeping.write(self.block, local, sums, word)
+        self._owner_kept = None
+        if written is not exact:
+            # What clipping and rounding took from the sums stays with the
+            # owner (its residual less written - sum).
+            ops.scale_add_(ops.copy_(self._owner_err, exact), -1.0, written)
+            self._owner_kept = ops.add_offset_(self._owner_idx, local, self.bounds[self.rank])
         return self.block
 
     def unpack(self, gathered: Any, scale: float) -> Tuple[Any, Any, Any]:
@@ -242,15 +312,11 @@ class SparseReduction:
         owner's count word (its entries at or above ``theta``, -1 where some
         rank was non-finite), ``bad`` a 0-d bool. Marks the kept indices for
         :meth:`return_unkept`."""
-        ops, kw, parts = self.ops, self.keep_width, self.parts
-        rows = ops.reshape(gathered, (parts, self.keep_words))
-        idx32, bits, counts = self._idx32, self._bits, self._counts
-        ops.copy_(ops.reshape(idx32, (parts, kw)), ops.narrow(rows, 1, 0, kw))
-        ops.copy_(ops.reshape(bits, (parts, kw)), ops.narrow(rows, 1, kw, kw))
-        ops.copy_(ops.reshape(counts, (parts, 1)), ops.narrow(rows, 1, 2 * kw, 1))
-        idx = ops.cast(idx32, "int64")
+        ops, parts = self.ops, self.parts
+        offsets, values, counts = self.gathered.read(gathered)
+        idx = ops.add_indices(offsets, self._starts, self._idx)
         out = ops.mul_(self.out, 0.0)
-        ops.index_add_rows_(out, idx, ops.view_as(bits, "float32"), scale, parts)
+        ops.index_add_rows_(out, idx, values, scale, parts)
         kept = ops.copy_(self.kept, self._none_kept)
         ops.fill_at_(kept, idx, 1.0)
         ops.fill_at_(kept, self._pad, 0.0)
@@ -260,10 +326,27 @@ class SparseReduction:
     def return_unkept(self, residual: Any) -> Any:
         """Add back into ``residual`` (the message's ``size + 1`` residual
         slots, the last the padding) what this rank selected in the last
-        :meth:`pack` but did not send or the owners did not keep."""
-        return self.ops.add_unkept_(
-            residual, self._idx, self._vals, self.kept, self._slots, self.parts * self.send_width
+        :meth:`pack` but did not send or the owners did not keep, what
+        rounding to the wire dtype took from what it sent, and (as an owner)
+        what rounding took from the sums it kept."""
+        ops = self.ops
+        ops.add_unkept_(
+            residual,
+            self._sel_idx,
+            self._sel_vals,
+            self._sel_sent,
+            self.kept,
+            self._slots,
+            self.parts * self.send_width,
         )
+        if self._owner_kept is not None:
+            ops.sub_at_(residual, ops.cast(self._owner_kept, "int64"), self._owner_err)
+        return residual
+
+    def selected_below(self, edges: Any, out: Any) -> Any:
+        """How many entries of the last :meth:`pack`'s selection lie below each
+        of ``edges`` (ascending), into the int32 ``out``."""
+        return self.ops.count_below_(out, self._sel_idx, edges)
 
 
 def _none(ops: ArrayOps, flags: Any) -> Any:
@@ -286,20 +369,53 @@ class ReducingTransport:
     :meth:`returned` afterwards, by member, for the exchange to add back into
     its residuals.
 
-    ``width``: each block's entries as a multiple of a message's capacity
-    divided by the ranks (at least one): a rank sends ``P`` blocks and
-    receives ``P`` blocks of about ``width * capacity / P`` entries, so its
-    bytes do not grow with ``P``. Each owner keeps its largest sums, up to its
-    block (its share of a top-k; no threshold agreed across owners yet).
-
-    The collectives need ``alltoall_async(tensor, name)`` (equal splits) and
-    ``allgather_async``.
+    Args:
+        ops: the framework's array operations.
+        comm: the collectives; they need ``alltoall_async(tensor, name)``
+            (equal splits) and ``allgather_async``.
+        value_dtype: the values' dtype on the wire, in both phases.
+        width: each block's entries as a multiple of a message's capacity
+            divided by the ranks: a rank sends ``P`` blocks and receives
+            ``P`` blocks of about ``width * capacity / P`` entries, so its
+            bytes do not grow with ``P``. Each owner keeps its largest sums,
+            up to its block: its share of a top-k of ``width * capacity``.
+        coding: the offsets' coding (int32, or 16-bit where smaller).
+        rebalance_every: every this many steps of a layout (the first
+            included) the ranks allgather how their selections fall into
+            ``bins`` equal bins of each message, and every rank moves the
+            region bounds so that each owner gets an equal share
+            (:func:`balanced_bounds`; one host read then, none otherwise).
+        bins: bins per region for the balance (at most the message's size).
     """
 
     name = "reduce"
 
-    def __init__(self, ops: ArrayOps, comm: Any, value_dtype: Any, width: float = 2.0):
+    def __init__(
+        self,
+        ops: ArrayOps,
+        comm: Any,
+        value_dtype: Any,
+        width: float = 1.25,
+        coding: IndexCoding = IndexCoding.AUTO,
+        rebalance_every: int = 100,
+        bins: int = 64,
+    ):
+        if not width > 0:
+            raise ValueError(f"width must be > 0, got {width}")
+        if rebalance_every < 1 or bins < 1:
+            raise ValueError(
+                f"rebalance_every and bins must be >= 1, got {rebalance_every}, {bins}"
+            )
         self.ops, self.comm, self.value_dtype, self.width = ops, comm, value_dtype, width
+        self.coding, self.rebalance_every, self.bins = coding, rebalance_every, bins
+        self.steps = 0  # steps of the current layout
+        #: Region bounds moved so far, over the transport's life.
+        self.rebalances = 0
+        self._edges: List[Any] = []
+        self._edges_host: List[List[int]] = []
+        self._selected: Any = None
+        self._selected_views: List[Any] = []
+        self._pending: Any = None  # a loaded state(), for the next layout()
         self.layouts: List[Any] = []
         self.reductions: List[SparseReduction] = []
         self.counts: Any = None
@@ -319,14 +435,21 @@ class ReducingTransport:
         self.counts = self.bad = None
         self.reductions, self._decoders, self._returns = [], [], []
         self._firsts, self._returned = [], []
+        self._edges, self._edges_host, self._selected_views = [], [], []
+        self.steps = 0
         self._own = [None] * len(layouts)
         self._names = [""] * len(layouts)
         outputs = []
         for layout in self.layouts:
             dense = layout.dense_size
             cap = layout.total_capacity
-            width = max(1, math.ceil(self.width * cap / size))
-            red = SparseReduction(ops, dense, size, rank, width, width, like)
+            width = block_width(self.width, cap, size)
+            red = SparseReduction(
+                ops, dense, size, rank, width, width, like, self.value_dtype, self.coding
+            )
+            edges = even_bounds(dense, min(dense, self.bins * size))[1:]
+            self._edges_host.append(edges)
+            self._edges.append(ops.index_vector(edges, like))
             plan = UnpackPlan.of([layout], 1)
             wide = "int64" if dense > 2**31 - 1 else "int32"
             self._decoders.append(
@@ -347,9 +470,44 @@ class ReducingTransport:
             members = list(zip(offsets, layout.sizes))
             outputs.append([ops.narrow(red.out, 0, o, n) for o, n in members])
             self._returned.append([ops.narrow(returns, 0, o, n) for o, n in members])
+        total = sum(len(e) for e in self._edges_host)
+        self._selected = ops.zeros(total, "int32", like) if total else None
+        at = 0
+        for edges in self._edges_host:
+            self._selected_views.append(ops.narrow(self._selected, 0, at, len(edges)))
+            at += len(edges)
         self._zero = ops.scalar(0.0, like)
         self._tiny = ops.scalar(_TINY, like)
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._restore(pending)
         return outputs
+
+    def state(self) -> Any:
+        """The region bounds in force (every rank holds the same) and the
+        layout's step count (when the next balance falls due)."""
+        if not self.reductions:
+            return None
+        return {"bounds": [list(r.bounds) for r in self.reductions], "steps": self.steps}
+
+    def load_state(self, state: Any) -> None:
+        self._pending = state
+
+    def _restore(self, state: Any) -> None:
+        bounds = state.get("bounds") if isinstance(state, dict) else None
+        fits = (
+            isinstance(bounds, list)
+            and len(bounds) == len(self.reductions)
+            and all(
+                len(b) == r.parts + 1 and b[-1] == r.size for r, b in zip(self.reductions, bounds)
+            )
+        )
+        if not fits:
+            logger.info("dlgs: the saved region bounds are for other messages; balancing afresh")
+            return
+        for red, b in zip(self.reductions, bounds or []):
+            red.set_bounds(b)
+        self.steps = int(state.get("steps", 0))
 
     def start(self, message: int, chunk: Any, name: str) -> Any:
         """Decode this rank's chunk of sparse message ``message`` and send its
@@ -391,11 +549,45 @@ class ReducingTransport:
         # A message non-finite on some rank reads NaN in every member, everywhere.
         for red, firsts, flag in zip(self.reductions, self._firsts, flags):
             ops.nan_at_(red.out, firsts, flag)
+        if self.steps % self.rebalance_every == 0 and self.comm.size > 1 and self.reductions:
+            self._rebalance()
+        self.steps += 1
         return self.bad
+
+    def _rebalance(self) -> None:
+        """Every rank's selection by bin (one allgather of counts, one host
+        read), summed; every rank sets the same balanced bounds from it."""
+        ops = self.ops
+        for red, edges, out in zip(self.reductions, self._edges, self._selected_views):
+            red.selected_below(edges, out)
+        handle = self.comm.allgather_async(self._selected, "dlgs.reduce.balance")
+        cumulative = ops.to_host(self.comm.synchronize(handle))
+        cumulative = np.asarray(cumulative, np.int64).reshape(self.comm.size, -1).sum(axis=0)
+        at = 0
+        for red, edges in zip(self.reductions, self._edges_host):
+            cum = cumulative[at : at + len(edges)]
+            at += len(edges)
+            counts = np.diff(cum, prepend=0)
+            bounds = balanced_bounds(counts.tolist(), [0] + edges, red.parts)
+            if bounds != red.bounds:
+                red.set_bounds(bounds)
+                self.rebalances += 1
 
     def own_counts(self, words: Any, rank: int, size: int) -> Any:
         """This rank's count words from the host copy of :attr:`counts`."""
         return words
+
+    def message_bytes(self, layout: Any) -> int:
+        """Bytes this rank puts into a message's alltoall and allgather."""
+        sent, kept = reduction_bytes(
+            layout.dense_size,
+            layout.total_capacity,
+            self.comm.size,
+            self.width,
+            self.value_dtype,
+            self.coding,
+        )
+        return sent + kept
 
     def returned(self) -> List[List[Any]]:
         """Per message, per member: what goes back into its residual this step

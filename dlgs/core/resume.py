@@ -45,7 +45,7 @@ __all__ = [
 logger = logging.getLogger("dlgs.core.exchange")
 
 #: The keys of an exchange's ``state_dict()`` that every rank must agree on.
-SHARED_KEYS = ("step", "plan", "hooks", "auto_density", "auto_layers")
+SHARED_KEYS = ("step", "plan", "hooks", "auto_density", "auto_layers", "regions")
 
 
 def shared(state: Dict[str, Any]) -> Dict[str, Any]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any, List, Protocol, Sequence
 
 from .backend import ArrayOps
-from .config import ValueDType
+from .config import SparsityConfig, ValueDType
 from .wire import DevicePart, GroupLayout, UnpackPlan, unpack
 
 __all__ = ["FlatTransport", "Transport", "MAX_MESSAGE_ELEMENTS"]
@@ -54,6 +54,19 @@ class Transport(Protocol):
     def own_counts(self, words: Any, rank: int, size: int) -> Any:
         """This rank's count words (one per sparse member, message order) from
         the host copy of :attr:`counts`."""
+
+    def message_bytes(self, layout: GroupLayout) -> int:
+        """Bytes this rank puts into the collectives of a sparse message of
+        ``layout`` per step (at capacity; pure arithmetic)."""
+
+    def state(self) -> Any:
+        """What every rank holds alike and a resumed run needs to go on as the
+        uninterrupted one would (plain data, None where nothing): saved with
+        the exchange's shared state."""
+
+    def load_state(self, state: Any) -> None:
+        """Put a :meth:`state` in force from the next :meth:`layout` of the
+        same messages on (ignored where they differ)."""
 
     def returned(self) -> List[List[Any]]:
         """After :meth:`finish`: per message, per member, what goes back into
@@ -121,6 +134,15 @@ class FlatTransport:
     def returned(self) -> List[List[Any]]:
         return []  # an allgather sends every selected value
 
+    def message_bytes(self, layout: GroupLayout) -> int:
+        return 4 * layout.chunk_words
+
+    def state(self) -> Any:
+        return None
+
+    def load_state(self, state: Any) -> None:
+        pass
+
     def finish(self, handles: Sequence[Any], verify: Sequence[bool], scale: Any) -> Any:
         ops = self.ops
         gathered = []
@@ -146,13 +168,14 @@ class FlatTransport:
         return self.bad
 
 
-def make_transport(kind: str, ops: ArrayOps, comm: Any, value_dtype: ValueDType) -> Transport:
-    """The transport of ``SparsityConfig.transport``: ``"allgather"``
+def make_transport(config: SparsityConfig, ops: ArrayOps, comm: Any) -> Transport:
+    """The transport of ``config.transport``: ``"allgather"``
     (:class:`FlatTransport`) or ``"reduce"``
     (:class:`~dlgs.core.reduction.ReducingTransport`, which needs the
-    collectives' ``alltoall_async``)."""
+    collectives' ``alltoall_async``), in ``config``'s wire formats."""
+    kind = config.transport
     if kind == "allgather":
-        return FlatTransport(ops, comm, value_dtype)
+        return FlatTransport(ops, comm, config.value_dtype)
     if kind == "reduce":
         if not callable(getattr(comm, "alltoall_async", None)):
             raise ValueError(
@@ -161,5 +184,7 @@ def make_transport(kind: str, ops: ArrayOps, comm: Any, value_dtype: ValueDType)
             )
         from .reduction import ReducingTransport  # it builds on this module's protocol
 
-        return ReducingTransport(ops, comm, value_dtype)
+        return ReducingTransport(
+            ops, comm, config.value_dtype, config.reduce_width, config.index_coding
+        )
     raise ValueError(f"transport must be 'allgather' or 'reduce', got {kind!r}")

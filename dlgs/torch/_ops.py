@@ -173,10 +173,16 @@ class TorchOps:
     def scatter_(self, dst, idx, src):
         return dst.index_copy_(0, idx, src.to(dst.dtype) if src.dtype != dst.dtype else src)
 
-    def add_unkept_(self, dst, idx, vals, kept, slots, sent_below):
+    def add_unkept_(self, dst, idx, vals, sent, kept, slots, sent_below):
         keep = kept.index_select(0, idx) & torch.lt(slots, sent_below)
-        back = torch.where(keep, _const(0.0, vals.dtype, vals.device), vals)
+        if sent is vals:
+            back = torch.where(keep, _const(0.0, vals.dtype, vals.device), vals)
+        else:
+            back = torch.where(keep, vals - sent, vals)
         return dst.index_add_(0, idx, back.to(dst.dtype))
+
+    def add_high16_(self, out, low, high):
+        return torch.add(low, high.to(out.dtype), alpha=65536, out=out)
 
     def mul_(self, x, factor):
         return x.mul_(factor) if factor != 0.0 else x.zero_()

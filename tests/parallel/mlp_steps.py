@@ -51,10 +51,11 @@ def digest(model):
     return hashlib.sha256(flat.numpy().tobytes()).hexdigest()[:16]
 
 
-def train(model, opt, rank, steps=6):
-    """``steps`` steps on this rank's data; the digests and losses."""
+def train(model, opt, rank, steps=6, start=0):
+    """``steps`` steps on this rank's data from step ``start``; the digests
+    and losses."""
     digests, losses = [], []
-    for step in range(steps):
+    for step in range(start, start + steps):
         g = torch.Generator().manual_seed(100 * step + rank)
         x, y = torch.randn(16, 32, generator=g), torch.randint(0, 10, (16,), generator=g)
         loss = torch.nn.functional.cross_entropy(model(x), y)

@@ -2,14 +2,19 @@
 ``python reduce_worker.py OUT DENSITY``. The shared MLP (mlp_steps.py)
 trained 6 steps on per-rank data; each rank writes the digest of its
 parameters after every step, and at density 1.0 those of stock Horovod's
-optimizer on the same data."""
+optimizer on the same data. At other densities also: float16 on the wire; a
+checkpoint after 3 steps resumed in fresh objects on every rank, against the
+run going on; and ranks given different widths."""
 
+import io
 import json
 import sys
 
 import horovod.torch as hvd
 import torch
 from mlp_steps import dlgs_opts, horovod_opt, model_and_opt, train
+
+import dlgs
 
 out, density = sys.argv[1], float(sys.argv[2])
 hvd.init()
@@ -18,11 +23,39 @@ torch.set_num_threads(1)
 dlgs_opt = dlgs_opts(density, transport="reduce")
 
 
+def resume():
+    """Digests of steps 3-5: going on after a checkpoint at step 3, and
+    fresh objects that loaded it (every rank its own state). Layer-wise: a
+    planner's timed profile would make the two runs' plans differ."""
+    make = dlgs_opts(density, transport="reduce", merge="none")
+    model, opt = model_and_opt(make)
+    train(model, opt, rank, steps=3)
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    straight, _ = train(model, opt, rank, steps=3, start=3)
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=False)
+    model, opt = model_and_opt(make)
+    model.load_state_dict(ckpt["model"])
+    opt.load_state_dict(ckpt["opt"])
+    resumed, _ = train(model, opt, rank, steps=3, start=3)
+    return straight, resumed
+
+
 result = {"rank": rank}
 model, opt = model_and_opt(dlgs_opt)
 result["dlgs"], result["losses"] = train(model, opt, rank)
 result["describe"] = opt.dlgs.describe()
 if density == 1.0:
     result["horovod"], _ = train(*model_and_opt(horovod_opt), rank)
+else:
+    half = dlgs_opts(density, transport="reduce", value_dtype="float16")
+    result["float16"], _ = train(*model_and_opt(half), rank)
+    result["straight"], result["resumed"] = resume()
+    try:
+        model_and_opt(dlgs_opts(density, transport="reduce", reduce_width=1.0 + rank))
+        result["mismatch"] = None
+    except dlgs.RankMismatchError as err:
+        result["mismatch"] = str(err)
 with open(f"{out}/rank{rank}.json", "w") as f:
     json.dump(result, f)
