@@ -50,7 +50,7 @@ from dlgs.core.catalog import (
     catalog_profile,
 )
 from dlgs.core.config import IndexCoding, SparsityConfig
-from dlgs.core.netmodel import TwoLevels, allgather_cost, allreduce_cost
+from dlgs.core.netmodel import TwoLevels, allgather_cost, allreduce_cost, reduction_cost
 from dlgs.core.planner import STRATEGIES, CostModel, Plan, PlanSpec, plan_strategy, simulate
 from dlgs.core.profile import Profile, build_spec, choose_density
 from dlgs.core.wire import plan_layers
@@ -72,7 +72,14 @@ __all__ = [
 logger = logging.getLogger("dlgs.plan")
 
 #: Methods that ``simulate`` predicts, in report order.
-METHODS: Tuple[str, ...] = ("dense", "dense-fused", "dlgs-layerwise", "dp-dlgs")
+METHODS: Tuple[str, ...] = (
+    "dense",
+    "dense-fused",
+    "dense-fused-fp16",
+    "dlgs-layerwise",
+    "dp-dlgs",
+    "dp-dlgs-reduce",
+)
 
 _UNITS = {"bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
 _RATE = re.compile(
@@ -88,7 +95,7 @@ _DEFAULT_BANDWIDTHS = "1gbit,10gbit,25gbit,100gbit"
 CSV_FIELDS = (
     "model", "workers", "bandwidth", "bandwidth_bps", "density", "method",
     "predicted_iteration_s", "speedup_vs_dense", "speedup_vs_dense_fused", "messages",
-    "sparse_messages", "compute_end_s", "exact", "max_group", "max_front",
+    "sparse_messages", "reduced_messages", "compute_end_s", "exact", "max_group", "max_front",
 )  # fmt: skip
 
 
@@ -257,6 +264,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="how sparse indices are sent (default: auto, the smallest per message)",
     )
     common.add_argument(
+        "--reduce-width",
+        type=_type(_float_in(0.25, 64, low_open=False, what="a float in [0.25, 64]")),
+        default=1.25,
+        help="the sparse reduction's block width as a multiple of capacity over the ranks "
+        "(SparsityConfig.reduce_width; default: 1.25), for dp-dlgs-reduce",
+    )
+    common.add_argument(
         "--latency",
         type=_type(_float_in(0, 10, low_open=False, what="seconds in [0, 10]")),
         default=DEFAULT_LATENCY_S,
@@ -419,6 +433,7 @@ def _config(args: argparse.Namespace) -> SparsityConfig:
         value_dtype=args.value_dtype,
         index_coding=args.index_coding,
         auto_layers=not getattr(args, "no_auto_layers", False),
+        reduce_width=args.reduce_width,
     )
 
 
@@ -479,6 +494,7 @@ def two_level_profile(
 def plan_methods(
     spec: PlanSpec,
     eligible: Sequence[bool],
+    reduction: CostModel,
     *,
     max_group: Optional[int] = None,
     max_front: int = 256,
@@ -489,20 +505,30 @@ def plan_methods(
       (Horovod without tensor fusion);
     * ``dense-fused``: all layers packed into one allreduce at the end of
       back-propagation (Horovod's fusion at its best for latency);
+    * ``dense-fused-fp16``: the same in float16 (Horovod's
+      ``Compression.fp16``: half the bytes);
     * ``dlgs-layerwise``: each layer its own message, sparse where the
       per-layer rule (``min_sparse_size``, sparse smaller than dense) says so;
     * ``dp-dlgs``: :func:`~dlgs.core.planner.plan_dp` with the same
       eligibility rule as training (a layer the rule sends dense is never put
-      in a sparse message).
+      in a sparse message);
+    * ``dp-dlgs-reduce``: the same DP where each sparse message travels by
+      allgather or by the sparse reduction (``reduction``, its cost model:
+      :func:`~dlgs.core.netmodel.reduction_cost`), whichever is faster
+      (``transport="auto"``).
     """
     n = len(spec.layers)
+    half = replace(
+        spec, layers=tuple(replace(la, dense_bytes=la.dense_bytes // 2) for la in spec.layers)
+    )
+    dp = dict(eligible=eligible, max_group=max_group, max_front=max_front)
     return {
         "dense": plan_strategy(spec, "none", eligible=[False] * n),
         "dense-fused": simulate(spec, [(0, n - 1, False)], "dense-fused"),
+        "dense-fused-fp16": simulate(half, [(0, n - 1, False)], "dense-fused-fp16"),
         "dlgs-layerwise": plan_strategy(spec, "none", eligible=eligible),
-        "dp-dlgs": plan_strategy(
-            spec, "dp", eligible=eligible, max_group=max_group, max_front=max_front
-        ),
+        "dp-dlgs": plan_strategy(spec, "dp", **dp),
+        "dp-dlgs-reduce": plan_strategy(replace(spec, reduction=reduction), "dp", **dp),
     }
 
 
@@ -655,6 +681,7 @@ class SimRow:
             "speedup_vs_dense_fused": f"{self.fused_end / self.plan.end:.4g}",
             "messages": len(self.plan.groups),
             "sparse_messages": sum(g.sparse for g in self.plan.groups),
+            "reduced_messages": sum(g.transport == "reduce" for g in self.plan.groups),
             "compute_end_s": f"{self.plan.compute_end:.6g}",
             "exact": self.plan.exact,
             "max_group": "none" if self.max_group is None else self.max_group,
@@ -694,7 +721,10 @@ def simulate_grid(
         for p in workers:
             for bps in bandwidths:
                 spec, eligible = build_spec(profiles(model, p, bps), config, config.density)
-                plans = plan_methods(spec, eligible, max_group=max_group, max_front=max_front)
+                reduction = reduction_cost(spec.allgather, p, config.reduce_width)
+                plans = plan_methods(
+                    spec, eligible, reduction, max_group=max_group, max_front=max_front
+                )
                 dense, fused = plans["dense"].end, plans["dense-fused"].end
                 methods = list(METHODS)
                 hier = two_level(profiles(model, p, bps), p, bps) if two_level else None
@@ -704,18 +734,6 @@ def simulate_grid(
                         spec_h, "dp", eligible=eligible_h, max_group=max_group, max_front=max_front
                     )
                     methods.append("dp-dlgs-hier")
-                    # Horovod's fp16 compression of one fused allreduce: half the bytes.
-                    half = replace(
-                        spec,
-                        layers=tuple(
-                            replace(la, dense_bytes=la.dense_bytes // 2) for la in spec.layers
-                        ),
-                    )
-                    n_layers = len(spec.layers)
-                    plans["dense-fused-fp16"] = simulate(
-                        half, [(0, n_layers - 1, False)], "dense-fused-fp16"
-                    )
-                    methods.append("dense-fused-fp16")
                 for method in methods:
                     rows.append(
                         SimRow(
@@ -801,6 +819,36 @@ def _markdown(
                 f"({len(r.plan.groups)} msg)"
             ),
         )
+    by = {(r.model, r.workers, r.bandwidth_bps, r.method): r for r in rows}
+    lines += [
+        "## The sparse reduction",
+        "",
+        "`dp-dlgs-reduce`: the same DP where each sparse message travels by allgather or by the "
+        'sparse reduction by regions (`transport="reduce"`, width '
+        f"{args.reduce_width:g}; `dlgs.core.netmodel.reduction_cost`), whichever the model "
+        "finds faster. Each cell: its speed-up over dp-dlgs / over dense-fused-fp16 (one "
+        "allreduce of float16 gradients, Horovod's `Compression.fp16`) (sparse messages "
+        "reduced / sparse messages).",
+        "",
+    ]
+
+    def reduced(r: SimRow) -> str:
+        flat_end = by[r.model, r.workers, r.bandwidth_bps, "dp-dlgs"].plan.end
+        fp16_end = by[r.model, r.workers, r.bandwidth_bps, "dense-fused-fp16"].plan.end
+        groups = r.plan.groups
+        return (
+            f"{flat_end / r.plan.end:.2f}x / {fp16_end / r.plan.end:.2f}x "
+            f"({sum(g.transport == 'reduce' for g in groups)}/{sum(g.sparse for g in groups)})"
+        )
+
+    for model in models:
+        cells = {
+            (r.workers, r.bandwidth_bps): r
+            for r in rows
+            if r.model == model and r.method == "dp-dlgs-reduce"
+        }
+        if cells:
+            lines += _grid(model, bws, cells, reduced)
     hier = {(r.model, r.workers, r.bandwidth_bps): r for r in rows if r.method == "dp-dlgs-hier"}
     if hier:
         flat = {(r.model, r.workers, r.bandwidth_bps): r for r in rows if r.method == "dp-dlgs"}
@@ -897,7 +945,8 @@ def plot_simulation(rows: Sequence[SimRow], models: Sequence[str], path: Path, t
     colours = plt.get_cmap("viridis")([i / max(1, len(bws) - 1) * 0.85 for i in range(len(bws))])
     for ax, model in zip(axes.flat, models):
         for bw, colour in zip(bws, colours):
-            for method, style in (("dp-dlgs", "-"), ("dense-fused", "--"), ("dp-dlgs-hier", ":")):
+            styles = (("dp-dlgs", "-"), ("dense-fused", "--"), ("dp-dlgs-hier", ":"))
+            for method, style in styles + (("dp-dlgs-reduce", "-."),):
                 pts = sorted(
                     (r.workers, r.dense_end / r.plan.end)
                     for r in rows
@@ -1004,7 +1053,8 @@ def _simulate(args: argparse.Namespace, command: str) -> int:
             rows,
             models,
             args.out / "simulate.png",
-            "predicted speed-up over layer-wise dense allreduce (solid: dp-dlgs, dashed: "
+            "predicted speed-up over layer-wise dense allreduce (solid: dp-dlgs, dash-dot: "
+            "dp-dlgs-reduce, dashed: "
             + ("dense-fused, dotted: dp-dlgs-hier" if args.ranks_per_node else "dense-fused")
             + f"); density {args.density:g}, ring-step latency "
             f"{args.latency * 1e6:g} us, {args.compute_flops / 1e12:g} TFLOP/s",

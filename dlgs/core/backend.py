@@ -168,6 +168,13 @@ class ArrayOps(Protocol):
         took; ``sent`` may be ``vals``); ``idx`` unique except a padding slot
         whose values are 0."""
 
+    def selected_entries(self, idx: T, vals: T, pad: int) -> Tuple[T, T, T]:
+        """A selection's entries in index order: ``(idx, vals, count)`` with
+        every entry whose value is 0 (an unused slot) moved to index ``pad``
+        (after all others), ``vals`` as float32, ``count`` (0-d) the entries
+        with a non-zero value (NaN and infinities included); ties keep their
+        order (the same on every run)."""
+
     def add_high16_(self, out: T, low: T, high: T) -> T:
         """``out = low + 65536 * high`` into an int32 ``out`` (integer inputs)."""
 

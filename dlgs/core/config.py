@@ -189,7 +189,13 @@ class SparsityConfig:
             value dtype and with 16-bit offsets where smaller; what a rank
             could not send or an owner did not keep goes back into that
             rank's residual. Two collectives per message instead of one;
-            PyTorch only so far, without momentum correction.
+            PyTorch only so far, without momentum correction. ``"auto"``:
+            each sparse message by whichever of the two is predicted faster
+            (:mod:`dlgs.core.routing`): the merge planner's choice where it
+            planned (from the measured allgather), else a rule on the
+            message's bytes (the reduction for large messages from three
+            ranks on); the allgather alone without an alltoall
+            (TensorFlow).
         reduce_width: With ``transport="reduce"``, each block's entries as a
             multiple of the message's capacity over the ranks, in [0.25, 64]:
             each rank sends each owner at most ``reduce_width * cap / P``
@@ -250,10 +256,10 @@ class SparsityConfig:
                 f"transport must be one of {', '.join(map(repr, TRANSPORTS))}, "
                 f"got {self.transport!r}"
             )
-        if self.transport == "reduce" and self.momentum:
+        if self.transport != "allgather" and self.momentum:
             raise ValueError(
-                "transport='reduce' does not support momentum correction yet: momentum must "
-                f"be 0 with it, got {self.momentum!r}"
+                f"transport={self.transport!r} does not support momentum correction yet: "
+                f"momentum must be 0 with it, got {self.momentum!r}"
             )
         check_float("max_ratio", self.max_ratio, low=1.0, high=16.0)
         check_float("reduce_width", self.reduce_width, low=0.25, high=64.0)
@@ -339,7 +345,7 @@ def _member(kind, name: str, value):
 #: The values of ``SparsityConfig.kernels``.
 KERNELS = ("auto", "torch", "triton")
 #: The values of ``SparsityConfig.transport``.
-TRANSPORTS = ("allgather", "reduce")
+TRANSPORTS = ("allgather", "reduce", "auto")
 
 #: The density ``density="auto"`` starts at, until the planner has chosen.
 AUTO_START = 0.01

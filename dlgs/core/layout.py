@@ -7,17 +7,22 @@ rank (no handshake), nothing allocated.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from .config import IndexCoding, ValueDType
 from .transport import MAX_MESSAGE_ELEMENTS
 from .wire import GroupLayout, LayerPlan
 
-__all__ = ["MessageSpec", "plan_messages", "split_oversized"]
+__all__ = ["TRANSPORT_MODES", "MessageSpec", "plan_messages", "split_oversized"]
 
 #: A requested merge plan: groups of layer indices, each with its mode (True
-#: sparse, False dense, None: sparse if every member's plan is).
-Plan = Sequence[Tuple[Sequence[int], Optional[bool]]]
+#: sparse, False dense, None: sparse if every member's plan is, or a
+#: transport of :data:`TRANSPORT_MODES`: sparse, travelling by it, where
+#: ``transport="auto"`` lets the plan choose).
+Plan = Sequence[Tuple[Sequence[int], Union[None, bool, str]]]
+
+#: Modes that make a message sparse and name its transport.
+TRANSPORT_MODES = ("allgather", "reduce")
 
 
 @dataclass(frozen=True)
@@ -58,12 +63,15 @@ def plan_messages(
     int32 are split (:func:`split_oversized`)."""
     groups: List[Tuple[List[int], bool]] = []
     placed: set = set()
+    routes: Dict[int, str] = {}  # a plan's transport, by the message's first layer
     for members, sparse in requested or []:
         mode = all(plans[i].sparse for i in members) if sparse is None else bool(sparse)
         if not mode and dense_alone:
             groups += [([i], False) for i in members]
         else:
             groups.append((list(members), mode))
+            if mode and sparse in TRANSPORT_MODES:
+                routes[min(members)] = str(sparse)
         placed.update(members)
     groups += [([i], plans[i].sparse) for i in range(len(plans)) if i not in placed]
     groups = sorted(split_oversized(groups, plans), key=lambda g: min(g[0]))
@@ -82,6 +90,7 @@ def plan_messages(
                 tuple(plans[i].capacity for i in members),
                 value_dtype,
                 index_coding,
+                routes.get(min(members), ""),
             )
         else:
             ends = [0]

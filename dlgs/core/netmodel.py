@@ -37,7 +37,7 @@ from typing import Any
 
 from .planner import CostModel
 
-__all__ = ["TwoLevels", "allgather_cost", "allreduce_cost", "check_network"]
+__all__ = ["TwoLevels", "allgather_cost", "allreduce_cost", "check_network", "reduction_cost"]
 
 
 def check_network(world_size: Any, bandwidth_bps: Any, latency_s: Any) -> None:
@@ -92,6 +92,31 @@ def allgather_cost(world_size: int, bandwidth_bps: float, latency_s: float) -> C
     check_network(world_size, bandwidth_bps, latency_s)
     p = world_size
     return CostModel((p - 1) * latency_s, (p - 1) * 8 / bandwidth_bps)
+
+
+def reduction_cost(allgather: CostModel, world_size: int, width: float = 1.25) -> CostModel:
+    """The sparse reduction by regions (:mod:`dlgs.core.reduction`) as a
+    function of the bytes ``c`` of the message's flat chunk from one rank
+    (what ``allgather`` takes), derived from the allgather's own model:
+
+    * an alltoall in which each rank sends each other rank one block of about
+      ``width * c / P`` bytes: ``P - 1`` exchanges of one block, priced as a
+      ring allgather of that block (``alpha + beta * width * c / P``);
+    * an allgather of each owner's block of kept sums, the same size.
+
+    So ``2 alpha + 2 beta * width * c / P``: twice the latency, and
+    ``2 width / P`` of the allgather's bandwidth term (less from three
+    ranks on at the default width). Blocks use the message's value dtype and
+    16-bit offsets as the flat chunk does, so the bytes per entry are taken
+    equal. The same formula serves the simulator (from
+    :func:`allgather_cost`) and a measured profile (from the fitted
+    allgather)."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    if not (isinstance(width, (int, float)) and math.isfinite(width) and width > 0):
+        raise ValueError(f"width must be a finite float > 0, got {width!r}")
+    batched = None if allgather.batched is None else 2 * allgather.batched
+    return CostModel(2 * allgather.alpha, 2 * width / world_size * allgather.beta, batched)
 
 
 @dataclass(frozen=True)

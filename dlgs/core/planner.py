@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -59,6 +59,7 @@ __all__ = [
     "simulate",
     "plan_dp",
     "plan_strategy",
+    "sparse_transport",
     "STRATEGIES",
     "fit_cost_model",
 ]
@@ -112,6 +113,16 @@ def fit_cost_model(sizes: Sequence[float], times: Sequence[float]) -> CostModel:
     return CostModel(alpha, beta)
 
 
+def sparse_transport(allgather: CostModel, reduction: Optional[CostModel], nbytes: float) -> str:
+    """``"reduce"`` where a sparse message of ``nbytes`` (flat chunk bytes
+    from one rank) is predicted faster by the reduction than by the
+    allgather, else ``"allgather"``: the one rule the planner and
+    ``transport="auto"`` (:mod:`dlgs.core.routing`) choose by."""
+    if reduction is not None and reduction(nbytes) < allgather(nbytes):
+        return "reduce"
+    return "allgather"
+
+
 @dataclass(frozen=True)
 class LayerCost:
     """One layer, as the planner sees it.
@@ -149,6 +160,27 @@ class PlanSpec:
     #: cores), charged when the message is sent; 0 where compute has cores
     #: (or a device) of its own.
     contention: float = 0.0
+    #: The sparse reduction by regions (``transport="reduce"``), as a
+    #: function of the same bytes ``allgather`` takes (a message's flat chunk
+    #: from one rank; :func:`~dlgs.core.netmodel.reduction_cost`), or None: a
+    #: sparse message then always travels by allgather. Where set, each
+    #: sparse message takes whichever of the two the model finds faster.
+    reduction: Optional[CostModel] = None
+
+    def sparse_model(self, nbytes: float) -> Tuple[CostModel, str]:
+        """The collective a sparse message of ``nbytes`` (flat chunk bytes)
+        travels by, and its transport's name: the allgather, or the reduction
+        where it is set and predicted faster."""
+        if sparse_transport(self.allgather, self.reduction, nbytes) == "reduce":
+            assert self.reduction is not None
+            return self.reduction, "reduce"
+        return self.allgather, "allgather"
+
+    def sparse_link(self, nbytes: Any) -> Any:
+        """Link seconds of sparse messages of ``nbytes`` (a float or a numpy
+        array): the faster of the allgather and the reduction."""
+        t = self.allgather(nbytes)
+        return t if self.reduction is None else np.minimum(t, self.reduction(nbytes))
 
     def group_cost(self, first: int, last: int, sparse: bool) -> Tuple[float, float, int]:
         """``(compute seconds, link seconds, bytes)`` of group ``first..last``."""
@@ -157,7 +189,7 @@ class PlanSpec:
         if sparse:
             compute += sum(m.sparsify for m in members)
             nbytes = self.sparse_header_bytes + sum(m.sparse_bytes for m in members)
-            return compute + self.contention * nbytes, self.allgather(nbytes), nbytes
+            return compute + self.contention * nbytes, self.sparse_model(nbytes)[0](nbytes), nbytes
         if len(members) > 1:
             compute += sum(m.pack for m in members)
         nbytes = sum(m.dense_bytes for m in members)
@@ -175,6 +207,12 @@ class PlanGroup:
     ready: float  # when its last member has been processed
     start: float  # when its collective starts
     end: float  # when its collective ends
+    #: How it travels: ``"allreduce"`` (dense), ``"allgather"`` or ``"reduce"``.
+    transport: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.transport:
+            object.__setattr__(self, "transport", "allgather" if self.sparse else "allreduce")
 
     @property
     def members(self) -> List[int]:
@@ -225,7 +263,7 @@ class Plan:
                     names[g.first] if g.first == g.last else f"{names[g.first]}..{names[g.last]}"
                 )
             lines.append(
-                f"{n:>4} {f'{g.first}-{g.last}':>11} {'sparse' if g.sparse else 'dense':>6} "
+                f"{n:>4} {f'{g.first}-{g.last}':>11} {_MODES[g.transport]:>6} "
                 f"{g.nbytes:>12} {g.ready * 1e3:>10.3f} {g.start * 1e3:>10.3f} "
                 f"{g.end * 1e3:>10.3f}  {label}"
             )
@@ -233,6 +271,9 @@ class Plan:
 
 
 Partition = Sequence[Tuple[int, int, bool]]
+
+#: A message's mode in :meth:`Plan.describe`, by transport.
+_MODES = {"allreduce": "dense", "allgather": "sparse", "reduce": "reduce"}
 
 
 def simulate(
@@ -266,14 +307,14 @@ def simulate(
     for first, last, sparse in partition:
         compute, link, nbytes = spec.group_cost(first, last, sparse)
         c += compute
-        model = spec.allgather if sparse else spec.allreduce
+        model, transport = spec.sparse_model(nbytes) if sparse else (spec.allreduce, "allreduce")
         if batching and model.batched is not None and c <= formed:
             start = f  # queued when the batch was formed: negotiated with it
             link = model.in_batch(nbytes)
         else:
             start = formed = max(f, c)
         f = start + link
-        groups.append(PlanGroup(first, last, sparse, nbytes, c, start, f))
+        groups.append(PlanGroup(first, last, sparse, nbytes, c, start, f, transport))
     return Plan(tuple(groups), strategy, exact)
 
 
@@ -340,8 +381,10 @@ def plan_dp(
     bound = min(p.end for p in simple) * (1 + 1e-12)
     # Least link time still needed after prefix j: every remaining layer in its
     # cheaper mode at the bandwidth term, plus one message's latency.
-    per_layer = np.minimum(np.where(ok, ag.beta * np.diff(sb), np.inf), ar.beta * np.diff(db))
-    link_after = np.concatenate((np.cumsum(per_layer[::-1])[::-1] + min(ag.alpha, ar.alpha), [0]))
+    red = spec.reduction if spec.reduction is not None else ag
+    sparse_beta, least_alpha = min(ag.beta, red.beta), min(ag.alpha, red.alpha, ar.alpha)
+    per_layer = np.minimum(np.where(ok, sparse_beta * np.diff(sb), np.inf), ar.beta * np.diff(db))
+    link_after = np.concatenate((np.cumsum(per_layer[::-1])[::-1] + least_alpha, [0]))
     back_after = back[L] - back
 
     # All states of all prefixes, appended prefix by prefix: prefix j's set is
@@ -355,7 +398,7 @@ def plan_dp(
         first = np.arange(max(0, j - width + 1), j + 1)
         may_sparse = barred[first] == barred[j + 1]
         cheapest = np.minimum(
-            np.where(may_sparse, ag(header + sb[j + 1] - sb[first]), np.inf),
+            np.where(may_sparse, spec.sparse_link(header + sb[j + 1] - sb[first]), np.inf),
             ar(db[j + 1] - db[first]),
         )
         # A longer group only adds link time: cut those that cannot beat the bound.
@@ -368,7 +411,7 @@ def plan_dp(
         sparse_ok = barred[i] == barred[j + 1]
         gamma = spec.contention
         c_s = c0 + b + (sprs[j + 1] - sprs[i]) + gamma * (header + sb[j + 1] - sb[i])
-        f_s = np.maximum(f0, c_s) + (ag.alpha + ag.beta * (header + sb[j + 1] - sb[i]))
+        f_s = np.maximum(f0, c_s) + spec.sparse_link(header + sb[j + 1] - sb[i])
         c_d = c0 + b + np.where(i < j, pack[j + 1] - pack[i], 0.0) + gamma * (db[j + 1] - db[i])
         f_d = np.maximum(f0, c_d) + (ar.alpha + ar.beta * (db[j + 1] - db[i]))
         c = np.concatenate((c_s[sparse_ok], c_d))
@@ -411,7 +454,7 @@ def _one_message_end(spec, keep, c, f, j, back, sprs, pack, sb, db, barred) -> f
     if barred[L] == barred[j]:
         nbytes = spec.sparse_header_bytes + sb[L] - sb[j]
         c_s = ck + (back[L] - back[j]) + (sprs[L] - sprs[j]) + gamma * nbytes
-        link = spec.allgather(nbytes)
+        link = spec.sparse_link(nbytes)
         end = min(end, float(np.min(np.maximum(fk, c_s))) + link)
     return end * (1 + 1e-12)
 

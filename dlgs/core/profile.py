@@ -15,6 +15,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from ._checks import check_float, check_int
 from .config import SparsityConfig
+from .netmodel import reduction_cost
 from .planner import CostModel, LayerCost, Plan, PlanSpec, plan_strategy, simulate
 from .wire import per_layer, plan_layers
 
@@ -205,8 +206,19 @@ def build_spec(
                 pack=profile.pack(layer.numel),
             )
         )
+    # How sparse messages travel (SparsityConfig.transport): by allgather, by
+    # the reduction, or each by the faster of the two.
+    allgather, reduction = profile.allgather, None
+    if config.transport != "allgather":
+        reduction = reduction_cost(allgather, profile.world_size, config.reduce_width)
+        if config.transport == "reduce":
+            allgather, reduction = reduction, None
     spec = PlanSpec(
-        tuple(layers), profile.allgather, profile.allreduce, contention=profile.contention
+        tuple(layers),
+        allgather,
+        profile.allreduce,
+        contention=profile.contention,
+        reduction=reduction,
     )
     return spec, [p.sparse for p in plans]
 

@@ -37,7 +37,7 @@ import pickle
 import statistics
 import time
 from dataclasses import replace
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 from ._checks import check_int
 from .config import MERGE_STRATEGIES, MergeConfig
@@ -58,6 +58,9 @@ from .profile import (
 __all__ = ["OnlinePlanner", "MERGE_STRATEGIES", "guard_verdict"]
 
 logger = logging.getLogger(__name__)
+
+#: A planned message's mode: sparse or not, or its transport (transport="auto").
+Mode = Union[bool, str]
 
 
 # Probe message sizes (bytes of one rank's chunk / of the allreduced buffer):
@@ -573,7 +576,7 @@ class OnlinePlanner:
         else:
             self._restart_requested = True
 
-    def on_density(self, ex, density: float) -> Optional[List[Tuple[List[int], bool]]]:
+    def on_density(self, ex, density: float) -> Optional[List[Tuple[List[int], Mode]]]:
         """The density or the per-layer densities changed (the exchange is
         re-laying out for them): the plan for them from the same profile,
         which the exchange applies in this layout, or None to keep the
@@ -882,7 +885,7 @@ class OnlinePlanner:
 
     def _replan(
         self, ex, density: Optional[float] = None, *, defer: bool = True
-    ) -> List[Tuple[List[int], bool]]:
+    ) -> List[Tuple[List[int], Mode]]:
         """Plan from the profile; with ``defer`` set the plan on the exchange
         (from the next step), else only return it (``on_density``)."""
         assert self.profile is not None
@@ -909,7 +912,12 @@ class OnlinePlanner:
             self._traces = []  # steps timed under the previous plan no longer count
         self._ratios, self._baseline = [], None  # calibrate drift against this plan
         self._density, self._each = d, each
-        groups = [([self.order[p] for p in g.members], g.sparse) for g in plan.groups]
+        # With transport="auto" a sparse message travels as the plan chose.
+        routed = ex.config.transport == "auto"
+        groups = [
+            ([self.order[p] for p in g.members], g.transport if routed and g.sparse else g.sparse)
+            for g in plan.groups
+        ]
         if defer:
             ex.set_plan(groups)
         _log(ex, "dlgs plan at step %d (density %g):\n%s", ex.step, d, plan.describe())

@@ -51,7 +51,7 @@ import numpy as np
 from .backend import ArrayOps
 from .blocks import BlockFormat, block_words, compact_offsets, even_width
 from .config import IndexCoding, ValueDType
-from .wire import FLOAT16_MAX, DevicePart, UnpackPlan, unpack
+from .wire import FLOAT16_MAX, DevicePart, UnpackPlan
 
 __all__ = [
     "ReducingTransport",
@@ -427,7 +427,6 @@ class ReducingTransport:
         self._firsts: List[Any] = []
         self._returned: List[List[Any]] = []
         self._zero: Any = None
-        self._tiny: Any = None
 
     def layout(self, layouts: Sequence[Any], like: Any) -> List[List[Any]]:
         ops, size, rank = self.ops, self.comm.size, self.comm.rank
@@ -450,16 +449,14 @@ class ReducingTransport:
             edges = even_bounds(dense, min(dense, self.bins * size))[1:]
             self._edges_host.append(edges)
             self._edges.append(ops.index_vector(edges, like))
+            # This rank's chunk decoded slot by slot (world 1): its indices
+            # in the message, and where its values sit.
             plan = UnpackPlan.of([layout], 1)
             wide = "int64" if dense > 2**31 - 1 else "int32"
             self._decoders.append(
                 (
-                    ops.zeros(dense + 1, "float32", like),  # this rank's selection, dense
-                    ops.zeros(dense + 1, "float32", like),  # its magnitudes
-                    ops.zeros(dense + 1, "bool", like),
                     [DevicePart(ops, part, self.value_dtype, wide, like) for part in plan.parts],
                     ops.index_vector(plan.counts, like),
-                    cap,
                 )
             )
             returns = ops.zeros(dense + 1, "float32", like)
@@ -477,7 +474,6 @@ class ReducingTransport:
             self._selected_views.append(ops.narrow(self._selected, 0, at, len(edges)))
             at += len(edges)
         self._zero = ops.scalar(0.0, like)
-        self._tiny = ops.scalar(_TINY, like)
         pending, self._pending = self._pending, None
         if pending is not None:
             self._restore(pending)
@@ -513,17 +509,21 @@ class ReducingTransport:
         """Decode this rank's chunk of sparse message ``message`` and send its
         entries to their owners; returns the alltoall's handle."""
         ops = self.ops
-        mine, mags, mask, parts, counts_at, cap = self._decoders[message]
-        ops.mul_(mine, 0.0)
-        counts, bad = unpack(ops, chunk, 1, self.value_dtype, mine, 1.0, parts, counts_at)
-        ops.abs_(mine, mags)
-        ops.ge_(mags, self._tiny, mask)
-        idx = ops.nonzero_static(mask, cap, ops.numel(mine) - 1)
-        vals = ops.take(mine, idx)
-        flag = ops.count_or_flag(ops.count_nonzero(mask), _none(ops, bad))
+        parts, counts_at = self._decoders[message]
+        values = ops.view_as(chunk, ValueDType(self.value_dtype).value)
+        idx = [part.decode(ops, chunk) for part in parts]
+        vals = [ops.take(values, part.values, part.scratch[0]) for part in parts]
+        red = self.reductions[message]
+        idx, vals, count = ops.selected_entries(
+            idx[0] if len(idx) == 1 else ops.concat(idx),
+            vals[0] if len(vals) == 1 else ops.concat(vals),
+            red.size,
+        )
+        counts = ops.take(chunk, counts_at)
+        flag = ops.count_or_flag(count, _none(ops, ops.any_negative_rows(counts, 1)))
         self._own[message] = counts
         self._names[message] = name
-        send = self.reductions[message].pack(idx, vals, flag)
+        send = red.pack(idx, vals, flag)
         return self.comm.alltoall_async(send, f"{name}.a2a")
 
     def finish(self, handles: Sequence[Any], verify: Sequence[bool], scale: Any) -> Any:

@@ -170,21 +170,30 @@ class FlatTransport:
 
 def make_transport(config: SparsityConfig, ops: ArrayOps, comm: Any) -> Transport:
     """The transport of ``config.transport``: ``"allgather"``
-    (:class:`FlatTransport`) or ``"reduce"``
+    (:class:`FlatTransport`), ``"reduce"``
     (:class:`~dlgs.core.reduction.ReducingTransport`, which needs the
-    collectives' ``alltoall_async``), in ``config``'s wire formats."""
+    collectives' ``alltoall_async``) or ``"auto"``
+    (:class:`~dlgs.core.routing.RoutingTransport`: each message by either;
+    the allgather alone where the collectives have no alltoall), in
+    ``config``'s wire formats."""
     kind = config.transport
-    if kind == "allgather":
-        return FlatTransport(ops, comm, config.value_dtype)
-    if kind == "reduce":
-        if not callable(getattr(comm, "alltoall_async", None)):
-            raise ValueError(
-                "transport='reduce' needs an alltoall, which this framework's collectives "
-                "lack so far (PyTorch only); use transport='allgather'"
-            )
-        from .reduction import ReducingTransport  # it builds on this module's protocol
-
-        return ReducingTransport(
-            ops, comm, config.value_dtype, config.reduce_width, config.index_coding
+    if kind not in ("allgather", "reduce", "auto"):
+        raise ValueError(f"transport must be 'allgather', 'reduce' or 'auto', got {kind!r}")
+    flat = FlatTransport(ops, comm, config.value_dtype)
+    can_reduce = callable(getattr(comm, "alltoall_async", None))
+    if kind == "allgather" or (kind == "auto" and not can_reduce):
+        return flat
+    if not can_reduce:
+        raise ValueError(
+            "transport='reduce' needs an alltoall, which this framework's collectives "
+            "lack so far (PyTorch only); use transport='allgather' or 'auto'"
         )
-    raise ValueError(f"transport must be 'allgather' or 'reduce', got {kind!r}")
+    # Both build on this module's protocol.
+    from .reduction import ReducingTransport
+    from .routing import RoutingTransport
+
+    width = config.reduce_width
+    reducing = ReducingTransport(ops, comm, config.value_dtype, width, config.index_coding)
+    if kind == "reduce":
+        return reducing
+    return RoutingTransport(ops, comm, flat, reducing, width)

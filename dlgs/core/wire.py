@@ -153,6 +153,9 @@ class GroupLayout:
     caps: Tuple[int, ...]
     value_dtype: ValueDType = ValueDType.FLOAT32
     index_coding: IndexCoding = IndexCoding.INT32
+    #: How the message travels where a plan chose (``transport="auto"``):
+    #: ``"allgather"`` or ``"reduce"``; empty: the transport's own rule.
+    transport: str = ""
     fingerprint: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -164,7 +167,12 @@ class GroupLayout:
         object.__setattr__(self, "value_dtype", ValueDType(self.value_dtype))
         coding = resolve_coding(self.sizes, self.caps, self.index_coding)
         object.__setattr__(self, "index_coding", coding)
-        key = repr((self.sizes, self.caps, self.value_dtype.value, coding.value)).encode()
+        if self.transport not in ("", "allgather", "reduce"):
+            raise ValueError(
+                f"transport must be '', 'allgather' or 'reduce', got {self.transport!r}"
+            )
+        parts = (self.sizes, self.caps, self.value_dtype.value, coding.value)
+        key = repr(parts + ((self.transport,) if self.transport else ())).encode()
         # 24 bits: exactly representable as the float32 scalar it is written from.
         object.__setattr__(self, "fingerprint", zlib.crc32(key) & 0xFFFFFF)
 

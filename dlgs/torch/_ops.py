@@ -181,6 +181,13 @@ class TorchOps:
             back = torch.where(keep, vals - sent, vals)
         return dst.index_add_(0, idx, back.to(dst.dtype))
 
+    def selected_entries(self, idx, vals, pad):
+        keep = vals != 0
+        idx = torch.where(keep, idx.to(torch.int64), _const(pad, torch.int64, idx.device))
+        order = torch.argsort(idx, stable=True)
+        vals = vals.index_select(0, order)
+        return idx.index_select(0, order), vals.to(torch.float32), torch.count_nonzero(keep)
+
     def add_high16_(self, out, low, high):
         return torch.add(low, high.to(out.dtype), alpha=65536, out=out)
 
