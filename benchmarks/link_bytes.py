@@ -44,7 +44,9 @@ from dlgs.core.catalog import MODELS, catalog_model
 
 logger = logging.getLogger("benchmarks.link_bytes")
 
-METHODS = ("dense", "dlgs-flat", "dlgs-hier", "dlgs-reduce")
+METHODS = ("dense", "dlgs-flat", "dlgs-hier", "dlgs-reduce", "dlgs-route")
+#: Each dlgs method's transport (``dlgs-route``: ``transport="auto"``).
+TRANSPORTS = {"dlgs-reduce": "reduce", "dlgs-route": "auto"}
 
 
 def _barrier() -> None:
@@ -93,7 +95,7 @@ def main(argv=None) -> int:
             value_dtype=args.value_dtype,
             merge="none",
             topology="hierarchical" if method == "dlgs-hier" else "flat",
-            transport="reduce" if method == "dlgs-reduce" else "allgather",
+            transport=TRANSPORTS.get(method, "allgather"),
         )
 
     opts = {m: optimizer(m) for m in methods}

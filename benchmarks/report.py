@@ -33,6 +33,8 @@ __all__ = [
     "METHODS",
     "MODELS",
     "SPARSE_METHODS",
+    "TORCH_METHODS",
+    "TRANSPORT_METHODS",
     "TWO_LEVEL_METHODS",
     "MethodTimes",
     "add_wire_options",
@@ -66,13 +68,21 @@ SPARSE_METHODS: Dict[str, Tuple[str, str, str]] = {
     "dlgs": ("dynamic", "dp", "flat"),
     "dlgs-hier": ("dynamic", "dp", "hierarchical"),
     "dlgs-auto": ("dynamic", "dp", "auto"),
+    "dlgs-reduce": ("dynamic", "dp", "flat"),
+    "dlgs-route": ("dynamic", "dp", "flat"),
 }
+#: dlgs methods whose sparse messages do not all travel by allgather
+#: (``transport``): the sparse reduction, or each message by the faster
+#: (torch only; not in the default :data:`METHODS`).
+TRANSPORT_METHODS: Dict[str, str] = {"dlgs-reduce": "reduce", "dlgs-route": "auto"}
 METHODS: Tuple[str, ...] = ("no-comm", "dense", "fp16", "topk", "topk-buckets", "dgc")
 METHODS += ("dlgs-none", "dlgs")
 #: Methods whose ``topology`` is not flat (two levels: torch only).
 TWO_LEVEL_METHODS: Tuple[str, ...] = tuple(
     m for m, (_, _, topology) in SPARSE_METHODS.items() if topology != "flat"
 )
+#: Methods only the torch adapter runs (two levels, or an alltoall).
+TORCH_METHODS: Tuple[str, ...] = TWO_LEVEL_METHODS + tuple(TRANSPORT_METHODS)
 
 
 def base_method(method: str) -> str:
@@ -82,7 +92,8 @@ def base_method(method: str) -> str:
 
 def sparse_options(method: str, density: Any) -> Optional[Dict[str, Any]]:
     """The dlgs options a sparse ``method`` trains with (``density``,
-    ``controller``, ``merge``, and ``topology`` where not flat), ``None``
+    ``controller``, ``merge``, ``topology`` where not flat and ``transport``
+    where not the allgather), ``None``
     for ``no-comm`` / ``dense`` / ``fp16``.
     A ``@DENSITY`` suffix (a number or ``auto``) replaces ``density``, the
     ``--density`` default; :func:`_methods` has validated it."""
@@ -96,6 +107,8 @@ def sparse_options(method: str, density: Any) -> Optional[Dict[str, Any]]:
     options: Dict[str, Any] = dict(density=density, controller=controller, merge=merge)
     if topology != "flat":
         options["topology"] = topology
+    if base in TRANSPORT_METHODS:
+        options["transport"] = TRANSPORT_METHODS[base]
     return options
 
 
@@ -597,7 +610,7 @@ def write_outputs(
 
 def _methods(text: str) -> List[str]:
     names = [m.strip() for m in text.split(",") if m.strip()]
-    known = (*METHODS, *TWO_LEVEL_METHODS)
+    known = (*METHODS, *TORCH_METHODS)
     bad = [m for m in names if base_method(m) not in known]
     if bad or not names:
         raise argparse.ArgumentTypeError(
@@ -906,9 +919,9 @@ def parse_args(argv: Optional[Sequence[str]] = None, description: str = "") -> a
     elif args.emulate_flops is not None and not args.emulate.startswith("catalog:"):
         parser.error("argument --emulate-flops: only with --emulate catalog:MODEL")
     if args.framework == "tensorflow":
-        two_level = [m for m in args.methods if base_method(m) in TWO_LEVEL_METHODS]
-        if two_level:
-            parser.error(f"argument --methods: {', '.join(two_level)} only with --framework torch")
+        torch_only = [m for m in args.methods if base_method(m) in TORCH_METHODS]
+        if torch_only:
+            parser.error(f"argument --methods: {', '.join(torch_only)} only with --framework torch")
         args.tf_mode = args.tf_mode or "function"
     elif args.tf_mode is not None:
         parser.error("argument --tf-mode: only with --framework tensorflow")

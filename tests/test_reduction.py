@@ -296,14 +296,17 @@ from dlgs.selfcheck import TorchComm  # noqa: E402
 LAYERS = [("w1", 6000), ("b1", 40), ("w2", 3001), ("w3", 2500)]
 
 
-def exchange_run(parts, config, grads, steps, record, groups=None):
-    """``record(rank, exchange, outputs)`` after every step of every rank."""
+def exchange_run(parts, config, grads, steps, record, groups=None, plan=None):
+    """``record(rank, exchange, outputs)`` after every step of every rank;
+    ``groups`` or a ``plan`` (``set_plan``) set on every rank first."""
     world = InProcessWorld(parts, timeout=60.0)
 
     def make(rank):
         ex = SparseExchange(OPS, TorchComm(world, rank), config, LAYERS, average=False)
         if groups is not None:
             ex.set_groups(groups)
+        if plan is not None:
+            ex.set_plan(plan)
         return ex
 
     return InProcessWorld(parts).run_steps(make, grads, steps, record)
@@ -430,6 +433,9 @@ def test_real_ranks_with_the_reduction_hold_the_same_parameters(
         assert r["resumed"] == r["straight"], f"rank {r['rank']}: the resumed run differs"
         assert r["mismatch"] and "reduce_width" in r["mismatch"], r["mismatch"]
     assert got[0]["float16"] != got[0]["dlgs"]  # float16 did change the wire
+    for r in got:
+        assert r["routed"] == got[0]["routed"]
+        assert sorted(r["routes"]) == [[0, 0], [1, 0]]  # one message each way
     assert all(np.isfinite(r["losses"]).all() for r in got)
     assert "sparse" in got[0]["describe"], got[0]["describe"]
 
@@ -590,3 +596,104 @@ def test_wire_bytes_count_the_reductions_blocks():
     assert wide == dense + 4 * 5 * (1 + w + w)
     assert auto == dense + 4 * 5 * (1 + even // 2 + even)
     assert half == dense + 4 * 5 * (1 + even // 2 + even // 2)
+
+
+# -- transport="auto": each message by allgather or by the reduction ----------------------
+
+from dlgs.core.routing import default_route  # noqa: E402
+from dlgs.core.wire import GroupLayout  # noqa: E402
+
+
+def shared_positions(parts, density):
+    """k-sparse gradients at positions every rank shares, one sign per
+    position (no sum cancels), quarter-integer values: sums exact."""
+    rng = np.random.default_rng(11)
+    where, signs = {}, {}
+    for i, (_, n) in enumerate(LAYERS):
+        k = max(1, int(np.ceil(density * n)))
+        where[i] = np.linspace(0, n - 1, k).astype(int) if n >= 1000 else np.arange(n)
+        signs[i] = rng.choice([-1, 1], where[i].size)
+    values = {
+        (r, i): rng.integers(1, 64, size=where[i].size) * 0.25 * signs[i]
+        for r in range(parts)
+        for i in range(len(LAYERS))
+    }
+
+    def grads(rank, step):
+        out = []
+        for i, (_, n) in enumerate(LAYERS):
+            g = np.zeros(n)
+            g[where[i]] = values[rank, i]
+            out.append(torch.tensor(g, dtype=torch.float32))
+        return out
+
+    return grads
+
+
+def test_a_plan_routes_each_message_and_every_route_sums_exactly():
+    """transport="auto" under a plan that names each sparse message's
+    transport: w1 by the reduction, w2 and w3 together by allgather. The
+    k-sparse sums come back exactly and alike on every rank, only the reduced
+    message hands anything back (nothing here), and wire_bytes() counts each
+    message by its route."""
+    parts = 3
+    cfg = SparsityConfig(
+        density=0.01,
+        min_sparse_size=1000,
+        transport="auto",
+        controller="topk",
+        reduce_width=3.0,
+    )
+    plan = [([0], "reduce"), ([2, 3], "allgather"), ([1], False)]
+    grads = shared_positions(parts, 0.01)
+
+    def record(rank, ex, out):
+        sizes = {
+            tuple(g.members): (g.layout.dense_size, g.layout.total_capacity, g.layout.chunk_words)
+            for g in ex.groups
+            if g.sparse
+        }
+        back = {i: v.clone() for i, v in ex.returned().items()}
+        return flat_out(out), list(ex.transport.routes), back, ex.wire_bytes(), sizes
+
+    recs = exchange_run(parts, cfg, grads, 2, record, plan=plan)
+    want = sum(torch.cat(grads(r, 0)).double() for r in range(parts)).numpy()
+    offsets = np.cumsum([0] + [n for _, n in LAYERS])
+    for r in range(parts):
+        for step in range(2):
+            out, routes, back, wire, sizes = recs[r][step]
+            assert torch.equal(out, recs[0][step][0])
+            assert routes == [(1, 0), (0, 0)]  # message [0] reduced, [2, 3] gathered
+            assert set(back) == {0} and not back[0].any()
+    got = recs[0][0][0].double().numpy()
+    for i in (0, 2, 3):
+        lo, hi = offsets[i], offsets[i + 1]
+        np.testing.assert_array_equal(got[lo:hi], want[lo:hi])
+    _, _, _, wire, sizes = recs[0][0]
+    (size, cap, _), (_, _, words) = sizes[(0,)], sizes[(2, 3)]
+    sent, kept = reduction_bytes(size, cap, parts, 3.0, "float32", "auto")
+    assert wire == sent + kept + 4 * words + 4 * LAYERS[1][1]
+
+
+def test_without_a_plan_large_messages_from_three_ranks_are_reduced():
+    big = GroupLayout((4_000_000,), (40_000,), "float16", "auto")
+    small = GroupLayout((20_000,), (200,), "float16", "auto")
+    assert default_route(big, 8, 1.25) == "reduce"
+    assert default_route(small, 8, 1.25) == "allgather"
+    assert default_route(big, 2, 1.25) == "allgather"  # two ranks: no fewer bytes
+    chosen = GroupLayout((20_000,), (200,), "float16", "auto", "reduce")
+    assert chosen.fingerprint != small.fingerprint  # a rank routing otherwise is caught
+    with pytest.raises(ValueError, match="transport must be"):
+        GroupLayout((20_000,), (200,), "float16", "auto", "scatter")
+
+
+def test_transport_auto_without_an_alltoall_is_the_allgather():
+    from dlgs.core.transport import FlatTransport, make_transport
+
+    class NoAllToAll:
+        rank, size = 0, 4
+
+    cfg = SparsityConfig(transport="auto")
+    assert isinstance(make_transport(cfg, OPS, NoAllToAll()), FlatTransport)
+    with pytest.raises(ValueError, match="needs an alltoall"):
+        make_transport(SparsityConfig(transport="reduce"), OPS, NoAllToAll())

@@ -4,7 +4,8 @@ trained 6 steps on per-rank data; each rank writes the digest of its
 parameters after every step, and at density 1.0 those of stock Horovod's
 optimizer on the same data. At other densities also: float16 on the wire; a
 checkpoint after 3 steps resumed in fresh objects on every rank, against the
-run going on; and ranks given different widths."""
+run going on; ranks given different widths; and ``transport="auto"`` with a
+plan that sends one layer by each transport."""
 
 import io
 import json
@@ -52,6 +53,13 @@ else:
     half = dlgs_opts(density, transport="reduce", value_dtype="float16")
     result["float16"], _ = train(*model_and_opt(half), rank)
     result["straight"], result["resumed"] = resume()
+    # transport="auto" under a plan routing one layer by the reduction and
+    # another by allgather.
+    model, opt = model_and_opt(dlgs_opts(density, transport="auto", merge="none"))
+    ex = opt.dlgs.exchange
+    ex.set_plan([([ex.index("0.weight")], "reduce"), ([ex.index("2.weight")], "allgather")])
+    result["routed"], _ = train(model, opt, rank)
+    result["routes"] = list(ex.transport.routes)
     try:
         model_and_opt(dlgs_opts(density, transport="reduce", reduce_width=1.0 + rank))
         result["mismatch"] = None
