@@ -23,7 +23,10 @@ optimizer) or ``dlgs-DENSITY`` with options joined by ``+``:
 * ``outer``: momentum in the wrapped optimizer, applied to the aggregate,
   instead of dlgs's momentum correction;
 * ``int32``: int32 indices (``index_coding="int32"``) instead of the default;
-* ``f16`` / ``bf16``: float16 / bfloat16 values on the wire.
+* ``f16`` / ``bf16``: float16 / bfloat16 values on the wire;
+* ``reduce``: the sparse reduction by regions (``transport="reduce"``)
+  instead of the allgather; it has no momentum correction, so it goes with
+  ``outer``.
 
 Every dlgs method runs with ``merge="none"``: on loopback the default ``dp``
 plan finds dense cheaper and sends every layer dense, which would measure dense
@@ -92,6 +95,7 @@ OPTIONS = {
     "int32": {"index_coding": "int32"},
     "f16": {"value_dtype": "float16"},
     "bf16": {"value_dtype": "bfloat16"},
+    "reduce": {"transport": "reduce"},
 }
 
 

@@ -116,11 +116,20 @@ def test_ranks_hold_the_same_bits_every_step(options):
 
 
 @pytest.mark.parametrize("options", BUCKETS)
-def test_k_sparse_node_means_come_back_exactly(options):
+@pytest.mark.parametrize("transport", ["allgather", "reduce"])
+def test_k_sparse_node_means_come_back_exactly(options, transport):
     """Each node's mean has at most k' = ceil(density * shard) non-zeros per
-    shard (on its local rank 0, times LOCAL): every value arrives, exactly."""
+    shard (on its local rank 0, times LOCAL): every value arrives, exactly,
+    whether the shards travel between nodes by allgather or by the sparse
+    reduction (blocks wide enough for every shard's entries)."""
     density = 0.02
-    cfg = SparsityConfig(density=density, min_sparse_size=1000, controller="topk")
+    cfg = SparsityConfig(
+        density=density,
+        min_sparse_size=1000,
+        controller="topk",
+        transport=transport,
+        reduce_width=float(NODES * NODES),  # any region may hold every node's entries
+    )
     rng = np.random.default_rng(0)
     plant = {}
     for node in range(NODES):
@@ -143,10 +152,14 @@ def test_k_sparse_node_means_come_back_exactly(options):
             for v in plant[node]
         ]
 
-    recs = run(cfg, grads, 1, lambda r, ex, out: flat(out), **options)
+    def record(rank, ex, out):
+        return flat(out), ex.inner.transport.name
+
+    recs = run(cfg, grads, 1, record, **options)
     want = sum(np.concatenate(plant[node]) for node in range(NODES)) / NODES
     for r in range(P):
-        np.testing.assert_array_equal(recs[r][0].numpy(), want.astype(np.float32))
+        np.testing.assert_array_equal(recs[r][0][0].numpy(), want.astype(np.float32))
+        assert recs[r][0][1] == {"allgather": "flat", "reduce": "reduce"}[transport]
 
 
 @pytest.mark.parametrize("options", BUCKETS)

@@ -316,21 +316,16 @@ def flat_out(out):
     return torch.cat([out[i].reshape(-1) for i in sorted(out)]).clone()
 
 
-@pytest.mark.parametrize("parts", [2, 3, 4])
-@pytest.mark.parametrize("groups", [None, [[0, 2], [1], [3]]])
-def test_exchange_with_the_reduction_sums_k_sparse_inputs_exactly(parts, groups):
-    """Every rank holds at most k non-zeros per layer, at positions shared by
-    all ranks (the union fits every block): the sums come back exactly, the
-    same bits on every rank, and nothing goes back into a residual."""
-    cfg = SparsityConfig(density=0.01, min_sparse_size=1000, transport="reduce", controller="topk")
-    rng = np.random.default_rng(7)
-    where = {}
+def shared_positions(parts, density, seed=7):
+    """k-sparse gradients at positions every rank shares, quarter-integer
+    values (sums exact), one sign per position on every rank: no sum cancels
+    to zero (an owner keeps no zero sum; it would go back into the residuals)."""
+    rng = np.random.default_rng(seed)
+    where, signs = {}, {}
     for i, (_, n) in enumerate(LAYERS):
-        k = max(1, int(np.ceil(0.01 * n)))
+        k = max(1, int(np.ceil(density * n)))
         where[i] = np.linspace(0, n - 1, k).astype(int) if n >= 1000 else np.arange(n)
-    # One sign per position on every rank: no sum cancels to zero (an owner
-    # keeps no zero sum; it would go back into the residuals).
-    signs = {i: rng.choice([-1, 1], where[i].size) for i in range(len(LAYERS))}
+        signs[i] = rng.choice([-1, 1], where[i].size)
     values = {
         (r, i): rng.integers(1, 64, size=where[i].size) * 0.25 * signs[i]
         for r in range(parts)
@@ -344,6 +339,18 @@ def test_exchange_with_the_reduction_sums_k_sparse_inputs_exactly(parts, groups)
             g[where[i]] = values[rank, i]
             out.append(torch.tensor(g, dtype=torch.float32))
         return out
+
+    return grads
+
+
+@pytest.mark.parametrize("parts", [2, 3, 4])
+@pytest.mark.parametrize("groups", [None, [[0, 2], [1], [3]]])
+def test_exchange_with_the_reduction_sums_k_sparse_inputs_exactly(parts, groups):
+    """Every rank holds at most k non-zeros per layer, at positions shared by
+    all ranks (the union fits every block): the sums come back exactly, the
+    same bits on every rank, and nothing goes back into a residual."""
+    cfg = SparsityConfig(density=0.01, min_sparse_size=1000, transport="reduce", controller="topk")
+    grads = shared_positions(parts, 0.01)
 
     def record(rank, ex, out):
         return flat_out(out), {i: v.clone() for i, v in ex.returned().items()}
@@ -604,32 +611,6 @@ from dlgs.core.routing import default_route  # noqa: E402
 from dlgs.core.wire import GroupLayout  # noqa: E402
 
 
-def shared_positions(parts, density):
-    """k-sparse gradients at positions every rank shares, one sign per
-    position (no sum cancels), quarter-integer values: sums exact."""
-    rng = np.random.default_rng(11)
-    where, signs = {}, {}
-    for i, (_, n) in enumerate(LAYERS):
-        k = max(1, int(np.ceil(density * n)))
-        where[i] = np.linspace(0, n - 1, k).astype(int) if n >= 1000 else np.arange(n)
-        signs[i] = rng.choice([-1, 1], where[i].size)
-    values = {
-        (r, i): rng.integers(1, 64, size=where[i].size) * 0.25 * signs[i]
-        for r in range(parts)
-        for i in range(len(LAYERS))
-    }
-
-    def grads(rank, step):
-        out = []
-        for i, (_, n) in enumerate(LAYERS):
-            g = np.zeros(n)
-            g[where[i]] = values[rank, i]
-            out.append(torch.tensor(g, dtype=torch.float32))
-        return out
-
-    return grads
-
-
 def test_a_plan_routes_each_message_and_every_route_sums_exactly():
     """transport="auto" under a plan that names each sparse message's
     transport: w1 by the reduction, w2 and w3 together by allgather. The
@@ -645,7 +626,7 @@ def test_a_plan_routes_each_message_and_every_route_sums_exactly():
         reduce_width=3.0,
     )
     plan = [([0], "reduce"), ([2, 3], "allgather"), ([1], False)]
-    grads = shared_positions(parts, 0.01)
+    grads = shared_positions(parts, 0.01, seed=11)
 
     def record(rank, ex, out):
         sizes = {

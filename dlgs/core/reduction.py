@@ -560,7 +560,8 @@ class ReducingTransport:
         ops = self.ops
         for red, edges, out in zip(self.reductions, self._edges, self._selected_views):
             red.selected_below(edges, out)
-        handle = self.comm.allgather_async(self._selected, "dlgs.reduce.balance")
+        # Named after the first message (the exchange's prefix: unique per job).
+        handle = self.comm.allgather_async(self._selected, f"{self._names[0]}.balance")
         cumulative = ops.to_host(self.comm.synchronize(handle))
         cumulative = np.asarray(cumulative, np.int64).reshape(self.comm.size, -1).sum(axis=0)
         at = 0
