@@ -26,7 +26,10 @@ optimizer) or ``dlgs-DENSITY`` with options joined by ``+``:
 * ``f16`` / ``bf16``: float16 / bfloat16 values on the wire;
 * ``reduce``: the sparse reduction by regions (``transport="reduce"``)
   instead of the allgather; it has no momentum correction, so it goes with
-  ``outer``.
+  ``outer``;
+* ``wide``: the reduction's blocks 4x capacity over the ranks
+  (``reduce_width=4``): at 4 workers its owners keep as many sums as the
+  allgather applies at most.
 
 Every dlgs method runs with ``merge="none"``: on loopback the default ``dp``
 plan finds dense cheaper and sends every layer dense, which would measure dense
@@ -96,6 +99,7 @@ OPTIONS = {
     "f16": {"value_dtype": "float16"},
     "bf16": {"value_dtype": "bfloat16"},
     "reduce": {"transport": "reduce"},
+    "wide": {"reduce_width": 4.0},
 }
 
 
