@@ -678,3 +678,28 @@ def test_transport_auto_without_an_alltoall_is_the_allgather():
     assert isinstance(make_transport(cfg, OPS, NoAllToAll()), FlatTransport)
     with pytest.raises(ValueError, match="needs an alltoall"):
         make_transport(SparsityConfig(transport="reduce"), OPS, NoAllToAll())
+
+
+def test_damaged_saved_regions_are_refused_by_name_and_change_nothing():
+    import copy
+
+    cfg = SparsityConfig(density=0.02, min_sparse_size=1000, transport="reduce")
+    states = {}
+
+    def record(rank, ex, out):
+        states[rank] = copy.deepcopy(ex.state_dict())
+
+    exchange_run(2, cfg, skewed, 1, record, MERGED)
+    ex = SparseExchange(OPS, TorchComm(InProcessWorld(2), 0), cfg, LAYERS, average=False)
+    for regions in ({"bounds": [[0, 9000, 10]], "steps": 1}, {"bounds": [[0, 10]], "steps": -1}):
+        bad = {**copy.deepcopy(states[0]), "regions": regions}
+        with pytest.raises(ValueError, match="regions must be"):
+            ex.load_state_dict(bad, torch.zeros(1))
+        assert ex.step == 0 and ex.transport.state() is None
+
+
+def test_transport_auto_without_an_alltoall_plans_for_the_allgather():
+    from local_world import LocalWorld
+
+    ex = SparseExchange(OPS, LocalWorld(2).comm(0), SparsityConfig(transport="auto"), LAYERS)
+    assert ex.transport.name == "flat" and ex.config.transport == "allgather"

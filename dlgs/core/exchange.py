@@ -19,6 +19,7 @@ Horovod would. Nothing on this path reads a device value on the host.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
@@ -201,6 +202,10 @@ class SparseExchange:
         self._bank: Optional[ControllerBank] = None
         # How sparse messages travel and come back summed (dlgs.core.transport).
         self._transport: Transport = make_transport(config, ops, comm)
+        if config.transport == "auto" and self._transport.name == "flat":
+            # No alltoall here (TensorFlow): the planner must not price a reduction.
+            self.config = config = dataclasses.replace(config, transport="allgather")
+            logger.debug("dlgs: transport='auto' without an alltoall: every message by allgather")
         # Sparse layers in the transport's member order (its flags and count words).
         self._sparse_members: List[int] = []
         self._submitted: set = set()
@@ -1036,13 +1041,14 @@ class SparseExchange:
         # With auto_layers turned off since, one density for every layer.
         per_layer = self.config.auto and self.config.auto_layers
         self._auto_layers = auto_layers if per_layer else None
-        self._transport.load_state(state.get("regions"))
         try:
+            self._transport.load_state(state.get("regions"))
             for hook in self.step_hooks:
                 if hasattr(hook, "load_state_dict"):
                     hook.load_state_dict((state.get("hooks") or {}).get(_hook_key(hook), {}), self)
         except Exception:
             self.step, self._plan, self._auto_density, self._auto_layers = old
+            self._transport.load_state(None)
             raise
         self._density = None
 

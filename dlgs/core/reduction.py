@@ -487,6 +487,30 @@ class ReducingTransport:
         return {"bounds": [list(r.bounds) for r in self.reductions], "steps": self.steps}
 
     def load_state(self, state: Any) -> None:
+        """Check a saved :meth:`state` (ValueError naming ``regions``) and put
+        it in force at the next :meth:`layout` of the same messages."""
+        if state is not None:
+            bounds = state.get("bounds") if isinstance(state, dict) else None
+            steps = state.get("steps") if isinstance(state, dict) else None
+            ok = (
+                isinstance(bounds, list)
+                and all(
+                    isinstance(b, list)
+                    and len(b) >= 2
+                    and all(isinstance(x, int) and not isinstance(x, bool) for x in b)
+                    and b[0] == 0
+                    and all(x < y for x, y in zip(b, b[1:]))
+                    for b in bounds
+                )
+                and isinstance(steps, int)
+                and not isinstance(steps, bool)
+                and steps >= 0
+            )
+            if not ok:
+                raise ValueError(
+                    "regions must be None or {'bounds': [[0, ..., size] ascending ints per "
+                    f"message], 'steps': int >= 0}}, got {state!r:.120}"
+                )
         self._pending = state
 
     def _restore(self, state: Any) -> None:

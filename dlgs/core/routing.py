@@ -11,8 +11,9 @@ with a default link model (:data:`DEFAULT_LINK`: ring collectives at 10
 Gbit/s and the catalog's ring-step latency): the reduction for large messages
 from three ranks on, the allgather for small ones and two ranks. Every input
 of the choice is a size, an option or the agreed plan, so every rank routes
-alike without a handshake, and the route is in the layout's fingerprint: ranks
-that disagree are reported, never mixed.
+alike without a handshake. The route is in the layout's fingerprint, which the
+allgather checks; the reduction does not check fingerprints yet, so a plan set
+differently on different ranks (``set_plan`` by hand) is not reported there.
 
 The step's count words and non-finite flags come back in message order as
 the exchange expects: the two transports' own orders are put back with one
