@@ -7,7 +7,7 @@ if the time the first part took, scaled by that ratio, leaves them room within
 exits with the first part's status: a check never passes by being skipped
 silently.
 
-    python tools/run_tests.py [--budget 900] [--slow-ratio 0.6] [pytest args...]
+    python tools/run_tests.py [--budget 900] [--slow-ratio 0.45] [pytest args...]
 
 ``DLGS_TEST_BUDGET_S`` overrides the default budget; ``--budget 0`` never runs the
 slow tests, ``--budget inf`` always does.
@@ -39,8 +39,9 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--slow-ratio",
         type=float,
-        default=0.6,
-        help="the slow tests' time as a share of the rest's (measured 0.52 on 2026-12-04)",
+        default=0.45,
+        help="the slow tests' time as a share of the rest's, with a margin (measured 0.52 "
+        "on 2026-12-04 and 0.38 on 2026-12-05: 206 s against 542 s)",
     )
     args, rest = parser.parse_known_args(argv)
     start = time.monotonic()

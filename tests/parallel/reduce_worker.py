@@ -1,11 +1,11 @@
 """Real ranks of ``transport="reduce"`` (tests/test_reduction.py):
-``python reduce_worker.py OUT DENSITY``. The shared MLP (mlp_steps.py)
-trained 6 steps on per-rank data; each rank writes the digest of its
-parameters after every step, and at density 1.0 those of stock Horovod's
-optimizer on the same data. At other densities also: float16 on the wire; a
-checkpoint after 3 steps resumed in fresh objects on every rank, against the
-run going on; ranks given different widths; and ``transport="auto"`` with a
-plan that sends one layer by each transport."""
+``python reduce_worker.py OUT DENSITY [more]``. The shared MLP
+(mlp_steps.py) trained 6 steps on per-rank data; each rank writes the digest
+of its parameters after every step, and at density 1.0 those of stock
+Horovod's optimizer on the same data. With ``more`` also: float16 on the
+wire; a checkpoint after 3 steps resumed in fresh objects on every rank,
+against the run going on; ranks given different widths; and
+``transport="auto"`` with a plan that sends one layer by each transport."""
 
 import io
 import json
@@ -18,6 +18,7 @@ from mlp_steps import dlgs_opts, horovod_opt, model_and_opt, train
 import dlgs
 
 out, density = sys.argv[1], float(sys.argv[2])
+more = len(sys.argv) > 3 and sys.argv[3] == "more"
 hvd.init()
 rank = hvd.rank()
 torch.set_num_threads(1)
@@ -49,7 +50,7 @@ result["dlgs"], result["losses"] = train(model, opt, rank)
 result["describe"] = opt.dlgs.describe()
 if density == 1.0:
     result["horovod"], _ = train(*model_and_opt(horovod_opt), rank)
-else:
+if more:
     half = dlgs_opts(density, transport="reduce", value_dtype="float16")
     result["float16"], _ = train(*model_and_opt(half), rank)
     result["straight"], result["resumed"] = resume()
