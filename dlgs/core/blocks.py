@@ -122,7 +122,8 @@ class BlockFormat:
             self._below = ops.zeros(rows * hi, "int32", like)
             self._row_entries = per_row(lambda r: -r * width, hi, "int32")
             self._row_counts = per_row(lambda r: r * width, hi, "int32")
-            self._positions = ops.index_vector(list(range(cells)), like)
+            # In the counts' dtype, so the search casts nothing per step.
+            self._positions = ops.cast(ops.index_vector(list(range(cells)), like), "int32")
             self._row_spans = per_row(lambda r: -r * hi, width)
             self._counts = ops.zeros(rows * hi, "int32", like)
 
