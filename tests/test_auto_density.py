@@ -10,11 +10,21 @@ from dataclasses import replace
 import numpy as np
 import pytest
 from local_world import OPS, LocalWorld, assert_conserved, run_steps, sent_and_residuals
+from phase_steps import settle, snapshot, traced, untraced
 
 from dlgs._options import build_configs
 from dlgs.core import RankMismatchError, SparseExchange, SparsityConfig
 from dlgs.core.catalog import catalog_profile
-from dlgs.core.exchange import StepTrace
+from dlgs.core.phases import (
+    AutoCheck,
+    Broadcast,
+    Log,
+    PlannerOptions,
+    PlannerState,
+    SetDensity,
+    SetPlan,
+    Stepped,
+)
 from dlgs.core.planner import CostModel, simulate
 from dlgs.core.profile import (
     AUTO_LADDER,
@@ -26,7 +36,7 @@ from dlgs.core.profile import (
     plan_at,
     raise_layers,
 )
-from dlgs.core.profiler import OnlinePlanner, _AutoCheck
+from dlgs.core.profiler import OnlinePlanner
 
 SIZES = [("w1", 262144), ("b1", 256), ("w2", 65536), ("b2", 10)]  # backward order
 
@@ -204,29 +214,47 @@ def test_auto_keeps_a_density_only_if_its_steps_measure_no_slower(slow):
         assert link is None
 
 
+def _under_choice(profile, profile_steps=3):
+    """The planner's state after a given ``profile`` chose per-layer densities
+    at the first step, and the view with them in force."""
+    options = PlannerOptions("dp", profile_steps=profile_steps)
+    view = snapshot(SIZES, _auto(), step=1)
+    first = Stepped(untraced(0, len(SIZES), 0.1))
+    state, view, _ = settle(options, PlannerState(profile=profile), view, first)
+    assert state.plan is not None and state.density_choice is not None
+    return options, state, replace(view, step=3)
+
+
+def _check_steps(options, state, view, check, end):
+    """Refinement under the choice, ``check`` pending: its last traced step
+    ends at ``end`` like the ones before it."""
+    n = len(SIZES)
+    state = replace(
+        state,
+        auto_check=check,
+        refining=True,
+        refine_armed=True,
+        traces=tuple(traced(s, n, end).trace for s in range(options.profile_steps - 1)),
+    )
+    return settle(options, state, view, Stepped(traced(3, n, end)))
+
+
 def test_a_revert_restores_the_per_layer_densities_before_the_choice():
     """Steps under a new choice measured slower than steps under per-layer
     densities (an earlier choice): those per-layer densities come back, not
-    their single density."""
+    their single density. Driven through the planner's decisions."""
     earlier = (0.01, 0.01, 0.02, 0.01)
-
-    def body(rank, comm):
-        ex = SparseExchange(OPS, comm, _auto(), SIZES)
-        planner = OnlinePlanner("dp", profile=_profile(1e6))
-        ex.step_hooks.append(planner)
-        for s in range(3):
-            _submit(ex, rank, s)
-            ex.wait()
-        planner._auto_before = _AutoCheck(0.01, earlier, [0.2] * 3, False)
-        planner._traces = [StepTrace(arrive={0: 0.0}, waited=0.7) for _ in range(3)]
-        reverted = planner._auto_reverted(ex)
-        _submit(ex, rank, 3)
-        ex.wait()
-        return reverted, ex.densities, [layer.plan.k for layer in ex.layers]
-
-    for reverted, densities, ks in LocalWorld(2).run(body):
-        assert reverted and densities == earlier
-        assert ks == [max(1, math.ceil(d * n)) for d, (_, n) in zip(earlier, SIZES)]
+    options, state, view = _under_choice(_profile(1e6))
+    check = AutoCheck(0.01, earlier, (0.2,) * 3, False)
+    state, view, actions = _check_steps(options, state, view, check, 0.7)
+    verdicts = [a.value for a in actions if isinstance(a, Broadcast) and a.topic == "auto"]
+    assert len(verdicts) == 1 and not verdicts[0]["kept"]
+    assert [a for a in actions if isinstance(a, SetDensity)] == [SetDensity(0.01, earlier)]
+    assert view.densities == earlier and state.each == earlier
+    assert state.density_choice.reverted == 0.01
+    # Refinement goes on under the plan for the densities back in force.
+    assert isinstance(actions[-1], Log) and state.phase == "refine" and not state.traces
+    assert any(isinstance(a, SetPlan) and a.defer for a in actions)
 
 
 def test_a_checkpoint_taken_during_the_check_resumes_the_check():
@@ -242,7 +270,7 @@ def test_a_checkpoint_taken_during_the_check_resumes_the_check():
         for s in range(16):
             _submit(ex, rank, s)
             ex.wait()
-            if planner._auto_before is not None:  # the check is pending
+            if planner.state.auto_check is not None:  # the check is pending
                 break
         state = ex.state_dict()
         assert state["hooks"] and ex.density == 1.0
@@ -503,32 +531,22 @@ def test_bad_per_layer_densities_name_the_parameter(layers, match, exc):
 def test_a_per_layer_choice_is_checked_against_the_start_and_undone_together(slow):
     """The check of a choice whose global density equals the starting one but
     whose layers rose: it runs (the choice sends more), may end up to
-    auto_slack later, and a revert puts every layer back on every rank. The
-    timed steps are set directly (as refinement would have traced them)."""
+    auto_slack later, and a revert puts every layer back together. Driven
+    through the planner's decisions, as refinement would have traced them."""
     profile = _profile(1e6)
     start = choose_density(profile, _auto()).density  # pretend it was the start
-
-    def body(rank, comm):
-        ex = SparseExchange(OPS, comm, _auto(), SIZES)
-        planner = OnlinePlanner("dp", profile=profile)
-        ex.step_hooks.append(planner)
-        for s in range(3):
-            _submit(ex, rank, s)
-            ex.wait()
-        chosen = ex.densities
-        planner._auto_before = _AutoCheck(start, None, [0.2] * 3, False)
-        late = 0.2 + (0.5 if slow else -0.1)
-        planner._traces = [StepTrace(arrive={0: 0.0}, waited=late) for _ in range(3)]
-        reverted = planner._auto_reverted(ex)
-        _submit(ex, rank, 3)
-        ex.wait()
-        return chosen, reverted, ex.densities, planner.density_choice.measured
-
-    r0, r1 = LocalWorld(2).run(body)
-    assert r0[:3] == r1[:3]
-    chosen, reverted, after, measured = r0
+    options, state, view = _under_choice(profile)
+    chosen = view.densities
+    late = 0.2 + (0.5 if slow else -0.1)
+    state, view, _ = _check_steps(
+        options, state, view, AutoCheck(start, None, (0.2,) * 3, False), late
+    )
+    measured = state.density_choice.measured
     assert min(chosen) == start and max(chosen) > start
     assert measured["density"] == start == measured["before_density"]
     assert measured["allowance"] > 0  # the raised layers send more than the start
-    assert reverted == slow
-    assert after == ((start,) * len(SIZES) if slow else chosen)
+    assert (state.density_choice.reverted is not None) == slow
+    assert view.densities == ((start,) * len(SIZES) if slow else chosen)
+    # Kept: the refined profile is planned and the plan settles; reverted:
+    # refinement goes on.
+    assert state.phase == ("refine" if slow else "run")

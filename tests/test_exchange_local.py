@@ -399,7 +399,7 @@ def test_planner_replans_at_a_warmup_boundary_on_every_rank_and_round_trips():
             for i, g in enumerate(gaussian(rank, s)):
                 ex.submit(i, g)
             ex.wait()
-            seen.append((planner._density, [(g.members, g.sparse) for g in ex.groups]))
+            seen.append((planner.state.density, [(g.members, g.sparse) for g in ex.groups]))
         state = ex.state_dict()
         fresh = SparseExchange(OPS, comm, cfg, SIZES)
         fresh.step_hooks.append(OnlinePlanner("dp"))

@@ -9,7 +9,8 @@ import pytest
 from local_world import OPS, LocalWorld
 
 from dlgs.core import SparseExchange, SparsityConfig
-from dlgs.core.profiler import OnlinePlanner, _probe_ladder, guard_verdict
+from dlgs.core.phases import probe_ladder
+from dlgs.core.profiler import OnlinePlanner, guard_verdict
 
 # Backward order; 82,186 elements, 328,744 dense bytes per step.
 SIZES = [("w1", 65536), ("b1", 256), ("w2", 16384), ("b2", 10)]
@@ -97,7 +98,7 @@ def test_probe_ladder_scales_down_for_a_small_model():
     def body(rank, comm):
         big = _exchange(comm, OnlinePlanner("dp"))
         small = _exchange(comm, OnlinePlanner("dp"), [("w", 4096), ("b", 64)])
-        return _probe_ladder(big), _probe_ladder(small)
+        return probe_ladder(big.dense_bytes()), probe_ladder(small.dense_bytes())
 
     big, small = LocalWorld(1).run(body)[0]
     assert big == [1024, 4096, 16384, 65536, 262144, 328744]

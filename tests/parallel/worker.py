@@ -348,7 +348,7 @@ def drift_replans():
             F.cross_entropy(model(x), y).backward()
             opt.step()
             steps += 1
-            if made_before is None and planner.ready and planner._baseline is not None:
+            if made_before is None and planner.ready and planner.state.baseline is not None:
                 made_before = planner.plans_made  # calibrated: now slow the step down
             if made_before is not None and planner.plans_made > made_before:
                 break
@@ -375,7 +375,13 @@ def guard():
             opt.zero_grad()
             x, y = batch(s)
             F.cross_entropy(model(x), y).backward()
-            phase = "layerwise" if planner.plan is None else "plan" if planner._refining else None
+            phase = (
+                "layerwise"
+                if planner.plan is None
+                else "plan"
+                if planner.phase == "refine"
+                else None
+            )
             if phase == slow and s > 0:
                 time.sleep(0.5)  # far above any scheduling noise of a loaded machine
             opt.step()
