@@ -195,6 +195,14 @@ class NumpyOps:
     def any_true(self, flags):
         return any(bool(np.any(f)) for f in flags)
 
+    def none_true(self, flags):
+        return not self.any_true(flags)
+
+    def select_(self, dst, flag, src):
+        if flag:
+            dst[...] = src
+        return dst
+
     def index_vector(self, values, like):
         return np.asarray(values, np.int64)
 

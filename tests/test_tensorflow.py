@@ -44,6 +44,7 @@ SCENARIOS = [
     "resume_recipe",
     "mismatch",
     "against_reference",
+    "graph_exchange",
 ]
 
 
@@ -355,6 +356,34 @@ def test_tf_at_most_k_nonzeros_reconstructed_exactly(ranks):
             assert rec["max_diff"] == 0.0, f"rank {r} {case}: max |diff| {rec['max_diff']}"
         assert v["topk"]["sparse_layers"] >= 3
         assert v["merged_groups"]["sparse_messages"] == 1
+        # Traced again once laid out: every step after the first on the device.
+        assert v["in_graph"]["steps"] == 4 and v["in_graph"]["device_steps"] == 3, v["in_graph"]
+
+
+@pytest.mark.parallel
+def test_the_exchange_traced_into_the_graph_equals_the_eager_one(ranks):
+    """Issue 33: a custom loop under dlgs.tensorflow.function runs the exchange
+    in the graph once it is laid out (traced once per layout, one host step per
+    layout, none per step after), bit for bit as the same steps run eagerly;
+    density 1.0 there is Horovod's allreduce; model.fit is traced again by itself."""
+    r0, r1 = value(ranks, "graph_exchange")
+    for case in ("eager", "graph"):
+        assert r0[case]["digests"] == r1[case]["digests"], f"{case}: ranks differ"
+    assert r0["fit"] == r1["fit"] and r0["dense"] == r1["dense"]
+    for v in (r0, r1):  # each rank's residuals, as eagerly
+        assert v["graph"]["residuals"] == v["eager"]["residuals"]
+    eager, graph = r0["eager"], r0["graph"]
+    assert graph["digests"] == eager["digests"]
+    assert graph["step"] == eager["step"] == 10
+    # Step 0 builds and lays out (host); traced for that layout; the new plan
+    # at step 5: one host step to lay out, one more trace; the rest on the device.
+    assert graph["retraces"] == 2 and graph["traces"] == 2, graph
+    assert graph["host_steps"] == 2, graph
+    assert eager["traces"] == 0 and eager["host_steps"] == 10
+    assert r0["dense"]["max_diff"] <= 1e-6 and r0["dense"]["step"] == 4
+    assert r0["dense"]["host_steps"] == 1
+    fit = r0["fit"]
+    assert fit["step"] == 20 and fit["traces"] == 1 and fit["host_steps"] == 1, fit
 
 
 @pytest.mark.parallel

@@ -219,6 +219,13 @@ class ArrayOps(Protocol):
     def any_true(self, flags: Sequence[T]) -> T:
         """0-d bool: some element of some bool tensor in ``flags`` is true."""
 
+    def none_true(self, flags: Sequence[T]) -> T:
+        """0-d bool: no element of any bool tensor in ``flags`` is true."""
+
+    def select_(self, dst: T, flag: T, src: T) -> T:
+        """``dst`` becomes ``src`` where the 0-d bool ``flag`` is true and stays
+        as it is otherwise (no host read); same length and dtype."""
+
     def index_vector(self, values: Sequence[int] | np.ndarray, like: T) -> T:
         """A 1-D integer tensor (int64 where the framework indexes with it)
         holding ``values`` (a sequence or a NumPy vector) on ``like``'s device

@@ -242,10 +242,15 @@ class Engine:
             log_stats(ex, self.logger)
 
     # -- what users reach as .dlgs ----------------------------------------------------
+    def _settle(self) -> None:
+        """Before anything is read: an adapter whose steps may run without the
+        host (TensorFlow's traced steps) counts them into the exchange here."""
+
     @property
     def exchange(self) -> Optional[SparseExchange]:
         """The core :class:`~dlgs.core.exchange.SparseExchange` (per-layer plans
         and state); None before the first step where the adapter builds lazily."""
+        self._settle()
         return self._exchange
 
     @property
@@ -273,6 +278,7 @@ class Engine:
         profiling, layer by layer, planned, re-profiling): the layout in force,
         message by message with layer names, and the plan with its predicted
         timeline when there is one. Reads no device value."""
+        self._settle()
         ex = self._exchange
         if ex is None:
             return "dlgs: no step yet (the exchange is built at the first gradient)"
@@ -322,18 +328,21 @@ class Engine:
         """Whether the last step's gradients were finite on every rank (the same
         on every rank; see :attr:`dlgs.core.SparseExchange.last_step_finite`).
         True before the first step."""
+        self._settle()
         return self._exchange is None or self._exchange.last_step_finite
 
     @property
     def nonfinite_steps(self) -> int:
         """Steps whose gradients were non-finite somewhere (dlgs' state was left
         as before each)."""
+        self._settle()
         return 0 if self._exchange is None else self._exchange.nonfinite_steps
 
     def stats(self) -> List[Dict[str, Any]]:
         """Per-layer statistics of the last step: selected count, achieved
         density, threshold, bytes sent. Reads device values; call it every few
         steps, not every step."""
+        self._settle()
         if self._exchange is None:
             return []
         return log_stats(self._exchange, self.logger, logging.DEBUG)
@@ -341,6 +350,7 @@ class Engine:
     def state_dict(self) -> Dict[str, Any]:
         """This rank's residuals, velocities, controller states, step and plan
         (docs/design.md, "Checkpoints and residuals"); save one per rank."""
+        self._settle()
         if self._exchange is None:
             return dict(self._pending_state or {})
         return self._exchange.state_dict()

@@ -27,7 +27,7 @@ from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tupl
 import numpy as np
 
 from . import checkpoint
-from ._checks import check_float
+from ._checks import check_float, check_int
 from .backend import ArrayOps
 from .bank import ControllerBank
 from .checkpoint import STATE_VERSION, check_finite_state
@@ -238,6 +238,20 @@ class SparseExchange:
         # load, never inside load_state_dict (dlgs.core.resume).
         self._sync_pending = True
         self._loaded = False  # loaded a checkpoint since the last agreement
+        #: Keep every layer's state buffers in place: a finished step copies its
+        #: new residual (and velocity) over the old one instead of swapping the
+        #: two buffers, so a step traced into a graph, which holds the buffers
+        #: it was traced with, stays valid across host steps (one copy per
+        #: sparse layer per host step).
+        self.stable_buffers = False
+        #: Increases whenever the messages are laid out anew (a traced step is
+        #: for one layout).
+        self.layout_version = 0
+        #: Called (no argument) when the next step must run on the host: a plan,
+        #: a density or a timed step was asked for, or a state loaded, between
+        #: steps (see :meth:`device_ready`).
+        self.listeners: List[Callable[[], None]] = []
+        self._device_saved: Any = None  # begin_device_step()'s
 
     # -- introspection -------------------------------------------------------
     @property
@@ -340,6 +354,7 @@ class SparseExchange:
         each = None if layers is None else checkpoint.layer_densities(layers, len(self._layers))
         if (float(density), each) != (self._auto_density, self._auto_layers):
             self._density = None  # lay out again at the next step
+            self._notify()
         self._auto_density, self._auto_layers = float(density), each
 
     def trace_next_step(self) -> None:
@@ -347,6 +362,7 @@ class SparseExchange:
         :class:`StepRecord`). Each timed layer calls ``clock()`` twice, which
         on an asynchronous device waits for it: profiling steps only."""
         self._trace_next = True
+        self._notify()
 
     def set_plan(self, plan: Optional[Plan]) -> None:
         """Replace the merge plan: ``[(layer indices, sparse), ...]`` where
@@ -367,6 +383,7 @@ class SparseExchange:
         else:
             self._plan = None
         self._density = None
+        self._notify()
 
     def set_groups(self, groups: Optional[Sequence[Sequence[int]]]) -> None:
         """Shorthand for :meth:`set_plan` with every group's mode chosen by rule."""
@@ -389,6 +406,7 @@ class SparseExchange:
         density = self.density
         self._density = density
         self.like = like
+        self.layout_version += 1
         for hook in self.step_hooks:
             on_density = getattr(hook, "on_density", None)
             # A planner may answer a density change with a plan for it, which
@@ -838,11 +856,11 @@ class SparseExchange:
             sparse = self._sparse(layer)
             if finite:
                 if sparse:
-                    layer.residual, layer.residual_next = layer.residual_next, layer.residual
+                    self._keep_next(layer, "residual")
                 elif layer.flush:
                     layer.residual = layer.residual_next = None
                 if layer.velocity_next is not None:
-                    layer.velocity, layer.velocity_next = layer.velocity_next, layer.velocity
+                    self._keep_next(layer, "velocity")
             elif sparse and layer.ctrl_prev is not None:
                 # In place: the bank holds this dict.
                 layer.ctrl.clear()
@@ -875,6 +893,115 @@ class SparseExchange:
         for hook in list(self.step_hooks):
             hook(self, record)
         return finite
+
+    def _keep_next(self, layer: LayerRecord, kind: str) -> None:
+        """The step's new ``residual`` / ``velocity`` (in ``*_next``) in force."""
+        new = getattr(layer, f"{kind}_next")
+        if self.stable_buffers:
+            self.ops.copy_(getattr(layer, kind), new)
+        else:
+            setattr(layer, f"{kind}_next", getattr(layer, kind))
+            setattr(layer, kind, new)
+
+    def _notify(self) -> None:
+        for listener in list(self.listeners):
+            listener()
+
+    # -- steps on the device alone (traced into a graph) ---------------------------
+    def device_ready(self) -> Optional[str]:
+        """None when the next step can run with device operations alone (no
+        host read: traced once into a graph and run many times), else why
+        not. Such a step submits and waits as usual, then ends with
+        :meth:`finish_on_device`; the host's side (the step count, the
+        controllers' learning, the step hooks) does not run: steps that need
+        it run on the host. Needs: the layout of the density in force made
+        and verified, no agreement, timed step or relayout pending, a
+        controller that learns nothing on the host, no momentum correction,
+        the allgather transport, and no dense layer still owing a residual."""
+        if self._open or self._submitted:
+            return "a step is under way"
+        if self._sync_pending:
+            return "the ranks agree on the step and plan at the next step"
+        if self._density is None or self.density != self._density:
+            return "the messages are laid out anew at the next step"
+        if self._trace_next:
+            return "the next step is timed layer by layer"
+        if self._bank is not None:
+            return f"the {self.config.controller.value!r} controller learns on the host"
+        if self.config.momentum:
+            return "momentum correction"
+        if self.dense_external:
+            return "dense layers are reduced by the caller"
+        if self._transport.name != "flat":
+            return f"transport {self.config.transport!r}"
+        if any(not g.verified for g in self._groups if g.sparse):
+            return "a message's layout is not verified across ranks yet"
+        if any(layer.residual is not None and not self._sparse(layer) for layer in self._layers):
+            return "a dense layer still owes its residual"
+        return None
+
+    def begin_device_step(self) -> None:
+        """Before the submits of a step that ends with :meth:`finish_on_device`:
+        what the last host step left for :meth:`stats` and the verdict (each
+        layer's count and threshold, the transport's count words) is kept and
+        put back at its end, so that a step traced into a graph leaves none of
+        the graph's tensors behind."""
+        self._device_saved = (
+            [(layer.count, layer.theta) for layer in self._layers],
+            self._transport.counts,
+            self._transport.bad,
+        )
+
+    def finish_on_device(self) -> Any:
+        """End a step of :meth:`device_ready`'s kind (after :meth:`wait` with
+        ``finish=False``) with device operations alone: every sparse layer
+        keeps its new residual where the step was finite on every rank (its
+        count words all non-negative and every dense output finite), the old
+        one otherwise. Returns that verdict (0-d bool). Nothing on the host
+        advances: the caller counts the steps that ran this way and hands
+        them to :meth:`account_device_steps`."""
+        ops = self.ops
+        flags = list(self._flags)
+        counts = self._transport.counts if self._sparse_members else None
+        if counts is not None:
+            flags.append(ops.any_negative_rows(counts, 1))
+        dense = list(self._dense_out.values())
+        if dense:
+            flags.append(ops.any_nonfinite(dense))
+        ok = ops.none_true(flags)  # a step has sparse members or dense outputs
+        for i in sorted(self._submitted):
+            layer = self._layers[i]
+            if self._sparse(layer):
+                ops.select_(layer.residual, ok, layer.residual_next)
+            layer.ctrl_prev = None
+        saved, self._device_saved = self._device_saved, None
+        if saved is not None:
+            for layer, (count, theta) in zip(self._layers, saved[0]):
+                layer.count, layer.theta = count, theta
+            self._transport.counts, self._transport.bad = saved[1], saved[2]
+        self._flags.clear()
+        self._dense_out.clear()
+        self._open = False
+        self._submitted.clear()
+        self._step_start, self._submit_seconds, self._trace = None, 0.0, None
+        self._scale = self._inv_scale = None
+        return ok
+
+    def account_device_steps(
+        self, steps: int, nonfinite: int = 0, last_finite: bool = True
+    ) -> None:
+        """``steps`` steps ran on the device alone (:meth:`finish_on_device`),
+        ``nonfinite`` of them not finite on some rank, the last one finite or
+        not: count them (and report the non-finite ones, as a host step would)."""
+        check_int("steps", steps, 0)
+        check_int("nonfinite", nonfinite, 0)
+        if nonfinite > steps:
+            raise ValueError(f"nonfinite must be at most steps ({steps}), got {nonfinite}")
+        if not steps:
+            return
+        self.step += steps
+        self._finite = bool(last_finite)
+        self._nonfinite.device_steps(self.step - 1, steps, nonfinite, bool(last_finite))
 
     def _nonfinite_names(self, external: Sequence[Tuple[int, Any]]) -> List[str]:
         """The layers whose reduced gradient is non-finite this step: each

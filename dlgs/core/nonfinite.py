@@ -47,6 +47,17 @@ class NonFiniteLog:
         """A finite step: the run ends."""
         self.run = 0
 
+    def device_steps(self, step: int, steps: int, nonfinite: int, last_finite: bool) -> None:
+        """``steps`` steps up to ``step`` ran on the device alone, ``nonfinite``
+        of them non-finite (which layers is not known there): counted, and
+        reported like one non-finite step when there were any."""
+        if nonfinite:
+            self.steps += nonfinite - 1
+            self.run = nonfinite - 1 if nonfinite == steps else 0
+            self.nonfinite(step, lambda: [f"{nonfinite} of the last {steps} steps"])
+        if last_finite:
+            self.run = 0
+
     def nonfinite(self, step: int, names: Callable[[], List[str]]) -> None:
         """A non-finite step: count it, and report it (naming the layers that
         ``names()`` finds, a host read only a reported step pays) at most once

@@ -17,7 +17,8 @@ See docs/tensorflow.md for eager vs ``tf.function`` vs ``model.fit``.
 
 from . import keras
 from ._engine import exchange
+from ._graph import function
 from .compression import Compression
 from .tape import DistributedGradientTape
 
-__all__ = ["Compression", "DistributedGradientTape", "exchange", "keras"]
+__all__ = ["Compression", "DistributedGradientTape", "exchange", "function", "keras"]

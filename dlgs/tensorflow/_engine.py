@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import logging
 import pickle
+import re
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import horovod.tensorflow as hvd
@@ -35,6 +36,7 @@ from .. import _options
 from .._horovod import HorovodSet
 from ..core.engine import Engine as CoreEngine
 from ..core.engine import OptimizerAliases, _deprecated, check_unique_names
+from ._graph import GraphSteps
 from ._ops import OPS, _read
 
 __all__ = ["DlgsAccessors", "Engine", "HorovodCollectives", "variable_name"]
@@ -98,6 +100,12 @@ class HorovodCollectives(HorovodSet):
         return self._pool.submit(fn, *args)
 
     def allgather_async(self, chunk, name):
+        if not tf.executing_eagerly():  # traced into a graph: Horovod's graph op
+            t = _read(chunk)
+            out = self._allgather(t, _graph_name(name))
+            # Every rank's chunk has this rank's length (one layout on every
+            # rank): a rank with another one fails here instead of unpacking.
+            return tf.ensure_shape(out, [self.size * int(t.shape[0])] + list(t.shape[1:]))
         return self._submit(self._allgather, _read(chunk), name)
 
     def _allgather(self, tensor, name):
@@ -107,6 +115,8 @@ class HorovodCollectives(HorovodSet):
             )
 
     def allreduce_async(self, tensor, name):
+        if not tf.executing_eagerly():
+            return self._allreduce(_read(tensor), _graph_name(name))
         return self._submit(self._allreduce, _read(tensor), name)
 
     def _allreduce(self, tensor, name):
@@ -123,7 +133,8 @@ class HorovodCollectives(HorovodSet):
             )
 
     def synchronize(self, handle):
-        return handle.result()
+        # A graph's collective is its output tensor; an eager one a future.
+        return handle.result() if isinstance(handle, Future) else handle
 
     def allgather_object(self, obj, name):
         return hvd.allgather_object(obj, name=name, process_set=self.process_set)
@@ -144,6 +155,11 @@ class Engine(CoreEngine):
         self._lock = threading.Lock()
         #: The exchange's state as one ``tf.train.Checkpoint`` entry.
         self.trackable = ExchangeState(self)
+        #: The exchange's steps traced into the graph (:class:`~dlgs.tensorflow._graph.GraphSteps`).
+        self.graph = GraphSteps(self)
+
+    def _settle(self) -> None:
+        self.graph.pull()
 
     def specs(self, variables: Sequence[Any]) -> List[str]:
         """Validated names of ``variables``; builds the exchange on first use."""
@@ -203,17 +219,22 @@ class Engine(CoreEngine):
         if tf.executing_eagerly():
             out = self._run(dense)
         else:
-            out = tf.py_function(self._run, dense, Tout=[g.dtype for g in dense])
-            out = list(out) if isinstance(out, (list, tuple)) else [out]
-            for o, g in zip(out, dense):
-                o.set_shape(g.shape)
+
+            def host() -> List[Any]:
+                got = tf.py_function(self._run, dense, Tout=[g.dtype for g in dense])
+                got = list(got) if isinstance(got, (list, tuple)) else [got]
+                for o, g in zip(got, dense):
+                    o.set_shape(g.shape)
+                return got
+
+            out = self.graph.step(dense, host)
         return [None if m else o for m, o in zip(missing, out)]
 
     def _run(self, *grads: Any) -> List[tf.Tensor]:
         """The eager step: submit in backward order, wait, reshape back."""
         if len(grads) == 1 and isinstance(grads[0], (list, tuple)):
             grads = tuple(grads[0])
-        exchange = self.exchange
+        exchange = self.exchange  # counts the steps that ran in the graph first
         assert exchange is not None
         with self._lock:
             for i, pos in enumerate(self.order):
@@ -224,6 +245,7 @@ class Engine(CoreEngine):
                 g = grads[pos]
                 out[pos] = tf.cast(tf.reshape(_read(reduced[i]), tf.shape(g)), g.dtype)
             self.step_done()
+            self.graph.after_host_step()
         return out
 
     def state_dict(self) -> Dict[str, Any]:
@@ -307,6 +329,13 @@ def _to_numpy(obj: Any) -> Any:
     if isinstance(obj, (tf.Variable, tf.Tensor)) or hasattr(obj, "var"):
         return np.asarray(_read(obj).numpy())
     return obj
+
+
+def _graph_name(name: str) -> str:
+    """A collective's name as a graph op's: Horovod negotiates on the op's
+    name after its last ``/`` (``ignore_name_scope``), and an op name allows
+    letters, digits, ``_`` and ``.``; the same on every rank."""
+    return "g." + re.sub(r"[^A-Za-z0-9_.]", "_", name)
 
 
 def _clock():

@@ -12,8 +12,9 @@ that did not come from :meth:`zeros` (gradients, collective outputs, controller
 scalars) stay ordinary immutable tensors and the same operations return new
 tensors for them, as the protocol allows.
 
-Nothing here calls ``.numpy()`` except :meth:`TFOps.to_host`. Runs eagerly
-(the exchange's Python control flow is not traceable, see ``docs/tensorflow.md``).
+Nothing here calls ``.numpy()`` except :meth:`TFOps.to_host` and, eagerly on
+the CPU, the controllers' 0-d results. The same operations trace into a graph
+(a step that runs on the device alone, ``SparseExchange.device_ready``).
 """
 
 from __future__ import annotations
@@ -407,6 +408,12 @@ class TFOps:
     def any_true(self, flags):
         return tf.reduce_any(tf.concat([tf.reshape(tf.cast(f, tf.bool), [-1]) for f in flags], 0))
 
+    def none_true(self, flags):
+        return tf.logical_not(self.any_true(flags))
+
+    def select_(self, dst, flag, src):
+        return self._update(dst, tf.where(flag, _read(src), _read(dst)))
+
     def index_vector(self, values, like):
         values = np.asarray(values, np.int64)
         if values.size and values.max() > np.iinfo(np.int32).max:
@@ -499,8 +506,9 @@ def _on_host(like: Any) -> bool:
 
 
 def _maybe_host(t: tf.Tensor, like: Any) -> Any:
-    """A 0-d result as a NumPy scalar when it lives on the CPU."""
-    return np.float32(t.numpy()) if _on_host(like) else t
+    """A 0-d result as a NumPy scalar when it lives on the CPU and runs
+    eagerly (while a graph is traced it stays a tensor of the graph)."""
+    return np.float32(t.numpy()) if _on_host(like) and tf.executing_eagerly() else t
 
 
 def _host(x: Any) -> Any:

@@ -239,6 +239,12 @@ class TorchOps:
             return flags[0].any()
         return torch.cat([f if f.dim() == 1 else f.reshape(1) for f in flags]).any()
 
+    def none_true(self, flags):
+        return torch.logical_not(self.any_true(flags))
+
+    def select_(self, dst, flag, src):
+        return dst.copy_(torch.where(flag, src, dst))
+
     def index_vector(self, values, like):
         host = torch.from_numpy(np.asarray(values, dtype=np.int64))
         return host.to(like.device) if like.device.type != "cpu" else host

@@ -220,6 +220,7 @@ def exact_reconstruction():
         "sum_op": (dict(density=0.05, controller="topk"), 3),
         "merged_groups": (dict(density=0.05, controller="topk"), 3),
         "in_function": (dict(density=0.05, controller="topk"), 3),
+        "in_graph": (dict(density=0.05, controller="topk"), 4),
     }
     for case, (opts, steps) in cases.items():
         model = mlp(2, hidden=128)
@@ -244,7 +245,11 @@ def exact_reconstruction():
                 target = linear_target(variables, gs)
             return grads_of(tape, target)
 
-        fn = tf.function(lambda gs, step=step: step(gs)[1]) if case == "in_function" else step
+        fn = step
+        if case == "in_function":
+            fn = tf.function(lambda gs, step=step: step(gs)[1])
+        elif case == "in_graph":  # traced again once laid out: the exchange in the graph
+            fn = dlgs.tensorflow.function(lambda gs, step=step: step(gs)[1])
         worst, tape = 0.0, None
         for s in range(steps):
             gs = sparse_grads(
@@ -255,7 +260,7 @@ def exact_reconstruction():
             )
             if "fp16" in case:
                 gs = [g.astype(np.float16).astype(np.float32) for g in gs]
-            if case == "in_function":
+            if case in ("in_function", "in_graph"):
                 got = fn([tf.constant(g) for g in gs])
             else:
                 tape, got = fn(gs)
@@ -266,6 +271,10 @@ def exact_reconstruction():
                 expect = hvd.allreduce(tf.constant(g), op=op, name=f"ref.{case}.{s}.{j}")
                 worst = max(worst, float(np.abs(r.numpy() - expect.numpy()).max()))
         rec = {"max_diff": worst}
+        if case == "in_graph":
+            engine = dlgs.tensorflow.exchange(f"ex.{case}")
+            rec["steps"] = engine.exchange.step  # counts the device steps in first
+            rec["device_steps"] = engine.graph.device_steps
         if tape is not None and tape.dlgs.exchange is not None:
             ex = tape.dlgs.exchange
             rec["sparse_messages"] = sum(1 for g in ex.groups if g.sparse)
@@ -656,6 +665,99 @@ def mismatch():
     except ValueError as err:
         out["ungrouped"] = str(err)
     return out
+
+
+@scenario
+def graph_exchange():
+    """The exchange traced into the graph (issue 33): a custom loop under
+    dlgs.tensorflow.function and model.fit, against the same steps run
+    eagerly; how often the step was traced and how many steps ran on the host."""
+    out = {}
+    opts = dict(density=0.05, controller="topk", merge="none", min_sparse_size=256)
+    steps = 10
+    for mode in ("eager", "graph"):
+        model = mlp(21)
+        opt = keras.optimizers.SGD(0.05)
+        name = f"graph_exchange.{mode}"
+
+        def step(x, y, model=model, opt=opt, name=name):
+            with tf.GradientTape() as tape:
+                loss = loss_fn(model, x, y)
+            tape = dlgs.tensorflow.DistributedGradientTape(tape, name=name, **opts)
+            grads = tape.gradient(loss, model.trainable_variables)
+            opt.apply(grads, model.trainable_variables)
+            return loss
+
+        fn = dlgs.tensorflow.function(step) if mode == "graph" else step
+        digests = []
+        engine = None
+        for s in range(steps):
+            x, y = batch(s)
+            fn(tf.constant(x), tf.constant(y))
+            digests.append(digest(model))
+            engine = dlgs.tensorflow.exchange(name)
+            if s == 5:  # a new plan between steps: one host step, one trace
+                engine.exchange.set_groups([[0, 1, 2, 3]])
+        ex = engine.exchange
+        graph = engine.graph
+        out[mode] = {
+            "digests": digests,
+            "traces": graph.traces,
+            "host_steps": graph.host_steps,
+            "step": ex.step,
+            "residuals": {
+                la.name: digest_array(la.residual) for la in ex.layers if la.residual is not None
+            },
+            "retraces": getattr(fn, "retraces", None),
+        }
+    # Density 1.0 on the device path: Horovod's allreduce.
+    model = mlp(22)
+    variables = model.trainable_variables
+
+    @dlgs.tensorflow.function
+    def dense(gs):
+        with tf.GradientTape() as tape:
+            target = linear_target(variables, gs)
+        tape = dlgs.tensorflow.DistributedGradientTape(
+            tape, density=1.0, merge="none", name="graph_exchange.dense"
+        )
+        return tape.gradient(target, variables)
+
+    worst = 0.0
+    for s in range(4):
+        rng = np.random.default_rng(50 + s + 100 * hvd.rank())
+        gs = [tf.constant(rng.standard_normal(v.shape).astype(np.float32)) for v in variables]
+        got = dense(gs)
+        for j, (g, r) in enumerate(zip(gs, got)):
+            expect = hvd.allreduce(g, name=f"graph_exchange.ref.{s}.{j}")
+            worst = max(worst, float(np.abs(r.numpy() - expect.numpy()).max()))
+    engine = dlgs.tensorflow.exchange("graph_exchange.dense")
+    out["dense"] = {
+        "max_diff": worst,
+        "host_steps": engine.graph.host_steps,
+        "step": engine.exchange.step,
+    }
+    # model.fit: the train function is traced again once the layout is settled.
+    model = mlp(23)
+    opt = dlgs.tensorflow.keras.DistributedOptimizer(
+        keras.optimizers.SGD(0.05), name="graph_exchange.fit", **opts
+    )
+    model.compile(optimizer=opt, loss="sparse_categorical_crossentropy", jit_compile=False)
+    xs, ys = zip(*[batch(s) for s in range(steps)])
+    model.fit(
+        np.concatenate(xs), np.concatenate(ys), batch_size=16, epochs=2, shuffle=False, verbose=0
+    )
+    out["fit"] = {
+        "digest": digest(model),
+        "traces": opt.dlgs.graph.traces,
+        "host_steps": opt.dlgs.graph.host_steps,
+        "step": opt.dlgs.exchange.step,
+    }
+    return out
+
+
+def digest_array(v) -> str:
+    return hashlib.sha256(np.asarray(v.numpy() if hasattr(v, "numpy") else v).tobytes()).hexdigest()
 
 
 if __name__ == "__main__":

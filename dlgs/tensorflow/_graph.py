@@ -1,0 +1,324 @@
+"""The exchange as graph ops inside the user's ``tf.function`` (issue 33).
+
+Inside a traced training step, :class:`GraphSteps` puts the exchange into the
+graph as a ``tf.cond`` of two branches:
+
+* the **device** branch: the exchange's own per-step code (residual add,
+  threshold and selection, packing, Horovod's graph collectives per planned
+  message, unpacking, the residual kept only where the step was finite on
+  every rank), traced once through the core's ``ArrayOps`` on TensorFlow ops
+  (``SparseExchange.device_ready`` / ``finish_on_device``). No Python runs
+  when it executes;
+* the **host** branch: the eager step in one ``tf.py_function``, as before,
+  for every step that needs the host (the first steps, profiling and
+  planning, a warm-up stage or a new plan, a timed step, a log line, a
+  controller that learns on the host).
+
+Which branch runs is read from variables the host sets after each host step
+(every rank computes the same values from agreed state, so every rank takes
+the same branch): the layout version the graph was traced for, and how many
+steps may run on the device before the host needs one. Steps that ran on the
+device are counted into the exchange (``account_device_steps``) at the next
+host step or accessor.
+
+A graph is for one layout: after a new plan the device branch is stale and
+the host branch runs until the step is traced again. ``model.fit`` is traced
+again by itself (its ``make_train_function(force=True)``); a custom loop
+traced with :func:`dlgs.tensorflow.function` too; a plain ``tf.function``
+keeps the host branch after a layout change (logged once).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from typing import Any, Callable, List, Optional
+
+import tensorflow as tf
+
+from ._ops import _read
+
+__all__ = ["GraphSteps", "function"]
+
+logger = logging.getLogger("dlgs.tensorflow")
+
+_LOCAL = threading.local()  # the dlgs.tensorflow.function being traced
+
+
+class GraphSteps:
+    """The device branch of one engine's exchange (see the module).
+
+    Attributes:
+        traces: how many times the device branch was traced.
+        host_steps: steps that ran on the host (eagerly or in the host branch).
+        device_steps: steps that ran on the device, counted so far.
+    """
+
+    def __init__(self, engine: Any):
+        self._engine = weakref.proxy(engine)
+        self.traces = 0
+        self.host_steps = 0
+        self.device_steps = 0
+        self._vars: Optional[dict] = None
+        self._retrace: Optional[Callable[[], None]] = None
+        self._asked = -1  # the layout version a retrace was asked for
+        self._stale_logged = -1
+        self._listening = False
+        self._pulling = False
+        self._traced_version = -1
+
+    # -- the variables ------------------------------------------------------------
+    def _variables(self) -> dict:
+        if self._vars is None:
+            with tf.init_scope():
+                self._vars = {
+                    "steps": tf.Variable(0, dtype=tf.int64, trainable=False),
+                    "bad": tf.Variable(0, dtype=tf.int64, trainable=False),
+                    "last_ok": tf.Variable(True, trainable=False),
+                    "budget": tf.Variable(0, dtype=tf.int64, trainable=False),
+                    "version": tf.Variable(-1, dtype=tf.int64, trainable=False),
+                }
+        return self._vars
+
+    # -- tracing -------------------------------------------------------------------
+    def reason(self) -> Optional[str]:
+        """Why the device branch cannot be traced now, or None."""
+        engine = self._engine
+        ex = engine.exchange
+        if ex is None or not hasattr(ex, "device_ready"):
+            return "the two-level exchange runs on the host"
+        why = ex.device_ready()
+        if why is not None:
+            return why
+        if not _planner_idle(engine.planner):
+            return "the merge planner is profiling or planning"
+        return None
+
+    def step(self, grads: List[tf.Tensor], host: Callable[[], List[tf.Tensor]]) -> List[tf.Tensor]:
+        """The traced step's reduced gradients: the ``tf.cond`` of the device
+        branch and ``host`` (the ``py_function``), or ``host`` alone when the
+        device branch cannot be traced (:meth:`reason`)."""
+        target = getattr(_LOCAL, "retrace", None)
+        model = _keras_model()
+        if target is not None:
+            self._retrace = target
+        elif model is not None:
+            ref = weakref.ref(model)
+
+            def retrace() -> None:
+                found = ref()
+                if found is not None:
+                    found.make_train_function(force=True)
+
+            self._retrace = retrace
+        why = self.reason()
+        if why is not None:
+            logger.debug("dlgs: the exchange stays on the host in this trace: %s", why)
+            return host()
+        ex = self._engine.exchange
+        v = self._variables()
+        version = ex.layout_version
+        self._listen(ex)
+        use = tf.logical_and(tf.equal(v["version"], version), tf.not_equal(v["budget"], 0))
+        self.traces += 1
+        self._traced_version = version
+        logger.info(
+            "dlgs: the exchange is traced into the graph (layout %d, %d messages)",
+            version,
+            len(ex.groups),
+        )
+        ex.stable_buffers = True
+        return tf.cond(use, lambda: self._device(grads), host)
+
+    def _device(self, grads: List[tf.Tensor]) -> List[tf.Tensor]:
+        engine = self._engine
+        ex = engine.exchange
+        ex.begin_device_step()
+        for i, pos in enumerate(engine.order):
+            ex.submit(i, tf.reshape(tf.cast(grads[pos], tf.float32), [-1]))
+        reduced = ex.wait(finish=False)
+        ok = ex.finish_on_device()
+        v = self._variables()
+        bump = [
+            v["steps"].assign_add(1),
+            v["bad"].assign_add(tf.cast(tf.logical_not(ok), tf.int64)),
+            v["last_ok"].assign(ok),
+            v["budget"].assign(tf.where(v["budget"] > 0, v["budget"] - 1, v["budget"])),
+        ]
+        out = []
+        with tf.control_dependencies(bump):
+            for i, pos in enumerate(engine.order):
+                g = grads[pos]
+                t = tf.cast(tf.reshape(_read(reduced[i]), tf.shape(g)), g.dtype)
+                t.set_shape(g.shape)
+                out.append((pos, t))
+        result: List[Any] = [None] * len(grads)
+        for pos, t in out:
+            result[pos] = t
+        return result
+
+    def _listen(self, ex: Any) -> None:
+        if self._listening:
+            return
+        self._listening = True
+        ref = weakref.ref(self)
+
+        def host_next() -> None:  # a plan, density or timed step asked between steps
+            me = ref()
+            if me is not None and me._vars is not None and tf.executing_eagerly():
+                me._vars["budget"].assign(0)
+
+        ex.listeners.append(host_next)
+
+    # -- the host's side ------------------------------------------------------------
+    def pull(self) -> None:
+        """Count the steps that ran on the device into the exchange (eager only)."""
+        v = self._vars
+        if v is None or self._pulling or not tf.executing_eagerly():
+            return
+        n = int(v["steps"].numpy())
+        if not n:
+            return
+        self._pulling = True
+        try:
+            bad = int(v["bad"].numpy())
+            self._engine.exchange.account_device_steps(n, bad, bool(v["last_ok"].numpy()))
+            self.device_steps += n
+            v["steps"].assign(0)
+            v["bad"].assign(0)
+        finally:
+            self._pulling = False
+
+    def after_host_step(self) -> None:
+        """After a host step: how many device steps may follow, for which
+        layout, and a retrace where the layout changed (eager only)."""
+        self.host_steps += 1
+        engine = self._engine
+        ex = engine.exchange
+        if self._vars is None and self._retrace is None:
+            return
+        why = self.reason()
+        version = ex.layout_version if why is None else -1
+        if why is None:
+            self._variables()  # eagerly: a trace that creates variables is traced twice
+        if self._vars is not None:
+            self._vars["version"].assign(version)
+            self._vars["budget"].assign(0 if why is not None else _budget(engine, ex))
+        if why is None and self._asked != version and not self._traced_for(version):
+            self._asked = version
+            if self._retrace is not None:
+                logger.info(
+                    "dlgs at step %d: the layout is settled (version %d): the training step "
+                    "is traced again to run the exchange in the graph",
+                    ex.step,
+                    version,
+                )
+                self._retrace()
+            elif self._stale_logged != version:
+                self._stale_logged = version
+                logger.info(
+                    "dlgs at step %d: the layout changed; this tf.function keeps exchanging on "
+                    "the host until it is traced again (trace the step with "
+                    "dlgs.tensorflow.function to do that by itself)",
+                    ex.step,
+                )
+
+    def _traced_for(self, version: int) -> bool:
+        return self._vars is not None and self._traced_version == version
+
+
+def _planner_idle(planner: Any) -> bool:
+    """Whether the planner needs no step on the host: settled (``run``) or
+    merging nothing, and not recording every step. (Drift votes, which need
+    every step's time, pause on device steps.)"""
+    if planner is None:
+        return True
+    if getattr(planner, "record", False):
+        return False
+    if planner.strategy == "none":
+        return True
+    return planner.phase == "run"
+
+
+def _budget(engine: Any, ex: Any) -> int:
+    """Steps that may run on the device from ``ex.step`` on before the host
+    needs one: up to the next warm-up stage and the step before the next log
+    line; -1: no limit."""
+    step = ex.step
+    limits = []
+    config = ex.config
+    if config.warmup_steps and not config.auto:
+        end = len(config.warmup) * config.warmup_steps
+        if step < end:
+            limits.append((step // config.warmup_steps + 1) * config.warmup_steps - step)
+    every = getattr(engine, "log_every", 0)
+    if every:
+        # The step that brings ex.step to a multiple of log_every logs: on the host.
+        limits.append((step // every + 1) * every - step - 1)
+    return min(limits) if limits else -1
+
+
+def _keras_model() -> Any:
+    """The Keras model whose train step is being traced, if any (found among
+    the callers: Keras passes the optimizer no reference to it)."""
+    import sys
+
+    try:
+        import keras
+    except ImportError:  # pragma: no cover - keras comes with the TF adapter
+        return None
+    frame = sys._getframe(2)
+    for _ in range(24):
+        if frame is None:
+            return None
+        caller = frame.f_locals.get("self")
+        if isinstance(caller, keras.Model) and frame.f_code.co_name == "train_step":
+            return caller
+        frame = frame.f_back
+    return None
+
+
+def function(fn: Optional[Callable] = None, **kwargs: Any) -> Any:
+    """``tf.function(fn, **kwargs)`` that is traced again when a dlgs
+    exchange inside it settles a new layout, so that the exchange runs in the
+    graph (see the module). Use it in place of ``tf.function`` on a custom
+    training step with ``dlgs.tensorflow.DistributedGradientTape``::
+
+        @dlgs.tensorflow.function
+        def train_step(x, y):
+            ...
+    """
+    if fn is None:
+        return lambda f: function(f, **kwargs)
+    return _Retraced(fn, kwargs)
+
+
+class _Retraced:
+    """What :func:`function` returns: a ``tf.function`` made anew on request."""
+
+    def __init__(self, fn: Callable, kwargs: dict):
+        self._fn = fn
+        self._kwargs = kwargs
+        self._made: Any = None
+        self.retraces = 0
+
+    def _retrace(self) -> None:
+        self._made = None
+        self.retraces += 1
+
+    def _traced(self, *args: Any, **kw: Any) -> Any:
+        previous = getattr(_LOCAL, "retrace", None)
+        _LOCAL.retrace = self._retrace
+        try:
+            return self._fn(*args, **kw)
+        finally:
+            _LOCAL.retrace = previous
+
+    def __call__(self, *args: Any, **kw: Any) -> Any:
+        if self._made is None:
+            self._made = tf.function(self._traced, **self._kwargs)
+        return self._made(*args, **kw)
+
+    def experimental_get_tracing_count(self) -> int:
+        return 0 if self._made is None else self._made.experimental_get_tracing_count()

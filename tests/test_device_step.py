@@ -1,0 +1,119 @@
+"""Steps that run with device operations alone (``SparseExchange.device_ready``,
+``finish_on_device``, ``account_device_steps``): what a step traced into a
+TensorFlow graph runs (issue 33). In-process ranks on NumPy: a device step
+must equal a host step bit for bit, keep the old residuals when some rank was
+non-finite, and say why a step cannot run on the device."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from local_world import OPS, LocalWorld
+
+from dlgs.core import SparseExchange, SparsityConfig
+
+SIZES = [("w1", 4096), ("b1", 64), ("w2", 2048)]
+
+
+def _grads(rank, step):
+    rng = np.random.default_rng(1000 * step + rank)
+    return [rng.standard_normal(n).astype(np.float32) for _, n in SIZES]
+
+
+def _step(ex, grads, device):
+    for i in reversed(range(len(SIZES))):
+        ex.submit(i, grads[i])
+    if not device:
+        out = ex.wait()
+        return {i: np.array(v, copy=True) for i, v in out.items()}, ex.last_step_finite
+    out = ex.wait(finish=False)
+    ok = ex.finish_on_device()
+    return {i: np.array(v, copy=True) for i, v in out.items()}, bool(ok)
+
+
+@pytest.mark.parametrize("controller", ["topk", "fixed"])
+def test_device_steps_equal_host_steps_and_are_counted(controller):
+    fixed = {"threshold": 0.5} if controller == "fixed" else {}
+    cfg = SparsityConfig(density=0.05, min_sparse_size=1024, controller=controller, **fixed)
+
+    def body(rank, comm):
+        host = SparseExchange(OPS, comm, cfg, SIZES, prefix="host")
+        dev = SparseExchange(OPS, comm, cfg, SIZES, prefix="dev")
+        dev.stable_buffers = True
+        seen = []
+        for s in range(6):
+            a = _step(host, _grads(rank, s), device=False)
+            # The first step lays out and verifies: on the host; then on the device.
+            why = dev.device_ready()
+            b = _step(dev, _grads(rank, s), device=why is None)
+            assert (why is None) == (s > 0), why
+            seen.append(why)
+            for i in a[0]:
+                np.testing.assert_array_equal(a[0][i], b[0][i])
+            for i, layer in enumerate(host.layers):
+                if layer.residual is not None:
+                    np.testing.assert_array_equal(layer.residual, dev.layers[i].residual)
+        dev.account_device_steps(5)
+        assert dev.step == host.step == 6
+        return seen
+
+    LocalWorld(2).run(body)
+
+
+def test_a_non_finite_device_step_keeps_the_old_residuals_on_every_rank():
+    cfg = SparsityConfig(density=0.05, min_sparse_size=1024, controller="topk")
+
+    def body(rank, comm):
+        ex = SparseExchange(OPS, comm, cfg, SIZES)
+        ex.stable_buffers = True
+        _step(ex, _grads(rank, 0), device=False)
+        before = {
+            i: np.array(la.residual, copy=True)
+            for i, la in enumerate(ex.layers)
+            if la.residual is not None
+        }
+        grads = _grads(rank, 1)
+        if rank == 1:
+            grads[0][7] = np.nan
+        out, ok = _step(ex, grads, device=True)
+        assert not ok and np.isnan(out[0]).any()
+        for i, r in before.items():
+            np.testing.assert_array_equal(ex.layers[i].residual, r)
+        ex.account_device_steps(1, nonfinite=1, last_finite=False)
+        return ex.step, ex.last_step_finite
+
+    for step, finite in LocalWorld(2).run(body):
+        assert step == 2 and not finite
+
+
+def test_what_keeps_a_step_on_the_host_is_named():
+    dyn = SparsityConfig(density=0.05, min_sparse_size=1024)  # the dynamic controller
+
+    def body(rank, comm):
+        ex = SparseExchange(OPS, comm, dyn, SIZES)
+        reasons = [ex.device_ready()]
+        _step(ex, _grads(rank, 0), device=False)
+        reasons.append(ex.device_ready())
+        top = SparseExchange(
+            OPS,
+            comm,
+            SparsityConfig(density=0.05, min_sparse_size=1024, controller="topk"),
+            SIZES,
+            prefix="t",
+        )
+        _step(top, _grads(rank, 0), device=False)
+        calls = []
+        top.listeners.append(lambda: calls.append(1))
+        top.set_groups([[0, 2]])
+        reasons.append(top.device_ready())
+        _step(top, _grads(rank, 1), device=False)  # lays out and verifies the new plan
+        reasons.append(top.device_ready())
+        top.trace_next_step()
+        reasons.append(top.device_ready())
+        return reasons, len(calls)
+
+    for reasons, calls in LocalWorld(2).run(body):
+        assert "agree" in reasons[0]
+        assert "controller learns on the host" in reasons[1]
+        assert "laid out anew" in reasons[2] and reasons[3] is None and "timed" in reasons[4]
+        assert calls == 2  # set_groups and trace_next_step told the listener
