@@ -864,7 +864,7 @@ def parse_args(argv: Optional[Sequence[str]] = None, description: str = "") -> a
     )
     parser.add_argument(
         "--tf-mode",
-        choices=["function", "eager"],
+        choices=["function", "py-function", "eager"],
         default=None,
         help="tensorflow only: compile each step with tf.function (default; the exchange "
         "then runs in one tf.py_function) or run it eagerly (slower, but measures the "

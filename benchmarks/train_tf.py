@@ -33,10 +33,14 @@ Methods:
 Every method densifies ``tf.IndexedSlices`` gradients before ``apply`` (no-comm
 included), so every method updates every parameter, as in torch.
 
-``--tf-mode function`` (default) compiles the whole step with ``tf.function``:
-the fast path the adapter supports (its exchange runs eagerly inside one
-``tf.py_function``; Horovod's allreduces are graph ops that start as their
-gradient is ready). Only the full iteration is timed then. ``--tf-mode eager``
+``--tf-mode function`` (default) compiles the whole step with
+``dlgs.tensorflow.function``: dlgs' exchange runs as graph ops on the steps
+that need no host work, and the step is traced again when the layout settles
+(Horovod's allreduces are graph ops that start as their gradient is ready).
+``--tf-mode py-function`` uses a plain ``tf.function`` traced once before the
+first step: dlgs' exchange then runs eagerly inside one ``tf.py_function`` on
+every step (the adapter before issue 33). Only the full iteration is timed in
+both. ``--tf-mode eager``
 runs the step eagerly (about twice as slow on a CPU) and also measures backward
 (the local ``tape.gradient``) and step wait (exchange plus ``apply``).
 """
@@ -121,9 +125,9 @@ def timing_text(mode: str) -> str:
         )
     else:
         breakdown = (
-            "The step is one `tf.function` (dlgs' exchange inside one `tf.py_function`), "
-            "so the backward / step-wait breakdown is not measured (—; `--tf-mode eager` "
-            "measures it, on slower steps)."
+            "The step is one `tf.function` (dlgs' exchange in the graph with `function`, "
+            "inside one `tf.py_function` with `py-function`), so the backward / step-wait "
+            "breakdown is not measured (—; `--tf-mode eager` measures it, on slower steps)."
         )
     return (
         "Step times in ms: a full iteration (forward under a `tf.GradientTape`, "
@@ -249,11 +253,15 @@ def run_method(
         return forward_done, dtape.local_done
 
     compiled = None
-    if mode == "function":
+    if mode != "eager":
 
-        @tf.function
-        def compiled(x: tf.Tensor, y: tf.Tensor) -> None:
+        def whole(x: tf.Tensor, y: tf.Tensor) -> None:
             step(x, y)
+
+        # function: traced again when dlgs' layout settles (its exchange in the
+        # graph); py-function: traced once, before the first step (the
+        # exchange in a py_function on every step).
+        compiled = dlgs.tensorflow.function(whole) if mode == "function" else tf.function(whole)
 
     merging = is_merging(method)
     sparse = base_method(method) in SPARSE_METHODS
@@ -342,9 +350,10 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> None:
     if rank != 0:
         return
     how = (
-        "each step one tf.function (dlgs' exchange in a tf.py_function)"
-        if args.tf_mode == "function"
-        else "eager steps"
+        {
+            "function": "each step one tf.function (dlgs' exchange in the graph where it can be)",
+            "py-function": "each step one tf.function (dlgs' exchange in a tf.py_function)",
+        }.get(args.tf_mode, "eager steps")
     )
     section = write_outputs(
         gathered,

@@ -16,9 +16,11 @@ from typing import Any, Callable, Dict, List, Sequence
 
 import numpy as np
 
+from dlgs.core.controller import NUMPY_MATH
 from dlgs.core.inprocess import InProcessWorld, sent_values
 
 _DT = {
+    "float64": np.float64,
     "float32": np.float32,
     "float16": np.float16,
     "uint8": np.uint8,
@@ -36,6 +38,7 @@ except ImportError:  # pragma: no cover - bfloat16 tests skip without it
 
 
 class NumpyOps:
+    vector_math = NUMPY_MATH  # the controllers' float64 math, as on the host
     """ArrayOps on NumPy arrays (in place where the protocol allows)."""
 
     reuses_outputs = True
@@ -194,6 +197,10 @@ class NumpyOps:
 
     def any_true(self, flags):
         return any(bool(np.any(f)) for f in flags)
+
+    def threshold_from_factor(self, total, factor, n, floor):
+        a = np.float32(float(np.asarray(factor).reshape(())) / n)
+        return np.float32(total * a + np.float32(floor))
 
     def none_true(self, flags):
         return not self.any_true(flags)

@@ -21,6 +21,8 @@ def _grads(rank, step):
 
 
 def _step(ex, grads, device):
+    if device:
+        ex.begin_device_step()
     for i in reversed(range(len(SIZES))):
         ex.submit(i, grads[i])
     if not device:
@@ -94,6 +96,8 @@ def test_what_keeps_a_step_on_the_host_is_named():
         reasons = [ex.device_ready()]
         _step(ex, _grads(rank, 0), device=False)
         reasons.append(ex.device_ready())
+        ex.prepare_device_steps()  # the dynamic controller's state to the device
+        dynamic = ex.device_ready()
         top = SparseExchange(
             OPS,
             comm,
@@ -110,10 +114,72 @@ def test_what_keeps_a_step_on_the_host_is_named():
         reasons.append(top.device_ready())
         top.trace_next_step()
         reasons.append(top.device_ready())
-        return reasons, len(calls)
+        every = SparseExchange(
+            OPS,
+            comm,
+            SparsityConfig(density=0.05, min_sparse_size=1024, anchor_every=1),
+            SIZES,
+            prefix="e",
+        )
+        _step(every, _grads(rank, 0), device=False)
+        every.prepare_device_steps()
+        reasons.append(every.device_ready())
+        return reasons, len(calls), dynamic
 
-    for reasons, calls in LocalWorld(2).run(body):
+    for reasons, calls, dynamic in LocalWorld(2).run(body):
         assert "agree" in reasons[0]
-        assert "controller learns on the host" in reasons[1]
+        assert "not on the device" in reasons[1] and dynamic is None
         assert "laid out anew" in reasons[2] and reasons[3] is None and "timed" in reasons[4]
         assert calls == 2  # set_groups and trace_next_step told the listener
+        assert "anchors" in reasons[5]
+
+
+def test_the_dynamic_controller_learns_on_the_device_as_on_the_host():
+    """The default controller on device steps: its factor moves every step on
+    the device (the same float64 update, here NumPy's on both sides), anchors
+    stay on host steps (the budget says when), a non-finite step changes
+    nothing, and after the steps are counted back the host's state equals a
+    run of host steps bit for bit."""
+    cfg = SparsityConfig(density=0.05, min_sparse_size=1024, anchor_every=4)
+
+    def grads(rank, s):
+        g = _grads(rank, s)
+        if s == 6 and rank == 1:
+            g[0][3] = np.inf
+        return g
+
+    def body(rank, comm):
+        host = SparseExchange(OPS, comm, cfg, SIZES, prefix="host")
+        dev = SparseExchange(OPS, comm, cfg, SIZES, prefix="dev")
+        dev.stable_buffers = True
+        kinds, budget, pending, bad = [], 0, 0, 0
+        for s in range(14):
+            a = _step(host, grads(rank, s), device=False)
+            if budget != 0 and dev.device_ready() is None:
+                b = _step(dev, grads(rank, s), device=True)
+                budget -= 1
+                pending += 1
+                bad += not b[1]
+                kinds.append("d")
+            else:
+                dev.account_device_steps(pending, bad)
+                pending = bad = 0
+                b = _step(dev, grads(rank, s), device=False)
+                dev.prepare_device_steps()
+                budget = dev.device_budget()
+                kinds.append("h")
+            assert a[1] == b[1] == (s != 6)
+            for i in a[0]:
+                np.testing.assert_array_equal(a[0][i], b[0][i])
+        dev.account_device_steps(pending, bad)
+        for x, y in zip(host.layers, dev.layers):
+            assert x.controller_state == y.controller_state, x.name
+        assert host.nonfinite_steps == dev.nonfinite_steps == 1
+        return "".join(kinds), dev.step
+
+    for kinds, step in LocalWorld(2).run(body):
+        # Anchors every 4 steps on the host (the first step anchors too); the
+        # non-finite step 6 did not count, so step 8 is a host step that does
+        # not anchor and step 9 anchors.
+        assert kinds == "hdddhdddhhdddh", kinds
+        assert step == 14

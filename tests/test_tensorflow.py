@@ -367,7 +367,7 @@ def test_the_exchange_traced_into_the_graph_equals_the_eager_one(ranks):
     layout, none per step after), bit for bit as the same steps run eagerly;
     density 1.0 there is Horovod's allreduce; model.fit is traced again by itself."""
     r0, r1 = value(ranks, "graph_exchange")
-    for case in ("eager", "graph"):
+    for case in ("eager", "graph", "dynamic.eager", "dynamic.graph"):
         assert r0[case]["digests"] == r1[case]["digests"], f"{case}: ranks differ"
     assert r0["fit"] == r1["fit"] and r0["dense"] == r1["dense"]
     for v in (r0, r1):  # each rank's residuals, as eagerly
@@ -384,6 +384,14 @@ def test_the_exchange_traced_into_the_graph_equals_the_eager_one(ranks):
     assert r0["dense"]["host_steps"] == 1
     fit = r0["fit"]
     assert fit["step"] == 20 and fit["traces"] == 1 and fit["host_steps"] == 1, fit
+    # The default controller learns on the device (its float64 update in
+    # TensorFlow ops; NumPy's on the host); its anchors (every 4 steps here)
+    # and the new layout's first step run on the host.
+    dyn_eager, dyn_graph = r0["dynamic.eager"], r0["dynamic.graph"]
+    diff = np.abs(np.array(dyn_eager["params"]) - np.array(dyn_graph["params"])).max()
+    assert diff <= 1e-6, diff
+    assert dyn_graph["step"] == 10 and dyn_graph["traces"] == 2
+    assert dyn_graph["host_steps"] <= 4, dyn_graph
 
 
 @pytest.mark.parallel

@@ -219,6 +219,13 @@ class ArrayOps(Protocol):
     def any_true(self, flags: Sequence[T]) -> T:
         """0-d bool: some element of some bool tensor in ``flags`` is true."""
 
+    def threshold_from_factor(self, total: T, factor: T, n: int, floor: float) -> T:
+        """``total * float32(factor / n) + floor`` (float32; ``factor`` 0-d or
+        1-element float64, divided in float64): the dynamic controller's
+        threshold from its factor on the device. An adapter whose steps may run
+        on the device alone also gives ``vector_math``, the float64 operations
+        of ``dlgs.core.controller.NumpyMath`` on its tensors."""
+
     def none_true(self, flags: Sequence[T]) -> T:
         """0-d bool: no element of any bool tensor in ``flags`` is true."""
 

@@ -64,7 +64,41 @@ class ControllerBank:
             values = ops.to_host(ops.stack([a for _, a in anchored]))
             anchors = {j: float(v) for (j, _), v in zip(anchored, np.ravel(values))}
         self.controller.update_many(self.vectors, counts, self.k1, anchors)
+        self._refresh()
+
+    def _refresh(self) -> None:
         columns = [(key, self.vectors[key].tolist()) for key in self.keys]
         for j, state in enumerate(self.states):
             for key, values in columns:
                 state[key] = values[j]
+
+    # -- a copy on the device, for steps with no host read --------------------------
+    def to_device(self, ops: ArrayOps, like: Any) -> Dict[str, Any]:
+        """Device float64 vectors of every key and of ``k1`` (set-up)."""
+        n = len(self.states)
+        out = {key: ops.zeros(n, "float64", like) for key in (*self.keys, "k1")}
+        self.push(ops, out)
+        return out
+
+    def push(self, ops: ArrayOps, device: Dict[str, Any]) -> None:
+        """The host's vectors into ``device``'s (after a host step)."""
+        for key in self.keys:
+            ops.copy_(device[key], self.vectors[key])
+        ops.copy_(device["k1"], self.k1)
+
+    def pull(self, ops: ArrayOps, device: Dict[str, Any], finite_steps: int) -> None:
+        """``device``'s vectors back into the host's after steps that ran
+        there, ``finite_steps`` of them finite (each advanced every layer's
+        steps since its anchor, as a host step does)."""
+        for key in self.keys:
+            self.vectors[key][...] = np.asarray(ops.to_host(device[key]), np.float64)
+        self._refresh()
+        for state in self.states:
+            if state.get("since_anchor", -1) >= 0:
+                state["since_anchor"] += finite_steps
+
+    def steps_before_anchor(self) -> int:
+        """Steps that may run before some layer anchors (on the host); -1: any."""
+        each = [self.controller.steps_before_anchor(s) for s in self.states]
+        limited = [n for n in each if n >= 0]
+        return min(limited) if limited else -1

@@ -113,6 +113,24 @@ class ThresholdController:
         selected counts, ``k1`` their targets plus one and ``anchors`` the
         factors that layers which anchored this step measured (by position)."""
 
+    # -- steps on the device alone (see SparseExchange.device_ready) ------------
+    def steps_before_anchor(self, state: State) -> int:
+        """How many steps from now may run without a host decision for this
+        layer (the next one that needs the host is an anchor); -1: any."""
+        return -1
+
+    def device_threshold(self, ops: ArrayOps, factor: Any, total: Any, n: int) -> Any:
+        """``theta`` on a step that is not an anchor, from :attr:`vector_keys`'
+        ``factor`` on the device (0-d or 1-element float64)."""
+        raise NotImplementedError
+
+    def device_update(
+        self, xp: Any, vectors: Dict[str, Any], counts: Any, k1: Any
+    ) -> Dict[str, Any]:
+        """:meth:`update_many` without anchors, in ``xp``'s vector math (on the
+        device): the new value of each :attr:`vector_keys` entry."""
+        raise NotImplementedError
+
 
 class _TopK(ThresholdController):
     def threshold(self, ops, state, absx, k, step, total):
@@ -192,6 +210,19 @@ class _Dynamic(ThresholdController):
         # selects nothing): one operation, the factor a host number.
         return ops.affine(total, float(state["factor"]) / n, _THETA_MIN)
 
+    def steps_before_anchor(self, state):
+        every, since = self.config.anchor_every, state["since_anchor"]
+        if since < 0:
+            return 0
+        return max(0, every - 1 - since) if every else -1
+
+    def device_threshold(self, ops, factor, total, n):
+        # As threshold()'s affine: float32(factor / n), then one multiply-add.
+        return ops.threshold_from_factor(total, factor, n, _THETA_MIN)
+
+    def device_update(self, xp, vectors, counts, k1):
+        return _advance(*(vectors[key] for key in self.vector_keys), counts, k1, xp=xp)
+
     def update(self, ops, state, theta, count, k):
         anchor = state.pop("anchor", None)
         vectors = {key: np.array([float(state[key])]) for key in self.vector_keys}
@@ -214,40 +245,67 @@ class _Dynamic(ThresholdController):
             vectors[key][...] = new[key]
 
 
-def _advance(factor, prev, prev_count, e, drift, gain, count, k1):
-    """The update, element-wise over NumPy vectors: the new value of each of
-    :attr:`_Dynamic.vector_keys`. The new ``prev_factor`` is the old ``factor``
-    itself, so it is written first (:data:`_WRITE_ORDER`)."""
-    with np.errstate(all="ignore"):  # masked below: 0/0 where no secant exists
-        c1 = np.asarray(count, np.float64) + 1.0
+class NumpyMath:
+    """The element-wise float64 operations :func:`_advance` is written in, on
+    NumPy vectors (an adapter's ``ArrayOps.vector_math`` gives the same on its
+    device, for steps traced into a graph)."""
+
+    log = staticmethod(np.log)
+    exp = staticmethod(np.exp)
+    where = staticmethod(np.where)
+    clip = staticmethod(np.clip)
+    abs = staticmethod(np.abs)
+    copy = staticmethod(np.copy)
+
+    @staticmethod
+    def float64(x: Any) -> Any:
+        return np.asarray(x, np.float64)
+
+    @staticmethod
+    def quiet() -> Any:
+        """Masked below: 0/0 where no secant exists."""
+        return np.errstate(all="ignore")
+
+
+NUMPY_MATH = NumpyMath()
+
+
+def _advance(factor, prev, prev_count, e, drift, gain, count, k1, xp: Any = NUMPY_MATH):
+    """The update, element-wise over float64 vectors (NumPy's, or ``xp``'s):
+    the new value of each of :attr:`_Dynamic.vector_keys`. The new
+    ``prev_factor`` is the old ``factor`` itself, so it is written first
+    (:data:`_WRITE_ORDER`)."""
+    lo, hi = _ELASTICITY_RANGE
+    with xp.quiet():
+        c1 = xp.float64(count) + 1.0
         # Secant estimate of the tail's elasticity from the last two steps.
         has_prev = prev > 0
-        dlog = np.log(factor / np.where(has_prev, prev, factor))
-        moved = has_prev & (np.abs(dlog) > 1e-3)
-        safe = np.where(moved, dlog, 1.0)
-        observed = np.clip(-np.log(c1 / (prev_count + 1.0)) / safe, *_ELASTICITY_RANGE)
-        e = np.where(moved, e + _ELASTICITY_SMOOTHING * (observed - e), e)
+        dlog = xp.log(factor / xp.where(has_prev, prev, factor))
+        moved = has_prev & (xp.abs(dlog) > 1e-3)
+        safe = xp.where(moved, dlog, 1.0)
+        observed = xp.clip(-xp.log(c1 / (prev_count + 1.0)) / safe, lo, hi)
+        e = xp.where(moved, e + _ELASTICITY_SMOOTHING * (observed - e), e)
         ratio = c1 / k1
         # The gain: down where the error changed sign since the last step (an
         # overshoot), up where it kept its sign; no previous count, no change.
-        err, prev_err = np.log(ratio), np.log((prev_count + 1.0) / k1)
-        big = (np.abs(err) > _GAIN_DEADBAND) & (np.abs(prev_err) > _GAIN_DEADBAND) & has_prev
-        gain = np.where(
+        err, prev_err = xp.log(ratio), xp.log((prev_count + 1.0) / k1)
+        big = (xp.abs(err) > _GAIN_DEADBAND) & (xp.abs(prev_err) > _GAIN_DEADBAND) & has_prev
+        gain = xp.where(
             big & (err * prev_err < 0),
             gain * _GAIN_DOWN,
-            np.where(big, gain * _GAIN_UP, gain),
+            xp.where(big, gain * _GAIN_UP, gain),
         )
-        gain = np.clip(gain, _MIN_GAIN, 1.0)
+        gain = xp.clip(gain, _MIN_GAIN, 1.0)
         # Integral action on the *linear* error: it cancels the lag behind a
         # steady drift of the tail's shape, and it centres the mean of count/k
         # (what bandwidth sees) rather than its geometric mean.
-        drift = np.clip(
-            drift + _INTEGRAL_GAIN * np.clip(ratio - 1.0, -1.0, 3.0) / e, -_MAX_DRIFT, _MAX_DRIFT
+        drift = xp.clip(
+            drift + _INTEGRAL_GAIN * xp.clip(ratio - 1.0, -1.0, 3.0) / e, -_MAX_DRIFT, _MAX_DRIFT
         )
-        step = np.clip(gain * (err / e + drift), -_MAX_STEP, _MAX_STEP)
-        new_factor = np.clip(factor * np.exp(step), _THETA_MIN, _THETA_MAX)
+        step = xp.clip(gain * (err / e + drift), -_MAX_STEP, _MAX_STEP)
+        new_factor = xp.clip(factor * xp.exp(step), _THETA_MIN, _THETA_MAX)
     return {
-        "prev_factor": np.copy(factor),
+        "prev_factor": xp.copy(factor),
         "factor": new_factor,
         "prev_count": c1 - 1.0,
         "elasticity": e,

@@ -272,6 +272,8 @@ class Engine:
         (:meth:`~dlgs.core.profiler.OnlinePlanner.request_restart`)."""
         if self._planner is not None:
             self._planner.request_restart(self.comm.size)
+            if self._exchange is not None:
+                self._exchange.request_host_step()  # the planner may profile at once
 
     def describe(self) -> str:
         """What dlgs is doing now, in every state (before the first step,

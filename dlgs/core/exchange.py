@@ -252,6 +252,11 @@ class SparseExchange:
         #: steps (see :meth:`device_ready`).
         self.listeners: List[Callable[[], None]] = []
         self._device_saved: Any = None  # begin_device_step()'s
+        # The bank's vectors on the device (prepare_device_steps), the layout
+        # they are for, and each sparse layer's position in them.
+        self._device_bank: Optional[Dict[str, Any]] = None
+        self._device_bank_version = -1
+        self._bank_pos: Dict[int, int] = {}
 
     # -- introspection -------------------------------------------------------
     @property
@@ -354,7 +359,7 @@ class SparseExchange:
         each = None if layers is None else checkpoint.layer_densities(layers, len(self._layers))
         if (float(density), each) != (self._auto_density, self._auto_layers):
             self._density = None  # lay out again at the next step
-            self._notify()
+            self.request_host_step()
         self._auto_density, self._auto_layers = float(density), each
 
     def trace_next_step(self) -> None:
@@ -362,7 +367,7 @@ class SparseExchange:
         :class:`StepRecord`). Each timed layer calls ``clock()`` twice, which
         on an asynchronous device waits for it: profiling steps only."""
         self._trace_next = True
-        self._notify()
+        self.request_host_step()
 
     def set_plan(self, plan: Optional[Plan]) -> None:
         """Replace the merge plan: ``[(layer indices, sparse), ...]`` where
@@ -383,7 +388,7 @@ class SparseExchange:
         else:
             self._plan = None
         self._density = None
-        self._notify()
+        self.request_host_step()
 
     def set_groups(self, groups: Optional[Sequence[Sequence[int]]]) -> None:
         """Shorthand for :meth:`set_plan` with every group's mode chosen by rule."""
@@ -711,6 +716,16 @@ class SparseExchange:
             ops.add_into_(acc, res, vel, None)
         else:
             ops.add_into_(acc, res, grad, self._inv_scale)
+        threshold = None
+        if bank is not None and self._device_saved is not None:
+            # A step on the device alone: theta from the factor there.
+            dev = self._device_bank
+            assert dev is not None
+            factor = ops.narrow(dev["factor"], 0, self._bank_pos[self._index[layer.name]], 1)
+
+            def threshold(absx: Any, total: Any) -> Any:
+                return self.controller.device_threshold(ops, factor, total, layer.numel)
+
         idx, count, theta, total = select_with_total(
             ops,
             self.controller,
@@ -722,6 +737,7 @@ class SparseExchange:
             layer.head(ops, self._scratch_abs),
             layer.head(ops, self._scratch_mask),
             update=bank is None,
+            threshold=threshold,
         )
         # The sum of |a| tells whether it has a NaN or an infinity; the verdict
         # travels as the member's count word (-1), so every rank learns it.
@@ -903,7 +919,10 @@ class SparseExchange:
             setattr(layer, f"{kind}_next", getattr(layer, kind))
             setattr(layer, kind, new)
 
-    def _notify(self) -> None:
+    def request_host_step(self) -> None:
+        """The next step must run on the host (it tells :attr:`listeners`):
+        called by the setters here, after a load, and by whatever changes the
+        step hooks' needs between steps (``reprofile()``)."""
         for listener in list(self.listeners):
             listener()
 
@@ -927,7 +946,13 @@ class SparseExchange:
         if self._trace_next:
             return "the next step is timed layer by layer"
         if self._bank is not None:
-            return f"the {self.config.controller.value!r} controller learns on the host"
+            name = self.config.controller.value
+            if getattr(self.ops, "vector_math", None) is None or self._kernels is not None:
+                return f"the {name!r} controller learns on the host with these array ops"
+            if self._bank.steps_before_anchor() == 0:
+                return "the next step anchors thresholds (on the host)"
+            if self._device_bank is None or self._device_bank_version != self.layout_version:
+                return "the controllers' state is not on the device (prepare_device_steps)"
         if self.config.momentum:
             return "momentum correction"
         if self.dense_external:
@@ -939,6 +964,24 @@ class SparseExchange:
         if any(layer.residual is not None and not self._sparse(layer) for layer in self._layers):
             return "a dense layer still owes its residual"
         return None
+
+    def device_budget(self) -> int:
+        """How many steps may run on the device from here before one needs the
+        host for the controllers (a threshold's anchor); -1: any."""
+        return -1 if self._bank is None else self._bank.steps_before_anchor()
+
+    def prepare_device_steps(self) -> None:
+        """After a host step, before steps on the device: the controllers'
+        learning state copied to the device (allocated once per layout; needs
+        ``ops.vector_math``). No-op where no controller learns."""
+        if self._bank is None or getattr(self.ops, "vector_math", None) is None:
+            return
+        if self._device_bank is None or self._device_bank_version != self.layout_version:
+            self._device_bank = self._bank.to_device(self.ops, self.like)
+            self._device_bank_version = self.layout_version
+            self._bank_pos = {i: j for j, i in enumerate(self._sparse_members)}
+        else:
+            self._bank.push(self.ops, self._device_bank)
 
     def begin_device_step(self) -> None:
         """Before the submits of a step that ends with :meth:`finish_on_device`:
@@ -960,6 +1003,8 @@ class SparseExchange:
         one otherwise. Returns that verdict (0-d bool). Nothing on the host
         advances: the caller counts the steps that ran this way and hands
         them to :meth:`account_device_steps`."""
+        if self._device_saved is None:
+            raise RuntimeError("finish_on_device() needs begin_device_step() before the step")
         ops = self.ops
         flags = list(self._flags)
         counts = self._transport.counts if self._sparse_members else None
@@ -969,6 +1014,16 @@ class SparseExchange:
         if dense:
             flags.append(ops.any_nonfinite(dense))
         ok = ops.none_true(flags)  # a step has sparse members or dense outputs
+        dev = self._device_bank
+        math = getattr(ops, "vector_math", None)
+        if self._bank is not None and dev is not None and counts is not None and math is not None:
+            # The controllers learn from this rank's counts, kept where finite.
+            n = len(self._sparse_members)
+            own = ops.cast(ops.narrow(counts, 0, self.comm.rank * n, n), "float64")
+            vectors = {key: ops.cast(dev[key], "float64") for key in self._bank.keys}
+            new = self.controller.device_update(math, vectors, own, ops.cast(dev["k1"], "float64"))
+            for key, value in new.items():
+                ops.select_(dev[key], ok, value)
         for i in sorted(self._submitted):
             layer = self._layers[i]
             if self._sparse(layer):
@@ -1000,6 +1055,8 @@ class SparseExchange:
         if not steps:
             return
         self.step += steps
+        if self._bank is not None and self._device_bank is not None:
+            self._bank.pull(self.ops, self._device_bank, steps - nonfinite)
         self._finite = bool(last_finite)
         self._nonfinite.device_steps(self.step - 1, steps, nonfinite, bool(last_finite))
 
@@ -1145,6 +1202,7 @@ class SparseExchange:
         self._apply_shared(state)
         self._relayout(like)
         self._restore_layers(saved, like, own, restart)
+        self.request_host_step()  # the agreement, and buffers a traced step does not hold
         # Any load counts, even of the state in force: a rank that loads must
         # agree with the other loading ranks (a stale file is an error), never
         # be rolled back or forward silently by them.

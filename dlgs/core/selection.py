@@ -57,17 +57,31 @@ def select(
 
 
 def select_with_total(
-    ops, controller, state, acc, k, capacity, step, scratch_abs, scratch_mask, update=True
+    ops,
+    controller,
+    state,
+    acc,
+    k,
+    capacity,
+    step,
+    scratch_abs,
+    scratch_mask,
+    update=True,
+    threshold=None,
 ):
     """:func:`select`, also returning the sum of ``|acc|`` (NaN or infinite
     exactly when some element is, or when finite magnitudes overflow float32:
     the non-finite check). ``update=False`` leaves the controller's update to
     the caller (an exchange updates all its layers at once, at the end of a
-    finite step)."""
+    finite step); ``threshold(absx, total)``: theta from the caller instead
+    of the controller (a step on the device alone)."""
     n = ops.numel(acc)
     absx = ops.abs_(acc, scratch_abs)
     total = ops.total(absx)
-    theta = controller.threshold(ops, state, absx, k, step, total)
+    if threshold is None:
+        theta = controller.threshold(ops, state, absx, k, step, total)
+    else:
+        theta = threshold(absx, total)
     mask = ops.ge_(absx, theta, scratch_mask)
     count = ops.count_nonzero(mask)
     idx = ops.nonzero_static(mask, capacity, n)

@@ -198,6 +198,7 @@ class GraphSteps:
         ex = engine.exchange
         if self._vars is None and self._retrace is None:
             return
+        ex.prepare_device_steps()
         why = self.reason()
         version = ex.layout_version if why is None else -1
         if why is None:
@@ -256,6 +257,9 @@ def _budget(engine: Any, ex: Any) -> int:
     if every:
         # The step that brings ex.step to a multiple of log_every logs: on the host.
         limits.append((step // every + 1) * every - step - 1)
+    anchors = ex.device_budget()
+    if anchors >= 0:
+        limits.append(anchors)
     return min(limits) if limits else -1
 
 

@@ -19,6 +19,7 @@ the CPU, the controllers' 0-d results. The same operations trace into a graph
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Sequence
 
 import numpy as np
@@ -27,6 +28,7 @@ import tensorflow as tf
 __all__ = ["TFOps", "OPS"]
 
 _DTYPES = {
+    "float64": tf.float64,
     "float32": tf.float32,
     "float16": tf.float16,
     "bfloat16": tf.bfloat16,
@@ -149,8 +151,43 @@ def _vec(x: Any, dtype: tf.DType) -> tf.Tensor:
     return t if t.dtype == dtype else tf.cast(t, dtype)
 
 
+class _TFMath:
+    """The controllers' float64 vector math (``dlgs.core.controller.NumpyMath``)
+    in TensorFlow ops: what a step traced into a graph learns with."""
+
+    log = staticmethod(tf.math.log)
+    exp = staticmethod(tf.math.exp)
+    abs = staticmethod(tf.abs)
+    copy = staticmethod(tf.identity)
+
+    @staticmethod
+    def where(cond: Any, x: Any, y: Any) -> tf.Tensor:
+        return tf.where(cond, tf.cast(x, tf.float64), tf.cast(y, tf.float64))
+
+    @staticmethod
+    def clip(x: Any, low: float, high: float) -> tf.Tensor:
+        return tf.clip_by_value(x, tf.constant(low, tf.float64), tf.constant(high, tf.float64))
+
+    @staticmethod
+    def float64(x: Any) -> tf.Tensor:
+        return tf.cast(x, tf.float64)
+
+    @staticmethod
+    def quiet() -> Any:
+        return contextlib.nullcontext()  # TensorFlow does not warn on 0/0
+
+
 class TFOps:
     """Array primitives for the core, on TensorFlow tensors and variables."""
+
+    #: The controllers' float64 vector math on the device.
+    vector_math = _TFMath()
+
+    def threshold_from_factor(self, total, factor, n, floor):
+        # float32(factor / n) (a float64 division, as the host's), then one
+        # float32 multiply and add, as affine() on the host.
+        a = tf.cast(tf.reshape(_read(factor), []) / float(n), tf.float32)
+        return tf.cast(total, tf.float32) * a + _scalar_const(float(floor), tf.float32)
 
     # take() and add_indices() return new tensors: cheaper than a variable's update.
     reuses_outputs = False

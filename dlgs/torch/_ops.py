@@ -239,6 +239,10 @@ class TorchOps:
             return flags[0].any()
         return torch.cat([f if f.dim() == 1 else f.reshape(1) for f in flags]).any()
 
+    def threshold_from_factor(self, total, factor, n, floor):
+        a = (factor.reshape(()) / float(n)).to(torch.float32)
+        return total.to(torch.float32) * a + floor
+
     def none_true(self, flags):
         return torch.logical_not(self.any_true(flags))
 

@@ -667,6 +667,45 @@ def mismatch():
     return out
 
 
+def _graph_case(label, mode, opts, steps):
+    """``steps`` custom-loop steps, eagerly or under dlgs.tensorflow.function."""
+    model = mlp(21)
+    opt = keras.optimizers.SGD(0.05)
+    name = f"graph_exchange.{label}"
+
+    def step(x, y, model=model, opt=opt, name=name):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(model, x, y)
+        tape = dlgs.tensorflow.DistributedGradientTape(tape, name=name, **opts)
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply(grads, model.trainable_variables)
+        return loss
+
+    fn = dlgs.tensorflow.function(step) if mode == "graph" else step
+    digests = []
+    engine = None
+    for s in range(steps):
+        x, y = batch(s)
+        fn(tf.constant(x), tf.constant(y))
+        digests.append(digest(model))
+        engine = dlgs.tensorflow.exchange(name)
+        if s == 5:  # a new plan between steps: one host step, one trace
+            engine.exchange.set_groups([[0, 1, 2, 3]])
+    ex = engine.exchange
+    graph = engine.graph
+    return {
+        "params": flat(model).tolist(),
+        "digests": digests,
+        "traces": graph.traces,
+        "host_steps": graph.host_steps,
+        "step": ex.step,
+        "residuals": {
+            la.name: digest_array(la.residual) for la in ex.layers if la.residual is not None
+        },
+        "retraces": getattr(fn, "retraces", None),
+    }
+
+
 @scenario
 def graph_exchange():
     """The exchange traced into the graph (issue 33): a custom loop under
@@ -675,41 +714,12 @@ def graph_exchange():
     out = {}
     opts = dict(density=0.05, controller="topk", merge="none", min_sparse_size=256)
     steps = 10
-    for mode in ("eager", "graph"):
-        model = mlp(21)
-        opt = keras.optimizers.SGD(0.05)
-        name = f"graph_exchange.{mode}"
-
-        def step(x, y, model=model, opt=opt, name=name):
-            with tf.GradientTape() as tape:
-                loss = loss_fn(model, x, y)
-            tape = dlgs.tensorflow.DistributedGradientTape(tape, name=name, **opts)
-            grads = tape.gradient(loss, model.trainable_variables)
-            opt.apply(grads, model.trainable_variables)
-            return loss
-
-        fn = dlgs.tensorflow.function(step) if mode == "graph" else step
-        digests = []
-        engine = None
-        for s in range(steps):
-            x, y = batch(s)
-            fn(tf.constant(x), tf.constant(y))
-            digests.append(digest(model))
-            engine = dlgs.tensorflow.exchange(name)
-            if s == 5:  # a new plan between steps: one host step, one trace
-                engine.exchange.set_groups([[0, 1, 2, 3]])
-        ex = engine.exchange
-        graph = engine.graph
-        out[mode] = {
-            "digests": digests,
-            "traces": graph.traces,
-            "host_steps": graph.host_steps,
-            "step": ex.step,
-            "residuals": {
-                la.name: digest_array(la.residual) for la in ex.layers if la.residual is not None
-            },
-            "retraces": getattr(fn, "retraces", None),
-        }
+    # topk learns nothing; the default (dynamic) controller learns on the
+    # device and anchors every 4 steps on the host.
+    cases = {"": opts, "dynamic.": dict(opts, controller="dynamic", anchor_every=4)}
+    for prefix, case_opts in cases.items():
+        for mode in ("eager", "graph"):
+            out[prefix + mode] = _graph_case(prefix + mode, mode, case_opts, steps)
     # Density 1.0 on the device path: Horovod's allreduce.
     model = mlp(22)
     variables = model.trainable_variables
