@@ -237,3 +237,20 @@ def test_a_checkpoint_round_trips_and_another_world_size_profiles_again():
     (warning,) = [a for a in actions if isinstance(a, Log)]
     assert warning.every_rank and "profiling again" in warning.msg
     assert other.phase == "profile" and other.plan is None
+
+
+def test_a_drift_window_counts_steps_not_the_records_of_host_steps():
+    """With steps run on the device alone between host steps, a window still
+    ends after drift_window steps (from fewer records)."""
+    state, view = _settled()
+    end, step = state.plan.end, view.step
+    votes = []
+    for gap in (1, 1, 3, 5):  # two records fill the first window, then 3 + 5 steps
+        step += gap
+        state, actions = decide(
+            OPTIONS, state, replace(view, step=step), Stepped(untraced(step, N, end))
+        )
+        votes += [a for a in actions if isinstance(a, Vote)]
+    # Window 1 (steps 1-2) calibrates; window 2 ends at the record 3 steps on
+    # (a vote); the record 5 steps later reads that vote first.
+    assert state.baseline is not None and len(votes) == 1

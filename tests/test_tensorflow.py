@@ -367,7 +367,7 @@ def test_the_exchange_traced_into_the_graph_equals_the_eager_one(ranks):
     layout, none per step after), bit for bit as the same steps run eagerly;
     density 1.0 there is Horovod's allreduce; model.fit is traced again by itself."""
     r0, r1 = value(ranks, "graph_exchange")
-    for case in ("eager", "graph", "dynamic.eager", "dynamic.graph"):
+    for case in ("eager", "graph", "dynamic.eager", "dynamic.graph", "logging.graph"):
         assert r0[case]["digests"] == r1[case]["digests"], f"{case}: ranks differ"
     assert r0["fit"] == r1["fit"] and r0["dense"] == r1["dense"]
     for v in (r0, r1):  # each rank's residuals, as eagerly
@@ -384,6 +384,11 @@ def test_the_exchange_traced_into_the_graph_equals_the_eager_one(ranks):
     assert r0["dense"]["host_steps"] == 1
     fit = r0["fit"]
     assert fit["step"] == 20 and fit["traces"] == 1 and fit["host_steps"] == 1, fit
+    # Four steps per call (a while loop in the graph), anchors every 2 steps:
+    # host and graph steps alternate inside one call, as with one step per call.
+    fit4, fit1 = r0["fit4"], r0["fit1"]
+    assert fit4["digest"] == fit1["digest"] and fit4["step"] == fit1["step"] == 20
+    assert fit4["host_steps"] == fit1["host_steps"] < 20, (fit4, fit1)
     # The default controller learns on the device (its float64 update in
     # TensorFlow ops; NumPy's on the host); its anchors (every 4 steps here)
     # and the new layout's first step run on the host.
@@ -392,6 +397,11 @@ def test_the_exchange_traced_into_the_graph_equals_the_eager_one(ranks):
     assert diff <= 1e-6, diff
     assert dyn_graph["step"] == 10 and dyn_graph["traces"] == 2
     assert dyn_graph["host_steps"] <= 4, dyn_graph
+    # log_every=3 on rank 0 alone: the ranks agreed on rank 0's limit (host
+    # steps where it logs), and trained as the plain graph run did.
+    logging_run = r0["logging.graph"]
+    assert logging_run["digests"] == graph["digests"]
+    assert r0["logging.graph"]["host_steps"] == r1["logging.graph"]["host_steps"] > 2
 
 
 @pytest.mark.parallel

@@ -270,10 +270,9 @@ class Engine:
         takes effect at once and is then a collective: call it on every rank
         between the same two steps
         (:meth:`~dlgs.core.profiler.OnlinePlanner.request_restart`)."""
-        if self._planner is not None:
-            self._planner.request_restart(self.comm.size)
-            if self._exchange is not None:
-                self._exchange.request_host_step()  # the planner may profile at once
+        if self._planner is not None and self._planner.request_restart(self.comm.size):
+            if self._exchange is not None:  # every rank restarted: it profiles at once
+                self._exchange.request_host_step()
 
     def describe(self) -> str:
         """What dlgs is doing now, in every state (before the first step,
@@ -381,6 +380,7 @@ class Engine:
         (Horovod's resume recipe); the ranks agree on the step, plan and
         profile at the next gradient (see :meth:`SparseExchange.load_state_dict`).
         Before the build, kept and applied by :meth:`build`."""
+        self._settle()  # steps that ran without the host count before the load
         if not state:
             return
         if self._exchange is None:

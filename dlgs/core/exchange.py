@@ -1028,19 +1028,29 @@ class SparseExchange:
             layer = self._layers[i]
             if self._sparse(layer):
                 ops.select_(layer.residual, ok, layer.residual_next)
-            layer.ctrl_prev = None
+        self.abort_device_step()  # the step's host bookkeeping, as before it
+        return ok
+
+    def abort_device_step(self) -> None:
+        """Put the host's bookkeeping back as before :meth:`begin_device_step`
+        (what :meth:`finish_on_device` ends with; after an error while such a
+        step was traced, the next step starts clean)."""
         saved, self._device_saved = self._device_saved, None
         if saved is not None:
             for layer, (count, theta) in zip(self._layers, saved[0]):
                 layer.count, layer.theta = count, theta
             self._transport.counts, self._transport.bad = saved[1], saved[2]
+        for group in self._groups:
+            group.ready, group.handle = 0, None
+        for layer in self._layers:
+            layer.ctrl_prev = None
         self._flags.clear()
         self._dense_out.clear()
         self._open = False
         self._submitted.clear()
         self._step_start, self._submit_seconds, self._trace = None, 0.0, None
         self._scale = self._inv_scale = None
-        return ok
+        self._out_scale = 1.0
 
     def account_device_steps(
         self, steps: int, nonfinite: int = 0, last_finite: bool = True
@@ -1055,8 +1065,11 @@ class SparseExchange:
         if not steps:
             return
         self.step += steps
-        if self._bank is not None and self._device_bank is not None:
-            self._bank.pull(self.ops, self._device_bank, steps - nonfinite)
+        bank, dev = self._bank, self._device_bank
+        current = self._device_bank_version == self.layout_version
+        if bank is not None and dev is not None and current:
+            bank.pull(self.ops, dev, steps - nonfinite)
+        self._lazy_flag = None  # the last step's verdict is this one
         self._finite = bool(last_finite)
         self._nonfinite.device_steps(self.step - 1, steps, nonfinite, bool(last_finite))
 

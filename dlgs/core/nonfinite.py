@@ -53,7 +53,8 @@ class NonFiniteLog:
         reported like one non-finite step when there were any."""
         if nonfinite:
             self.steps += nonfinite - 1
-            self.run = nonfinite - 1 if nonfinite == steps else 0
+            # All non-finite: the run goes on; else it ended somewhere among them.
+            self.run = self.run + nonfinite - 1 if nonfinite == steps else 0
             self.nonfinite(step, lambda: [f"{nonfinite} of the last {steps} steps"])
         if last_finite:
             self.run = 0

@@ -400,6 +400,9 @@ class PlannerState:
     #: Drift: this window's ratios, the first window's median, and how many
     #: windows in a row drifted (signed).
     ratios: Tuple[float, ...] = ()
+    #: The step before this window's first record: a window is
+    #: ``drift_window`` steps, however many of them ran on the host.
+    window_start: Optional[int] = None
     baseline: Optional[float] = None
     drifted: int = 0
     #: A drift vote was started and is read at the next step.
@@ -945,11 +948,14 @@ def _check_drift(opts: PlannerOptions, d: _Decision, ev: Stepped) -> bool:
         return False
     assert s.plan is not None
     ratios = s.ratios + (record.seconds / max(s.plan.end, 1e-9),)
-    if len(ratios) < opts.drift_window:
-        d.set(ratios=ratios)
+    # A window is drift_window steps (one record each on the host; steps run
+    # on the device alone leave none).
+    start = d.view.step - 1 if s.window_start is None else s.window_start
+    if d.view.step - start < opts.drift_window:
+        d.set(ratios=ratios, window_start=start)
         return False
     ratio = statistics.median(ratios)
-    d.set(ratios=())
+    d.set(ratios=(), window_start=d.view.step)  # the next window starts here
     if s.baseline is None:
         d.set(baseline=ratio)
         return False
@@ -992,6 +998,7 @@ def restarted(state: PlannerState) -> PlannerState:
         plan=None,
         traces=(),
         ratios=(),
+        window_start=None,
         baseline=None,
         drifted=0,
         refining=False,
@@ -1051,6 +1058,7 @@ def _replan(opts: PlannerOptions, d: _Decision, density: Optional[float] = None)
         order=order,
         layerwise_in_force=strategy == "none",
         ratios=(),  # calibrate drift against this plan
+        window_start=None,
         baseline=None,
         density=x,
         each=each,

@@ -316,11 +316,16 @@ class OnlinePlanner:
         """Decide on ``event`` and carry out the actions, feeding each
         result back, until the decision asks for none."""
         view, options = _View(ex), self.decisions
-        while event is not None:
-            self._state, actions = decide(options, self._state, view, event)
-            event = None
-            for action in actions:
-                event = self._carry_out(ex, action)
+        try:
+            while event is not None:
+                self._state, actions = decide(options, self._state, view, event)
+                event = None
+                for action in actions:
+                    event = self._carry_out(ex, action)
+        except BaseException:
+            # A collective or probe failed: nothing is awaited any more.
+            self._state = replace(self._state, pending=None)
+            raise
 
     def _carry_out(self, ex, action: Action) -> Optional[Event]:
         if isinstance(action, Trace):
@@ -442,7 +447,7 @@ class OnlinePlanner:
             comm.synchronize(handle)
         self._state = restarted(self._state)
 
-    def request_restart(self, world_size: int) -> None:
+    def request_restart(self, world_size: int) -> bool:
         """``.dlgs.reprofile()``: profile again, agreed with every rank.
 
         Safe on one rank: the request travels in the next drift vote (a
@@ -451,11 +456,13 @@ class OnlinePlanner:
         every rank restarts at the same step when any rank asked. Where no
         vote will come (one rank, ``drift_window=0``, ``merge="none"``) the
         planner restarts at once, which with several ranks is a collective:
-        call it on every rank between the same two steps."""
+        call it on every rank between the same two steps. Returns whether it
+        restarted at once."""
         if world_size <= 1 or not self.drift_window or self.strategy == "none":
             self.restart()
-        else:
-            self._state = replace(self._state, restart_requested=True)
+            return True
+        self._state = replace(self._state, restart_requested=True)
+        return False
 
     def on_density(self, ex, density: float) -> Optional[List[Tuple[List[int], Mode]]]:
         """The density or the per-layer densities changed (the exchange is

@@ -7,15 +7,16 @@ the torch optimizer drive the same core:
 
 * eagerly, :meth:`Engine.exchange` submits every gradient to the exchange in
   backward order (last layer first) and waits;
-* while a ``tf.function`` is being traced, it inserts one ``tf.py_function``
-  that runs the same eager code when the graph executes. The exchange decides
-  at run time, in Python, which layers go sparse, when to re-anchor a threshold
-  and when to profile and re-plan; a traced graph would freeze those decisions
-  at trace time, so the exchange is never traced (docs/tensorflow.md).
+* while a ``tf.function`` is being traced, it inserts a ``tf.cond`` between
+  the exchange traced into graph ops (steps that need no host work) and one
+  ``tf.py_function`` that runs the same eager code (steps that do: profiling,
+  planning, anchors, a new layout), :class:`~dlgs.tensorflow._graph.GraphSteps`
+  and docs/tensorflow.md.
 
-Collectives run on one background thread in submission order (the same order
-on every rank), so a message's allgather overlaps the selection of the next
-messages, as the planner's model assumes.
+Eager collectives run on one background thread in submission order (the same
+order on every rank), so a message's allgather overlaps the selection of the
+next messages, as the planner's model assumes; traced ones are Horovod's
+graph ops.
 """
 
 from __future__ import annotations

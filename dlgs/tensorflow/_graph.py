@@ -44,6 +44,7 @@ __all__ = ["GraphSteps", "function"]
 logger = logging.getLogger("dlgs.tensorflow")
 
 _LOCAL = threading.local()  # the dlgs.tensorflow.function being traced
+_UNLIMITED = 1 << 62  # a budget of -1 (no limit), as the allreduce's minimum sees it
 
 
 class GraphSteps:
@@ -135,10 +136,14 @@ class GraphSteps:
         engine = self._engine
         ex = engine.exchange
         ex.begin_device_step()
-        for i, pos in enumerate(engine.order):
-            ex.submit(i, tf.reshape(tf.cast(grads[pos], tf.float32), [-1]))
-        reduced = ex.wait(finish=False)
-        ok = ex.finish_on_device()
+        try:
+            for i, pos in enumerate(engine.order):
+                ex.submit(i, tf.reshape(tf.cast(grads[pos], tf.float32), [-1]))
+            reduced = ex.wait(finish=False)
+            ok = ex.finish_on_device()
+        except BaseException:
+            ex.abort_device_step()
+            raise
         v = self._variables()
         bump = [
             v["steps"].assign_add(1),
@@ -204,8 +209,12 @@ class GraphSteps:
         if why is None:
             self._variables()  # eagerly: a trace that creates variables is traced twice
         if self._vars is not None:
+            # Every rank must take the same branch: the smallest budget of all
+            # (a rank's anchors or log_every may differ, e.g. after a resume
+            # in which one rank loaded; a rank not ready counts as 0).
+            budget = self._agree(engine, ex, 0 if why is not None else _budget(engine, ex))
             self._vars["version"].assign(version)
-            self._vars["budget"].assign(0 if why is not None else _budget(engine, ex))
+            self._vars["budget"].assign(budget)
         if why is None and self._asked != version and not self._traced_for(version):
             self._asked = version
             if self._retrace is not None:
@@ -224,6 +233,25 @@ class GraphSteps:
                     "dlgs.tensorflow.function to do that by itself)",
                     ex.step,
                 )
+
+    @staticmethod
+    def _agree(engine: Any, ex: Any, budget: int) -> int:
+        """The smallest ``budget`` over the process set (-1: none), in one
+        eager 1-element allreduce per host step."""
+        comm = engine.comm
+        if comm.size <= 1:
+            return budget
+        import horovod.tensorflow as hvd
+
+        local = _UNLIMITED if budget < 0 else budget
+        out = hvd.allreduce(
+            tf.constant([local], tf.int64),
+            op=hvd.Min,
+            name=f"{ex.prefix}.graph_budget",
+            process_set=comm.process_set,
+        )
+        agreed = int(out.numpy()[0])
+        return -1 if agreed >= _UNLIMITED else agreed
 
     def _traced_for(self, version: int) -> bool:
         return self._vars is not None and self._traced_version == version
@@ -260,6 +288,12 @@ def _budget(engine: Any, ex: Any) -> int:
     anchors = ex.device_budget()
     if anchors >= 0:
         limits.append(anchors)
+    planner = engine.planner
+    window = getattr(planner, "drift_window", 0)
+    if window and planner.strategy != "none" and planner.phase == "run":
+        # The planner's drift vote (which carries one-rank reprofile() requests)
+        # needs a host step at the end of every drift_window steps.
+        limits.append(window - 1 - step % window)
     return min(limits) if limits else -1
 
 

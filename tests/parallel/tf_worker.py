@@ -716,7 +716,13 @@ def graph_exchange():
     steps = 10
     # topk learns nothing; the default (dynamic) controller learns on the
     # device and anchors every 4 steps on the host.
-    cases = {"": opts, "dynamic.": dict(opts, controller="dynamic", anchor_every=4)}
+    cases = {
+        "": opts,
+        "dynamic.": dict(opts, controller="dynamic", anchor_every=4),
+        # Ranks whose own limits differ (log_every on rank 0 only) still take
+        # the same branch every step: the budget is agreed.
+        "logging.": dict(opts, log_every=3 if hvd.rank() == 0 else 0),
+    }
     for prefix, case_opts in cases.items():
         for mode in ("eager", "graph"):
             out[prefix + mode] = _graph_case(prefix + mode, mode, case_opts, steps)
@@ -747,22 +753,37 @@ def graph_exchange():
         "host_steps": engine.graph.host_steps,
         "step": engine.exchange.step,
     }
-    # model.fit: the train function is traced again once the layout is settled.
-    model = mlp(23)
-    opt = dlgs.tensorflow.keras.DistributedOptimizer(
-        keras.optimizers.SGD(0.05), name="graph_exchange.fit", **opts
-    )
-    model.compile(optimizer=opt, loss="sparse_categorical_crossentropy", jit_compile=False)
+    # model.fit: the train function is traced again once the layout is settled;
+    # with steps_per_execution=4 several steps share one call (a while loop),
+    # and a budget of 1 (the dynamic controller's anchors) ends inside it.
     xs, ys = zip(*[batch(s) for s in range(steps)])
-    model.fit(
-        np.concatenate(xs), np.concatenate(ys), batch_size=16, epochs=2, shuffle=False, verbose=0
-    )
-    out["fit"] = {
-        "digest": digest(model),
-        "traces": opt.dlgs.graph.traces,
-        "host_steps": opt.dlgs.graph.host_steps,
-        "step": opt.dlgs.exchange.step,
-    }
+    fits = {"fit": (opts, 1), "fit4": (dict(opts, controller="dynamic", anchor_every=2), 4)}
+    fits["fit1"] = (fits["fit4"][0], 1)
+    for label, (fit_opts, per_call) in fits.items():
+        model = mlp(23)
+        opt = dlgs.tensorflow.keras.DistributedOptimizer(
+            keras.optimizers.SGD(0.05), name=f"graph_exchange.{label}", **fit_opts
+        )
+        model.compile(
+            optimizer=opt,
+            loss="sparse_categorical_crossentropy",
+            jit_compile=False,
+            steps_per_execution=per_call,
+        )
+        model.fit(
+            np.concatenate(xs),
+            np.concatenate(ys),
+            batch_size=16,
+            epochs=2,
+            shuffle=False,
+            verbose=0,
+        )
+        out[label] = {
+            "digest": digest(model),
+            "traces": opt.dlgs.graph.traces,
+            "host_steps": opt.dlgs.graph.host_steps,
+            "step": opt.dlgs.exchange.step,
+        }
     return out
 
 
