@@ -127,7 +127,7 @@ def test_what_keeps_a_step_on_the_host_is_named():
         return reasons, len(calls), dynamic
 
     for reasons, calls, dynamic in LocalWorld(2).run(body):
-        assert "agree" in reasons[0]
+        assert "laid out anew" in reasons[0]  # before the first step
         assert "not on the device" in reasons[1] and dynamic is None
         assert "laid out anew" in reasons[2] and reasons[3] is None and "timed" in reasons[4]
         assert calls == 2  # set_groups and trace_next_step told the listener

@@ -927,7 +927,7 @@ class SparseExchange:
             listener()
 
     # -- steps on the device alone (traced into a graph) ---------------------------
-    def device_ready(self) -> Optional[str]:
+    def device_ready(self, now: bool = True) -> Optional[str]:
         """None when the next step can run with device operations alone (no
         host read: traced once into a graph and run many times), else why
         not. Such a step submits and waits as usual, then ends with
@@ -936,20 +936,23 @@ class SparseExchange:
         it run on the host. Needs: the layout of the density in force made
         and verified, no agreement, timed step or relayout pending, a
         controller that learns nothing on the host, no momentum correction,
-        the allgather transport, and no dense layer still owing a residual."""
+        the allgather transport, and no dense layer still owing a residual.
+        ``now=False``: whether such a step can be traced now, for later steps
+        (an anchor due next is no obstacle; an agreement or a timed step due
+        is: a submit would run it while tracing)."""
         if self._open or self._submitted:
             return "a step is under way"
-        if self._sync_pending:
-            return "the ranks agree on the step and plan at the next step"
         if self._density is None or self.density != self._density:
             return "the messages are laid out anew at the next step"
+        if self._sync_pending:
+            return "the ranks agree on the step and plan at the next step"
         if self._trace_next:
             return "the next step is timed layer by layer"
         if self._bank is not None:
             name = self.config.controller.value
             if getattr(self.ops, "vector_math", None) is None or self._kernels is not None:
                 return f"the {name!r} controller learns on the host with these array ops"
-            if self._bank.steps_before_anchor() == 0:
+            if now and self._bank.steps_before_anchor() == 0:
                 return "the next step anchors thresholds (on the host)"
             if self._device_bank is None or self._device_bank_version != self.layout_version:
                 return "the controllers' state is not on the device (prepare_device_steps)"

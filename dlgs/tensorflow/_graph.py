@@ -68,6 +68,10 @@ class GraphSteps:
         self._listening = False
         self._pulling = False
         self._traced_version = -1
+        # The step was traced inside a graph at least once: from then on every
+        # host step agrees on the budget (every rank traces the same function
+        # at the same step, so every rank issues that collective alike).
+        self._in_graph = False
 
     # -- the variables ------------------------------------------------------------
     def _variables(self) -> dict:
@@ -83,16 +87,17 @@ class GraphSteps:
         return self._vars
 
     # -- tracing -------------------------------------------------------------------
-    def reason(self) -> Optional[str]:
-        """Why the device branch cannot be traced now, or None."""
+    def reason(self, now: bool = True) -> Optional[str]:
+        """Why the next step cannot run on the device (``now=False``: why the
+        device branch cannot be traced for the layout in force), or None."""
         engine = self._engine
         ex = engine.exchange
         if ex is None or not hasattr(ex, "device_ready"):
             return "the two-level exchange runs on the host"
-        why = ex.device_ready()
+        why = ex.device_ready(now)
         if why is not None:
             return why
-        if not _planner_idle(engine.planner):
+        if now and not _planner_idle(engine.planner):
             return "the merge planner is profiling or planning"
         return None
 
@@ -100,6 +105,7 @@ class GraphSteps:
         """The traced step's reduced gradients: the ``tf.cond`` of the device
         branch and ``host`` (the ``py_function``), or ``host`` alone when the
         device branch cannot be traced (:meth:`reason`)."""
+        self._in_graph = True
         target = getattr(_LOCAL, "retrace", None)
         model = _keras_model()
         if target is not None:
@@ -113,7 +119,7 @@ class GraphSteps:
                     found.make_train_function(force=True)
 
             self._retrace = retrace
-        why = self.reason()
+        why = self.reason(now=False)
         if why is not None:
             logger.debug("dlgs: the exchange stays on the host in this trace: %s", why)
             return host()
@@ -201,21 +207,26 @@ class GraphSteps:
         self.host_steps += 1
         engine = self._engine
         ex = engine.exchange
-        if self._vars is None and self._retrace is None:
+        if not self._in_graph:
             return
         ex.prepare_device_steps()
-        why = self.reason()
-        version = ex.layout_version if why is None else -1
-        if why is None:
+        traceable = self.reason(now=False) is None
+        version = ex.layout_version if traceable else -1
+        # Every rank must take the same branch: the smallest budget of all. A
+        # rank whose next step needs the host, or whose graph is not for its
+        # layout, counts as 0; anchors or log_every may differ between ranks
+        # (e.g. after a resume in which one rank loaded).
+        ready = self.reason() is None and self._traced_version == ex.layout_version
+        budget = self._agree(engine, ex, _budget(engine, ex) if ready else 0)
+        if traceable:
             self._variables()  # eagerly: a trace that creates variables is traced twice
         if self._vars is not None:
-            # Every rank must take the same branch: the smallest budget of all
-            # (a rank's anchors or log_every may differ, e.g. after a resume
-            # in which one rank loaded; a rank not ready counts as 0).
-            budget = self._agree(engine, ex, 0 if why is not None else _budget(engine, ex))
             self._vars["version"].assign(version)
             self._vars["budget"].assign(budget)
-        if why is None and self._asked != version and not self._traced_for(version):
+        # Traced again once the planner has settled this layout (not for each
+        # layout it tries while profiling), whatever the very next step needs.
+        settled = traceable and _planner_idle(engine.planner)
+        if settled and self._asked != version and not self._traced_for(version):
             self._asked = version
             if self._retrace is not None:
                 logger.info(
