@@ -86,7 +86,9 @@ def test_tf_benchmark_writes_rows_and_appends(tmp_path):
     assert wire["dlgs"] <= wire["dense"]  # the plan may send dense on loopback, never more
     assert int(rows[2]["messages"]) >= 1 and int(rows[4]["messages"]) >= 1
     assert rows[2]["guard"] in ("kept", "layer-wise")  # dlgs under tf.function: dp judged
-    assert rows[1]["sparsify_s"] == "" and float(rows[2]["sparsify_s"]) > 0
+    # dlgs' submit is timed on eager steps only (a traced step runs no Python).
+    assert rows[1]["sparsify_s"] == rows[2]["sparsify_s"] == ""
+    assert float(rows[4]["sparsify_s"]) > 0
     assert float(rows[0]["efficiency_vs_nocomm"]) == pytest.approx(1.0)
     assert float(rows[1]["speedup_vs_dense"]) == pytest.approx(1.0)
     md = (tmp_path / "train.md").read_text()
