@@ -87,11 +87,10 @@ class GraphSteps:
         return self._vars
 
     # -- tracing -------------------------------------------------------------------
-    def reason(self, now: bool = True) -> Optional[str]:
-        """Why the next step cannot run on the device (``now=False``: why the
-        device branch cannot be traced for the layout in force), or None."""
+    def reason(self, ex: Any, now: bool = True) -> Optional[str]:
+        """Why the next step of ``ex`` cannot run on the device (``now=False``:
+        why the device branch cannot be traced for the layout in force), or None."""
         engine = self._engine
-        ex = engine.exchange
         if ex is None or not hasattr(ex, "device_ready"):
             return "the two-level exchange runs on the host"
         why = ex.device_ready(now)
@@ -119,11 +118,11 @@ class GraphSteps:
                     found.make_train_function(force=True)
 
             self._retrace = retrace
-        why = self.reason(now=False)
+        ex = self._engine.exchange
+        why = self.reason(ex, now=False)
         if why is not None:
             logger.debug("dlgs: the exchange stays on the host in this trace: %s", why)
             return host()
-        ex = self._engine.exchange
         v = self._variables()
         version = ex.layout_version
         self._listen(ex)
@@ -210,13 +209,13 @@ class GraphSteps:
         if not self._in_graph:
             return
         ex.prepare_device_steps()
-        traceable = self.reason(now=False) is None
+        traceable = self.reason(ex, now=False) is None
         version = ex.layout_version if traceable else -1
         # Every rank must take the same branch: the smallest budget of all. A
         # rank whose next step needs the host, or whose graph is not for its
         # layout, counts as 0; anchors or log_every may differ between ranks
         # (e.g. after a resume in which one rank loaded).
-        ready = self.reason() is None and self._traced_version == ex.layout_version
+        ready = self.reason(ex) is None and self._traced_version == ex.layout_version
         budget = self._agree(engine, ex, _budget(engine, ex) if ready else 0)
         if traceable:
             self._variables()  # eagerly: a trace that creates variables is traced twice
