@@ -1,6 +1,7 @@
 """TensorFlow: what the exchange adds to a traced training step (issue 33).
 
-Under ``horovodrun`` (every rank), ResNet-20 (Keras 3) on one synthetic batch,
+Under ``horovodrun`` (every rank), ResNet-20 or the PTB LSTM (Keras 3,
+``--model``) on one synthetic batch,
 each method with its step traced by ``dlgs.tensorflow.function`` (``graph``:
 dlgs' exchange in the graph where it can be) or a plain ``tf.function``
 (``py-function``: traced once before the first step, the exchange in a
@@ -57,6 +58,13 @@ METHODS = [
 ]
 
 
+#: model -> (builder, batch maker, default per-rank batch), as benchmarks.train
+MODELS = {
+    "resnet20": (models_tf.resnet20, models_tf.images, 32),
+    "lstm": (models_tf.lstm_lm, models_tf.ptb_tokens, 20),
+}
+
+
 def count_ops(concrete: Any) -> int:
     """Operations in a concrete function's graph and in every function it calls."""
     graph = concrete.graph.as_graph_def()
@@ -67,13 +75,14 @@ def run_one(
     label: str, options: Optional[Dict[str, Any]], how: str, args: argparse.Namespace
 ) -> Dict[str, Any]:
     """Warm up, then time ``args.steps`` steps of one method on this rank."""
-    model = models_tf.resnet20(seed=0)
+    spec = MODELS[args.model]
+    model = spec[0](seed=0)
     hvd.broadcast_variables([v.value for v in model.variables], root_rank=0)
     variables = list(model.trainable_variables)
     opt = keras.optimizers.SGD(0.01)
     opt.build(variables)
     rng = np.random.default_rng(hvd.rank())
-    x, y = (tf.constant(a) for a in models_tf.images(args.batch, rng))
+    x, y = (tf.constant(a) for a in spec[1](args.batch or spec[2], rng))
     name = f"overhead_tf.{label}"
 
     def step(x: tf.Tensor, y: tf.Tensor) -> None:
@@ -124,7 +133,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=12)
-    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--model", choices=sorted(MODELS), default="resnet20")
+    parser.add_argument("--batch", type=int, default=0, help="per rank; 0: the model's own")
     parser.add_argument("--density", type=float, default=0.01)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
@@ -148,7 +158,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     lines = [
         "# TensorFlow: what the exchange adds to a traced step",
         "",
-        f"`{command}`: ResNet-20, batch {args.batch}, density {args.density}, "
+        f"`{command}`: {args.model}, batch {args.batch or MODELS[args.model][2]}, "
+        f"density {args.density}, "
         f"{hvd.size()} ranks, {args.warmup} warm-up and {args.steps} timed steps; "
         f"TensorFlow {tf.__version__}. host steps: timed steps whose exchange ran as Python.",
         "",
