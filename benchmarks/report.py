@@ -34,6 +34,8 @@ __all__ = [
     "MODELS",
     "SPARSE_METHODS",
     "TORCH_METHODS",
+    "DDP_METHODS",
+    "ENGINES",
     "TRANSPORT_METHODS",
     "TWO_LEVEL_METHODS",
     "MethodTimes",
@@ -81,8 +83,24 @@ METHODS += ("dlgs-none", "dlgs")
 TWO_LEVEL_METHODS: Tuple[str, ...] = tuple(
     m for m, (_, _, topology) in SPARSE_METHODS.items() if topology != "flat"
 )
-#: Methods only the torch adapter runs (two levels, or an alltoall).
-TORCH_METHODS: Tuple[str, ...] = TWO_LEVEL_METHODS + tuple(TRANSPORT_METHODS)
+#: PyTorch DDP (``benchmarks/ddp_methods.py``): plain, PyTorch's fp16 and
+#: PowerSGD (rank 1, 4) hooks, and dlgs's hook layer-wise / with the DP plan.
+DDP_METHODS: Tuple[str, ...] = (
+    "ddp",
+    "ddp-fp16",
+    "ddp-powersgd1",
+    "ddp-powersgd4",
+    "ddp-dlgs-none",
+    "ddp-dlgs",
+)
+#: Methods only the torch adapter runs (two levels, an alltoall, or DDP).
+TORCH_METHODS: Tuple[str, ...] = TWO_LEVEL_METHODS + tuple(TRANSPORT_METHODS) + DDP_METHODS
+#: The default method list of each ``--engine``.
+ENGINES: Dict[str, Tuple[str, ...]] = {
+    "horovod": METHODS,
+    "ddp": ("no-comm", *DDP_METHODS),
+    "both": ("no-comm", "dense", "dlgs-none", "dlgs", *DDP_METHODS),
+}
 
 
 def base_method(method: str) -> str:
@@ -836,7 +854,17 @@ def parse_args(argv: Optional[Sequence[str]] = None, description: str = "") -> a
         help=f"tensorflow has {', '.join(MODELS['tensorflow'])}",
     )
     parser.add_argument(
-        "--methods", type=_methods, default=list(METHODS), help=f"comma list of {METHODS}"
+        "--methods",
+        type=_methods,
+        default=None,
+        help=f"comma list of {METHODS}, the torch-only {TORCH_METHODS} (default: --engine's)",
+    )
+    parser.add_argument(
+        "--engine",
+        choices=list(ENGINES),
+        default="horovod",
+        help="the default methods: Horovod's forms, PyTorch DDP's (plain, fp16 and PowerSGD "
+        "hooks, dlgs's hook; torch only) or both, side by side",
     )
     parser.add_argument(
         "--batch", type=positive_int, default=None, help="per-rank batch (default: per model)"
@@ -905,6 +933,8 @@ def parse_args(argv: Optional[Sequence[str]] = None, description: str = "") -> a
         "--verbose", action="store_true", help="log dlgs's layouts, profiles and plans"
     )
     args = parser.parse_args(argv)
+    if args.methods is None:
+        args.methods = list(ENGINES[args.engine])
     if args.model not in MODELS[args.framework]:
         parser.error(
             f"argument --model: {args.model!r} is not implemented for --framework "

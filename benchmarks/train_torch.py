@@ -23,11 +23,12 @@ from torch import nn
 import dlgs.torch
 from dlgs.core.catalog import DEFAULT_COMPUTE_FLOPS
 
+from . import ddp_methods
 from .emulate import EmulatedNet, Emulation, emulation_from, measure_layers
 from .models import LSTMLM, VGG16, BertSmall, ResNet20
 from .report import (
+    DDP_METHODS,
     LR,
-    SPARSE_METHODS,
     TWO_LEVEL_METHODS,
     MethodTimes,
     base_method,
@@ -165,9 +166,16 @@ def run_method(
     model = spec.build()
     if not isinstance(model, EmulatedNet):  # its parameters start as zeros on every rank
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    opt = build_optimizer(method, model, density, profile_steps, wire)
+    state = None  # a DDP hook's
+    if method in DDP_METHODS:
+        module = model
+        model, opt, state = ddp_methods.build_ddp(method, model, density, profile_steps, LR, wire)
+        dlgs_of = state.dlgs if isinstance(state, dlgs.torch.ddp.SparseState) else None
+    else:
+        opt = build_optimizer(method, model, density, profile_steps, wire)
+        dlgs_of = getattr(opt, "dlgs", None)
     x, y = data
-    sparse = base_method(method) in SPARSE_METHODS
+    sparse = dlgs_of is not None
     out = MethodTimes(method)
     for i in range(warmup + steps):
         t0 = time.perf_counter()
@@ -183,9 +191,9 @@ def run_method(
             out.backward.append(t2 - t1)
             out.step_wait.append(t3 - t2)
             if sparse:
-                out.sparsify.append(opt.dlgs.exchange.last_submit_seconds)
-        elif i == warmup - 1 and is_merging(method):
-            if not opt.dlgs.planner.settled:
+                out.sparsify.append(dlgs_of.exchange.last_submit_seconds)
+        elif i == warmup - 1 and (is_merging(method) or method == "ddp-dlgs"):
+            if not dlgs_of.planner.settled:
                 raise RuntimeError(
                     f"{method}: no final merge plan after {warmup} warm-up steps "
                     f"(expected one after {settle_steps(profile_steps, is_auto(method))})"
@@ -193,19 +201,21 @@ def run_method(
         if progress is not None:
             progress.update(1)
     params = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    if method == "dense":
+    if method in DDP_METHODS:
+        out.wire_bytes = ddp_methods.wire_bytes(method, module, state)
+    elif method == "dense":
         out.wire_bytes = 4 * params
     elif method == "fp16":
         out.wire_bytes = 2 * params
-    elif sparse:
-        out.wire_bytes = opt.dlgs.exchange.wire_bytes()
-        out.density = opt.dlgs.exchange.density
-        out.messages = len(opt.dlgs.exchange.groups)
-        out.guard = guard_verdict(opt.dlgs.planner)
+    if sparse:
+        out.wire_bytes = dlgs_of.exchange.wire_bytes()
+        out.density = dlgs_of.exchange.density
+        out.messages = len(dlgs_of.exchange.groups)
+        out.guard = guard_verdict(dlgs_of.planner)
         if base_method(method) == "dlgs":
-            out.predicted_tails = predicted_tails(opt.dlgs.planner, opt.dlgs.exchange)
-        if is_merging(method):
-            logger.debug("%s: plan in force\n%s", method, opt.dlgs.planner.plan.describe())
+            out.predicted_tails = predicted_tails(dlgs_of.planner, dlgs_of.exchange)
+        if dlgs_of.planner.plan is not None:
+            logger.debug("%s: plan in force\n%s", method, dlgs_of.planner.plan.describe())
     return out
 
 
@@ -216,6 +226,12 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> None:
     two_level = any(base_method(m) in TWO_LEVEL_METHODS for m in args.methods)
     hvd.init(process_sets="dynamic" if two_level else None)
     rank = hvd.rank()
+    if any(m in DDP_METHODS for m in args.methods):
+        ddp_methods.init_torch_distributed(
+            rank,
+            hvd.size(),
+            lambda obj: hvd.broadcast_object(obj, root_rank=0, name="benchmarks.train.port"),
+        )
     setup_rank_logging(rank, args.verbose)
     threads = int(os.environ.get("DLGS_THREADS", "1"))
     torch.set_num_threads(threads)

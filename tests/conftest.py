@@ -70,6 +70,19 @@ def horovodrun(
     never a stuck CI job. Ranks get ``DLGS_TEST_HANG_S`` a little earlier, at
     which the scenario workers dump their stacks (showing where they waited).
     """
+    cmd = [HOROVODRUN, "-np", str(np), f"--{backend}", sys.executable, *map(str, args)]
+    return _launch(cmd, timeout=timeout, cwd=cwd, extra_path=extra_path)
+
+
+def torchrun(np: int, args, *, timeout: float, cwd=ROOT) -> subprocess.CompletedProcess:
+    """Run ``python ARGS`` on ``np`` local ranks under ``torchrun`` (PyTorch's
+    launcher, as a DDP user starts a job), killed whole like :func:`horovodrun`."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    cmd += [f"--nproc-per-node={np}", *map(str, args)]
+    return _launch(cmd, timeout=timeout, cwd=cwd, extra_path=None)
+
+
+def _launch(cmd, *, timeout: float, cwd, extra_path) -> subprocess.CompletedProcess:
     env = dict(os.environ)
     # Open MPI refuses to run as root without these (docs/design.md).
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
@@ -78,7 +91,6 @@ def horovodrun(
     env["DLGS_TEST_HANG_S"] = str(max(1, int(timeout) - 30))
     paths = [str(ROOT)] + ([str(extra_path)] if extra_path else [])
     env["PYTHONPATH"] = os.pathsep.join(paths + [env.get("PYTHONPATH", "")])
-    cmd = [HOROVODRUN, "-np", str(np), f"--{backend}", sys.executable, *map(str, args)]
     start = time.monotonic()
     proc = subprocess.Popen(
         cmd,

@@ -20,7 +20,9 @@ from conftest import ROOT, horovodrun, load_ranks
 sys.path.insert(0, str(ROOT / "tests" / "parallel"))
 from snippets import HARNESSES  # noqa: E402
 
-DOCS = ["README.md", "docs/quickstart.md", "docs/tensorflow.md"]
+DOCS = ["README.md", "docs/quickstart.md", "docs/tensorflow.md", "docs/ddp.md"]
+#: Whole scripts for torchrun (no Horovod), run by tests/test_ddp.py.
+TORCHRUN = "ddp"
 MARK = re.compile(r"<!--\s*test:\s*(\S+)(.*?)-->")
 
 
@@ -53,7 +55,7 @@ def test_every_block_is_marked():
     for doc in DOCS:
         for line, harness, _ in blocks(doc):
             assert harness is not None, f"{doc}:{line}: python block without <!-- test: ... -->"
-            assert harness == "skip" or harness in HARNESSES, (
+            assert harness in ("skip", TORCHRUN) or harness in HARNESSES, (
                 f"{doc}:{line}: unknown harness {harness!r}; known: {sorted(HARNESSES)}"
             )
     # The marks cover what the README and quick start promise a newcomer.

@@ -156,7 +156,8 @@ def test_select_matches_a_slow_reference(controller):
 
 def test_package_exports():
     assert dlgs.SparsityConfig is SparsityConfig
-    assert set(dlgs.torch.__all__) == {"Compression", "DistributedOptimizer"}
+    assert set(dlgs.torch.__all__) == {"Compression", "DistributedOptimizer", "ddp"}
+    assert dlgs.torch.ddp.sparse_hook is not None  # imported on first use
 
 
 @pytest.mark.parametrize("base", ["sgd", "adam"])

@@ -9,19 +9,16 @@ from __future__ import annotations
 import atexit
 import logging
 import pickle
-import time
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import horovod.torch as hvd
 import torch
 
 from .._horovod import HorovodSet
-from .._options import warn_float64
 from ..core.config import SparsityConfig
-from ..core.engine import Engine, check_unique_names
+from ..core.engine import Engine
 from ..core.profiler import OnlinePlanner
-from ._amp import scale_reader
-from ._ops import OPS
+from ._common import build_flat_or_two_level, named_trainable
 
 __all__ = [
     "HorovodCollectives",
@@ -220,74 +217,27 @@ def _process_set(ranks: List[int]) -> Any:
     return added
 
 
-def named_trainable(
-    named_parameters: Iterable[Tuple[str, torch.Tensor]],
-) -> List[Tuple[str, torch.Tensor]]:
-    """Validated ``(name, parameter)`` pairs that require grad, in the given order."""
-    if named_parameters is None:
-        raise ValueError("named_parameters is required: pass model.named_parameters()")
-    pairs = list(named_parameters)
-    if any(not (isinstance(p, tuple) and len(p) == 2) for p in pairs):
-        raise ValueError(
-            "named_parameters should be a sequence of (name, parameter) tuples, "
-            "usually produced by model.named_parameters()"
-        )
-    check_unique_names("parameter", [n for n, _ in pairs])
-    for name, p in pairs:
-        if not isinstance(p, torch.Tensor):
-            raise TypeError(f"named_parameters[{name!r}] is a {type(p).__name__}, not a tensor")
-    trainable = [(n, p) for n, p in pairs if p.requires_grad]
-    for name, p in trainable:
-        # Refused here, by name: a complex gradient would fail deep inside the
-        # selection kernels with no hint of which parameter it was (issue 10).
-        if not p.is_floating_point():
-            raise TypeError(
-                f"parameter {name!r} has dtype {p.dtype}: dlgs exchanges real floating-point "
-                "gradients only (float32, float16, bfloat16 or float64)"
-            )
-    warn_float64("parameters", [n for n, p in trainable if p.dtype == torch.float64], logger)
-    return trainable
-
-
 def build_engine(
     params: Sequence[Tuple[str, torch.Tensor]],
     config: SparsityConfig,
     planner: Optional[OnlinePlanner],
     comm: HorovodCollectives,
     *,
-    average: bool,
-    prefix: str,
-    dense_external: bool = False,
-    extra_options: Optional[Dict[str, Any]] = None,
-    log_every: int = 0,
-    scaler: Any = None,
     topology: str = "flat",
     ranks_per_node: Optional[int] = None,
+    **kwargs: Any,
 ) -> Engine:
-    """The core :class:`~dlgs.core.engine.Engine` over ``params`` (trainable,
-    in registration order), built: every rank's parameters and options checked."""
-    engine = Engine(
-        OPS,
-        comm,
+    """:func:`dlgs.torch._common.build_engine` on Horovod: ``topology`` and
+    ``ranks_per_node`` as the forms take them."""
+    return build_flat_or_two_level(
+        params,
         config,
         planner,
-        average=average,
-        prefix=prefix,
-        dense_external=dense_external,
-        extra_options=extra_options,
-        log_every=log_every,
-        loss_scale=scale_reader(scaler),
-        logger=logger,
+        comm,
         topology=_two_levels(topology, ranks_per_node),
         choose_topology=topology == "auto",
+        **kwargs,
     )
-    device = params[0][1].device if params else torch.device("cpu")
-    engine.build(
-        [(n, p.shape, str(p.dtype)) for n, p in params],
-        like=params[-1][1] if params else None,
-        clock=_clock(device),
-    )
-    return engine
 
 
 def _two_levels(topology: str, ranks_per_node: Optional[int]):
@@ -331,18 +281,3 @@ def _wait_for_every_rank_at_exit() -> None:
             logger.debug("dlgs: no exit barrier (Horovod is shut down)")
 
     atexit.register(barrier)
-
-
-def _clock(device: torch.device):
-    """Seconds, after the current stream has finished its queued work (profiling
-    only). The current stream, not the device: a device-wide synchronisation
-    would also wait for Horovod's NCCL stream and count collectives in flight
-    as back-propagation time."""
-    if device.type == "cuda":
-
-        def clock() -> float:
-            torch.cuda.current_stream(device).synchronize()
-            return time.perf_counter()
-
-        return clock
-    return time.perf_counter

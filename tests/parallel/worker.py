@@ -9,7 +9,6 @@ Usage: ``horovodrun -np 2 --gloo python tests/parallel/worker.py OUT_DIR SCENARI
 
 from __future__ import annotations
 
-import hashlib
 import io
 import logging
 import sys
@@ -20,6 +19,7 @@ import horovod.torch as hvd
 import torch
 import torch.nn.functional as F
 from scenarios import main, scenario  # tests/parallel, the script's own folder
+from torch_common import digest, mlp, own_sent, sparse_grads
 
 import dlgs.torch
 from dlgs.core import RankMismatchError, plan_layers
@@ -31,17 +31,6 @@ torch.set_num_threads(1)
 # -- helpers ------------------------------------------------------------------
 
 
-def mlp(seed: int, hidden: int = 64) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(
-        torch.nn.Linear(32, hidden),
-        torch.nn.ReLU(),
-        torch.nn.Linear(hidden, hidden),
-        torch.nn.ReLU(),
-        torch.nn.Linear(hidden, 10),
-    )
-
-
 def batch(step: int, n: int = 16):
     g = torch.Generator().manual_seed(1000 * step + hvd.rank())
     return torch.randn(n, 32, generator=g), torch.randint(0, 10, (n,), generator=g)
@@ -49,13 +38,6 @@ def batch(step: int, n: int = 16):
 
 def flat_params(model) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
-
-
-def digest(model) -> str:
-    h = hashlib.sha256()
-    for p in model.parameters():
-        h.update(p.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
 def train(model, opt, steps: int, start: int = 0, passes: int = 1):
@@ -75,21 +57,6 @@ def base_opt(kind: str, model):
     if kind == "sgd":
         return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     return torch.optim.Adam(model.parameters(), lr=1e-3)
-
-
-def own_sent(exchange) -> dict:
-    """This rank's last sent values, decoded from its own send buffers."""
-    sent = {}
-    for group in exchange.groups:
-        if not group.sparse:
-            continue
-        lay = group.layout
-        dense = torch.zeros(lay.dense_size, dtype=torch.float64)
-        vals, idx, _ = lay.decode(group.chunk.cpu().numpy())
-        dense.index_add_(0, torch.from_numpy(idx), torch.from_numpy(vals))
-        for m, i in enumerate(group.members):
-            sent[i] = dense[lay.dense_offset(m) : lay.dense_offset(m) + lay.sizes[m]].clone()
-    return sent
 
 
 # -- scenarios ----------------------------------------------------------------
@@ -439,24 +406,6 @@ def auto_density():
     }
 
 
-def _sparse_grads(model, k_of, seed, shared_seed):
-    """Gradients with at most k non-zeros per layer on this rank: half of them at
-    positions every rank shares (``shared_seed`` is the same on every rank, so
-    the reduction really adds values from several ranks), half of its own."""
-    g = torch.Generator().manual_seed(seed)
-    grads = {}
-    for name, p in model.named_parameters():
-        n = p.numel()
-        k = k_of(name, n)
-        shared = torch.randperm(n, generator=torch.Generator().manual_seed(shared_seed))[: k // 2]
-        own = torch.randperm(n, generator=g)[: k - k // 2]
-        idx = torch.unique(torch.cat([shared, own]))[:k]
-        flat = torch.zeros(n)
-        flat[idx] = torch.randn(idx.numel(), generator=g)
-        grads[name] = flat.view_as(p)
-    return grads
-
-
 @scenario
 def exact_reconstruction():
     """<= k non-zeros per rank: the reduced gradient equals the exact average."""
@@ -491,7 +440,7 @@ def exact_reconstruction():
         plans = {layer.name: plan for layer, plan in zip(ex.layers, ex.layer_plans())}
         worst = 0.0
         for s in range(steps):
-            grads = _sparse_grads(
+            grads = sparse_grads(
                 model,
                 lambda nm, n, plans=plans: plans[nm].k if plans[nm].sparse else n,
                 seed=100 * s + 7 + hvd.rank() * 1000,

@@ -1,0 +1,309 @@
+"""``dlgs.torch.ddp``: the same sparse exchange as a communication hook of
+``torch.nn.parallel.DistributedDataParallel``, on ``torch.distributed`` (no
+Horovod). One changed line after DDP is built::
+
+    model = DDP(model)
+    model.register_comm_hook(dlgs.torch.ddp.SparseState(model, density=0.01),
+                             dlgs.torch.ddp.sparse_hook)
+
+Every parameter is one layer of the core's exchange, whatever DDP's buckets
+hold: each bucket's hook hands its parameters' gradients to the exchange (which
+selects, packs and starts each planned message as soon as its members are in),
+and the last bucket's hook completes the step and resolves every bucket's
+future. State is kept by parameter, never by bucket index, so DDP's rebuilt
+buckets after the first iteration change nothing. See docs/ddp.md.
+"""
+
+# No ``from __future__ import annotations``: DDP compares the hook's
+# annotations with the real classes (``dist.GradBucket``, ``Future[Tensor]``).
+import logging
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+from .._options import build_configs, check_log_every
+from ..core.config import SparsityConfig
+from ..core.engine import Engine
+from ._amp import check_scaler
+from ._common import build_flat_or_two_level, named_trainable
+
+__all__ = ["ProcessGroupCollectives", "SparseState", "sparse_hook"]
+
+logger = logging.getLogger("dlgs.torch")
+
+
+#: ``all_gather_single`` where PyTorch has it (``all_gather_into_tensor``, its
+#: older name, warns there as deprecated).
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class _Work:
+    """A started collective: its work handle, its output and how to finish it."""
+
+    __slots__ = ("work", "out", "divide", "into")
+
+    def __init__(self, work: Any, out: torch.Tensor, divide: int = 1, into: Any = None):
+        self.work, self.out, self.divide, self.into = work, out, divide, into
+
+
+class ProcessGroupCollectives:
+    """:class:`dlgs.core.exchange.Collectives` on a ``torch.distributed``
+    process group (Gloo on CPU, NCCL on GPU). Dense allreduces average (a sum,
+    then a division by the group's size: what DDP itself computes).
+    ``torch.distributed`` matches collectives by the order they are issued,
+    not by name: every rank issues the same ones in the same order (the core
+    does), and ``name`` only labels them."""
+
+    def __init__(self, group: Any = None):
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.included = self.rank >= 0
+
+    def allgather_async(self, chunk: torch.Tensor, name: str) -> _Work:
+        chunk = chunk.contiguous()
+        out = chunk.new_empty(self.size * chunk.numel())
+        work = _ALL_GATHER(out, chunk, group=self.group, async_op=True)
+        return _Work(work, out)
+
+    def alltoall_async(self, tensor: torch.Tensor, name: str) -> _Work:
+        """Equal blocks of a 1-D tensor to every rank (``transport="reduce"``)."""
+        tensor = tensor.contiguous()
+        out = torch.empty_like(tensor)
+        work = dist.all_to_all_single(out, tensor, group=self.group, async_op=True)
+        return _Work(work, out)
+
+    def allreduce_async(self, tensor: torch.Tensor, name: str) -> _Work:
+        wire = tensor if tensor.is_contiguous() else tensor.contiguous()
+        work = dist.all_reduce(wire, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        return _Work(work, wire, self.size, tensor if wire is not tensor else None)
+
+    def synchronize(self, handle: _Work) -> torch.Tensor:
+        handle.work.wait()
+        out = handle.out
+        if handle.divide != 1:
+            out.div_(handle.divide)
+        if handle.into is not None:
+            handle.into.copy_(out)
+            return handle.into
+        return out
+
+    def broadcast_object(self, obj: Any) -> Any:
+        box = [obj]
+        src = 0 if self.group is None else dist.get_global_rank(self.group, 0)
+        dist.broadcast_object_list(box, src=src, group=self.group)
+        return box[0]
+
+    def allgather_object(self, obj: Any, name: str) -> List[Any]:
+        out: List[Any] = [None] * self.size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def options(self) -> Dict[str, Any]:
+        """What every rank must agree on: the backend and the group's ranks."""
+        return {
+            "backend": str(dist.get_backend(self.group)),
+            "ranks": list(dist.get_process_group_ranks(self.group or dist.group.WORLD)),
+            "op": "Average",
+        }
+
+
+def _ddp_parameters(model: Any) -> List[Tuple[str, torch.nn.Parameter]]:
+    """DDP's own list: the wrapped module's parameters that require grad and
+    that DDP does not ignore, in registration order."""
+    ignored = set(getattr(model, "parameters_to_ignore", ()) or ())
+    return named_trainable((n, p) for n, p in model.module.named_parameters() if n not in ignored)
+
+
+class SparseState:
+    """The state of :func:`sparse_hook` for one DDP model: the core engine
+    (residuals, controllers, plan) over the model's parameters.
+
+    Build it on every rank after the model is wrapped (a collective: every
+    rank's parameters and options are checked, and dlgs makes its own process
+    group, so that its collectives never interleave with DDP's own).
+
+    Args:
+        model: the ``DistributedDataParallel`` module.
+        density / config / merge / log_every / **options: as
+            :func:`dlgs.torch.DistributedOptimizer` (see :class:`dlgs.SparsityConfig`
+            and :class:`dlgs.MergeConfig` for what each trades).
+        scaler: the ``torch.amp.GradScaler`` of a mixed-precision loop, so that
+            residuals stay in unscaled units; a step non-finite on some rank
+            reads NaN on every rank, so ``scaler.step`` skips it everywhere.
+        process_group: the ranks to exchange among (None: DDP's, i.e. the
+            default group); dlgs issues its collectives on a new group of the
+            same ranks.
+
+    Raises:
+        ValueError / TypeError: bad options, naming the option and the
+            accepted range, or a model that is not DDP.
+        RuntimeError: ``torch.distributed`` is not initialised.
+        dlgs.RankMismatchError: ranks have different parameters or options.
+
+    Checkpoints: :meth:`state_dict` is this rank's (residuals are rank-local:
+    save one per rank, as with the Horovod forms); :meth:`load_state_dict`
+    issues no collective. Pickling (DDP pickles its hooks' states, as
+    PowerSGD's) keeps the options and the checkpoint and drops the model, the
+    group and the engine: after unpickling, :meth:`bind` the state to the
+    model again (a collective), then register the hook.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        density: Optional[Union[float, str]] = None,
+        *,
+        config: Optional[SparsityConfig] = None,
+        merge: Any = "dp",
+        log_every: int = 0,
+        scaler: Optional[Any] = None,
+        process_group: Any = None,
+        **options: Any,
+    ):
+        check_log_every(log_every)
+        check_scaler(scaler)
+        build_configs(config, density, merge, options)  # every option checked before anything
+        self._kwargs: Dict[str, Any] = dict(
+            density=density, config=config, merge=merge, log_every=log_every, **options
+        )
+        self._scaler = scaler
+        self._saved: Optional[Dict[str, Any]] = None
+        self._unbind()
+        self.bind(model, process_group)
+
+    def _unbind(self) -> None:
+        self.engine: Optional[Engine] = None
+        self._index: Dict[int, int] = {}
+        self._pending: List[Tuple[torch.futures.Future, torch.Tensor, List[Tuple[int, Any]]]] = []
+
+    def bind(self, model: Any, process_group: Any = None) -> "SparseState":
+        """Build the engine over ``model``'s parameters (a collective: every
+        rank, same order), loading what an unpickled state carried."""
+        if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            raise TypeError(
+                f"model must be a torch.nn.parallel.DistributedDataParallel, got "
+                f"{type(model).__name__} (wrap the model in DDP first)"
+            )
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "torch.distributed is not initialised: call dist.init_process_group() "
+                "(torchrun sets up its environment) before building the SparseState"
+            )
+        group = process_group if process_group is not None else model.process_group
+        ranks = dist.get_process_group_ranks(group)
+        own = dist.new_group(ranks, backend=dist.get_backend(group))
+        kwargs = dict(self._kwargs)
+        log_every = kwargs.pop("log_every")
+        config, planner = build_configs(
+            kwargs.pop("config"), kwargs.pop("density"), kwargs.pop("merge"), kwargs
+        )
+        params = _ddp_parameters(model)
+        self.engine = build_flat_or_two_level(
+            params,
+            config,
+            planner,
+            ProcessGroupCollectives(own),
+            average=True,
+            prefix="dlgs.ddp",
+            extra_options={"form": "ddp"},
+            log_every=log_every,
+            scaler=self._scaler,
+        )
+        exchange = self.engine.exchange
+        assert exchange is not None
+        by_name = dict(params)
+        self._index = {id(by_name[layer.name]): i for i, layer in enumerate(exchange.layers)}
+        if self._saved is not None:
+            self.engine.load_state_dict(self._saved)
+            self._saved = None
+        return self
+
+    @property
+    def dlgs(self) -> Engine:
+        """dlgs' side of the hook: ``stats()``, ``planner``, ``reprofile()``,
+        ``describe()``, ``last_step_finite`` (:class:`dlgs.core.engine.Engine`)."""
+        if self.engine is None:
+            raise RuntimeError("this SparseState was unpickled: bind(model) it first")
+        return self.engine
+
+    def state_dict(self) -> Dict[str, Any]:
+        """This rank's residuals, controllers, step and plan (no collective)."""
+        if self.engine is None:
+            return dict(self._saved or {})
+        return self.engine.state_dict()
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict` (no collective: safe on one rank; the
+        ranks agree on the step and plan at the next step)."""
+        if self.engine is None:
+            self._saved = dict(state)
+            return
+        self.engine.load_state_dict(state)
+
+    def __getstate__(self) -> Dict[str, Any]:
+        return {"kwargs": self._kwargs, "saved": self.state_dict()}
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self._kwargs = state["kwargs"]
+        self._saved = state["saved"] or None
+        self._scaler = None
+        self._unbind()
+
+    # -- the hook ---------------------------------------------------------------------
+    def bucket(self, bucket: Any) -> torch.futures.Future:
+        """One DDP bucket (what :func:`sparse_hook` calls): its gradients go
+        into the exchange; the last bucket of the step completes it."""
+        if self.engine is None:
+            raise RuntimeError("this SparseState was unpickled: bind(model) it before training")
+        if isinstance(bucket, tuple):
+            raise RuntimeError("dlgs' DDP hook needs DDP's C++ reducer, not the Python one")
+        exchange = self.engine.exchange
+        assert exchange is not None
+        buffer = bucket.buffer()
+        if buffer.is_sparse:
+            raise RuntimeError("dlgs' DDP hook does not take sparse gradients (sparse=True)")
+        entries = []
+        for p, grad in zip(bucket.parameters(), bucket.gradients()):
+            i = self._index.get(id(p))
+            if i is None:
+                raise RuntimeError(
+                    f"DDP's bucket holds a parameter of shape {tuple(p.shape)} that this "
+                    "SparseState was not built over: build it from this DDP model"
+                )
+            exchange.submit(i, grad)
+            entries.append((i, grad))
+        future: torch.futures.Future = torch.futures.Future()
+        self._pending.append((future, buffer, entries))
+        if bucket.is_last():
+            self._finish()
+        return future
+
+    def _finish(self) -> None:
+        pending, self._pending = self._pending, []
+        try:
+            exchange = self.engine.exchange  # type: ignore[union-attr]
+            assert exchange is not None
+            missing = exchange.pending()
+            if missing:
+                names = [exchange.layers[i].name for i in missing[:5]]
+                raise RuntimeError(f"DDP's buckets did not hold every parameter: {names}")
+            reduced = exchange.wait()
+            for future, buffer, entries in pending:
+                for i, grad in entries:
+                    out = reduced[i]
+                    if out.data_ptr() != grad.data_ptr() or out.dtype != grad.dtype:
+                        grad.copy_(out.reshape(grad.shape))
+                future.set_result(buffer)
+            self.engine.step_done()  # type: ignore[union-attr]
+        except BaseException as err:
+            for future, _, _ in pending:
+                if not future.done():
+                    future.set_exception(err)
+            raise
+
+
+def sparse_hook(state: SparseState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """The DDP communication hook: ``model.register_comm_hook(state, sparse_hook)``."""
+    return state.bucket(bucket)

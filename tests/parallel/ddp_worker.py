@@ -1,0 +1,342 @@
+"""DDP communication-hook scenarios (``dlgs.torch.ddp``), run on every rank
+under ``torchrun --nproc-per-node 2`` with the Gloo backend; no Horovod.
+
+Like ``worker.py``: each scenario records numbers on real ranks and
+``tests/test_ddp.py`` asserts on every rank's record.
+
+Usage: ``python -m torch.distributed.run --standalone --nproc-per-node 2
+tests/parallel/ddp_worker.py OUT_DIR SCENARIO...``
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from scenarios import main, scenario  # tests/parallel, the script's own folder
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch_common import digest, mlp, own_sent, sparse_grads
+
+import dlgs.torch.ddp
+from dlgs.core import RankMismatchError
+
+torch.set_num_threads(1)
+
+
+class _Dist:
+    """What ``scenarios.main`` needs of a Horovod module, on torch.distributed."""
+
+    @staticmethod
+    def init() -> None:
+        dist.init_process_group("gloo")
+
+    @staticmethod
+    def rank() -> int:
+        return dist.get_rank()
+
+
+def batch(step: int, n: int = 16):
+    g = torch.Generator().manual_seed(1000 * step + dist.get_rank())
+    return torch.randn(n, 32, generator=g), torch.randint(0, 10, (n,), generator=g)
+
+
+def ddp(seed: int = 0, hidden: int = 64, **kwargs) -> DDP:
+    """The MLP in DDP (which broadcasts rank 0's parameters); small buckets, so
+    that the rebuilt buckets after the first step are several."""
+    kwargs.setdefault("bucket_cap_mb", 0.01)
+    return DDP(mlp(seed, hidden), **kwargs)
+
+
+def sgd(model) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+def train(model, opt, steps: int, start: int = 0, passes: int = 1):
+    """``steps`` steps of ``passes`` micro-batches each (the first ones under
+    ``no_sync``); each step's parameter digest."""
+    digests = []
+    for s in range(start, start + steps):
+        opt.zero_grad()
+        for j in range(passes):
+            x, y = batch(s * passes + j)
+            if j < passes - 1:
+                with model.no_sync():
+                    F.cross_entropy(model(x), y).backward()
+            else:
+                F.cross_entropy(model(x), y).backward()
+        opt.step()
+        digests.append(digest(model))
+    return digests
+
+
+def hooked(model: DDP, **options) -> dlgs.torch.ddp.SparseState:
+    state = dlgs.torch.ddp.SparseState(model, **options)
+    model.register_comm_hook(state, dlgs.torch.ddp.sparse_hook)
+    return state
+
+
+class _Dot(torch.nn.Module):
+    """``sum(p * c)`` over the parameters of ``inner``: its gradient is ``c``,
+    exactly, back-propagated through DDP's forward (so DDP's reducer runs)."""
+
+    def __init__(self, inner: torch.nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, grads: dict) -> torch.Tensor:
+        return sum((p * grads[n]).sum() for n, p in self.inner.named_parameters())
+
+
+def dot_ddp(seed: int, hidden: int = 128) -> DDP:
+    return DDP(_Dot(mlp(seed, hidden)), bucket_cap_mb=0.01)
+
+
+# -- scenarios ----------------------------------------------------------------
+
+
+@scenario
+def dense_equals_ddp():
+    """density=1.0 through the hook: DDP's own result, bit for bit, with and
+    without gradient accumulation under no_sync()."""
+    out = {}
+    for passes in (1, 2):
+        plain = ddp()
+        base = train(plain, sgd(plain), 5, passes=passes)
+        model = ddp()
+        hooked(model, density=1.0)
+        mine = train(model, sgd(model), 5, passes=passes)
+        out[f"passes{passes}"] = {"plain": base, "hook": mine}
+    return out
+
+
+@scenario
+def sparse_training():
+    """density 0.05: every rank's parameters after every step, layer-wise
+    (every eligible layer sparse, DDP's rebuilt buckets) and under the default
+    planner (profiling, then a plan: on loopback it may find dense cheaper),
+    with no_sync() accumulation too."""
+    out = {}
+    for merge, passes in (("none", 1), ("none", 2), ("dp", 1), ("dp", 2)):
+        model = ddp(hidden=128)
+        state = hooked(model, density=0.05, min_sparse_size=64, profile_steps=2, merge=merge)
+        digests = train(model, sgd(model), 8, passes=passes)
+        ex = state.dlgs.exchange
+        out[f"{merge}.passes{passes}"] = {
+            "digests": digests,
+            "step": ex.step,
+            "sparse_messages": sum(1 for g in ex.groups if g.sparse),
+            "planned": state.dlgs.planner.plan is not None,
+        }
+    return out
+
+
+@scenario
+def exact_reconstruction():
+    """<= k non-zeros per rank and layer: the averaged gradient is exact."""
+    out = {}
+    for name, opts in {
+        "topk": dict(controller="topk"),
+        "dynamic_anchor_every_step": dict(anchor_every=1),
+    }.items():
+        model = dot_ddp(2)
+        state = hooked(model, density=0.05, min_sparse_size=64, merge="none", **opts)
+        ex = state.dlgs.exchange
+        plans = {
+            layer.name.removeprefix("inner."): plan
+            for layer, plan in zip(ex.layers, ex.layer_plans())
+        }
+        worst, sparse = 0.0, sum(1 for p in plans.values() if p.sparse)
+        inner = model.module.inner
+        for s in range(4):
+            grads = sparse_grads(
+                inner,
+                lambda nm, n, plans=plans: plans[nm].k if plans[nm].sparse else n,
+                seed=100 * s + 7 + dist.get_rank() * 1000,
+                shared_seed=s,
+            )
+            model.zero_grad()
+            model(grads).backward()
+            for nm, p in inner.named_parameters():
+                expect = grads[nm].clone()
+                dist.all_reduce(expect)
+                worst = max(worst, (p.grad - expect / 2).abs().max().item())
+        out[name] = {"max_diff": worst, "sparse_layers": sparse}
+    return out
+
+
+@scenario
+def conservation():
+    """Per rank: what it sent plus its residual equals all it was given."""
+    model = dot_ddp(3)
+    state = hooked(model, density=0.05, min_sparse_size=64, merge="none")
+    ex = state.dlgs.exchange
+    params = dict(model.module.inner.named_parameters())
+    total_in = {i: torch.zeros(layer.numel) for i, layer in enumerate(ex.layers)}
+    total_sent = {i: torch.zeros(layer.numel) for i, layer in enumerate(ex.layers)}
+    g = torch.Generator().manual_seed(5 + dist.get_rank())
+    for _ in range(6):
+        grads = {n: torch.randn(p.shape, generator=g) for n, p in params.items()}
+        model.zero_grad()
+        model(grads).backward()
+        for i, layer in enumerate(ex.layers):
+            total_in[i] += grads[layer.name.removeprefix("inner.")].reshape(-1)
+        for i, sent in own_sent(ex).items():
+            total_sent[i] += sent
+    worst, scale, sparse = 0.0, 0.0, 0
+    for i, layer in enumerate(ex.layers):
+        if layer.residual is None:
+            continue
+        sparse += 1
+        resid = layer.residual[: layer.numel]
+        worst = max(worst, (total_sent[i] + resid - total_in[i]).abs().max().item())
+        scale = max(scale, total_in[i].abs().max().item())
+    return {"max_error": worst, "scale": scale, "sparse_layers": sparse}
+
+
+class _Branches(torch.nn.Module):
+    """An MLP with a head used on even steps only."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = mlp(4, 128)
+        self.other = torch.nn.Linear(10, 10)
+        self.step = 0
+
+    def forward(self, x):
+        y = self.body(x)
+        return self.other(y) if self.step % 2 == 0 else y
+
+
+@scenario
+def unused_parameters():
+    """find_unused_parameters=True: a head unused on odd steps; ranks agree."""
+    torch.manual_seed(0)
+    net = _Branches()
+    model = DDP(net, find_unused_parameters=True, bucket_cap_mb=0.01)
+    hooked(model, density=0.05, min_sparse_size=64, merge="none")
+    opt = sgd(model)
+    digests = []
+    for s in range(6):
+        net.step = s
+        opt.zero_grad()
+        x, y = batch(s)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        digests.append(digest(model))
+    return {"digests": digests}
+
+
+def _save(obj) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+@scenario
+def resume():
+    """Save model, optimizer and dlgs state after 3 steps; training on equals
+    a fresh model that loads them (each rank its own dlgs state)."""
+    model = ddp(hidden=128)
+    state = hooked(model, density=0.05, min_sparse_size=64, profile_steps=2)
+    opt = sgd(model)
+    train(model, opt, 3)
+    saved = _save(
+        {"model": model.state_dict(), "opt": opt.state_dict(), "dlgs": state.state_dict()}
+    )
+    on = train(model, opt, 4, start=3)
+    model2 = ddp(seed=9, hidden=128)
+    state2 = hooked(model2, density=0.05, min_sparse_size=64, profile_steps=2)
+    opt2 = sgd(model2)
+    ckpt = torch.load(io.BytesIO(saved), weights_only=False)
+    model2.load_state_dict(ckpt["model"])
+    opt2.load_state_dict(ckpt["opt"])
+    state2.load_state_dict(ckpt["dlgs"])
+    resumed = train(model2, opt2, 4, start=3)
+    return {"on": on, "resumed": resumed, "step": state2.dlgs.exchange.step}
+
+
+@scenario
+def pickled_state():
+    """A pickled state keeps its options and checkpoint; bound to the model
+    again, it trains on as the original."""
+    model = ddp(hidden=128)
+    state = hooked(model, density=0.05, min_sparse_size=64, merge="none")
+    opt = sgd(model)
+    train(model, opt, 2)
+    blob = pickle.dumps(state)
+    params = _save({"model": model.state_dict(), "opt": opt.state_dict()})
+    on = train(model, opt, 3, start=2)
+    copy = pickle.loads(blob)
+    unbound = ""
+    try:
+        copy.dlgs.describe()
+    except RuntimeError as err:
+        unbound = str(err)
+    model2 = ddp(seed=9, hidden=128)
+    ckpt = torch.load(io.BytesIO(params), weights_only=False)
+    model2.load_state_dict(ckpt["model"])
+    model2.register_comm_hook(copy.bind(model2), dlgs.torch.ddp.sparse_hook)
+    opt2 = sgd(model2)
+    opt2.load_state_dict(ckpt["opt"])
+    return {"on": on, "resumed": train(model2, opt2, 3, start=2), "unbound": unbound}
+
+
+@scenario
+def amp_nonfinite():
+    """GradScaler: a step non-finite on rank 1 only is skipped on both ranks
+    (the scale halves on both), and the residuals keep unscaled units."""
+    model = ddp(hidden=128)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    hooked(model, density=0.05, min_sparse_size=64, merge="none", scaler=scaler)
+    opt = sgd(model)
+    digests, scales = [], []
+    for s in range(5):
+        opt.zero_grad()
+        x, y = batch(s)
+        if s == 2 and dist.get_rank() == 1:
+            x = x.clone()
+            x[0, 0] = float("inf")
+        loss = F.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        digests.append(digest(model))
+        scales.append(float(scaler.get_scale()))
+    return {"digests": digests, "scales": scales}
+
+
+@scenario
+def mismatch():
+    """Ranks with different options: RankMismatchError on every rank, no hang."""
+    model = ddp()
+    try:
+        hooked(model, density=0.05 if dist.get_rank() == 0 else 0.1)
+    except RankMismatchError as err:
+        return {"error": type(err).__name__, "message": str(err)}
+    return {"error": None}
+
+
+@scenario
+def bad_input():
+    """Errors name the option; nothing is built."""
+    out = {}
+    model = ddp()
+    for name, call in {
+        "not_ddp": lambda: dlgs.torch.ddp.SparseState(model.module, density=0.05),
+        "density": lambda: dlgs.torch.ddp.SparseState(model, density=2.0),
+        "scaler": lambda: dlgs.torch.ddp.SparseState(model, density=0.05, scaler=object()),
+    }.items():
+        try:
+            call()
+            out[name] = None
+        except (TypeError, ValueError) as err:
+            out[name] = f"{type(err).__name__}: {err}"
+    return out
+
+
+if __name__ == "__main__":
+    main(sys.argv, _Dist)

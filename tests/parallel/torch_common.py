@@ -1,0 +1,61 @@
+"""Torch helpers shared by the Horovod worker (``worker.py``) and the DDP
+worker (``ddp_worker.py``); no Horovod here."""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+__all__ = ["digest", "mlp", "own_sent", "sparse_grads"]
+
+
+def mlp(seed: int, hidden: int = 64) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(32, hidden),
+        torch.nn.ReLU(),
+        torch.nn.Linear(hidden, hidden),
+        torch.nn.ReLU(),
+        torch.nn.Linear(hidden, 10),
+    )
+
+
+def digest(model) -> str:
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def own_sent(exchange) -> dict:
+    """This rank's last sent values, decoded from its own send buffers."""
+    sent = {}
+    for group in exchange.groups:
+        if not group.sparse:
+            continue
+        lay = group.layout
+        dense = torch.zeros(lay.dense_size, dtype=torch.float64)
+        vals, idx, _ = lay.decode(group.chunk.cpu().numpy())
+        dense.index_add_(0, torch.from_numpy(idx), torch.from_numpy(vals))
+        for m, i in enumerate(group.members):
+            sent[i] = dense[lay.dense_offset(m) : lay.dense_offset(m) + lay.sizes[m]].clone()
+    return sent
+
+
+def sparse_grads(model, k_of, seed, shared_seed):
+    """Gradients with at most k non-zeros per layer on this rank: half of them at
+    positions every rank shares (``shared_seed`` is the same on every rank, so
+    the reduction really adds values from several ranks), half of its own."""
+    g = torch.Generator().manual_seed(seed)
+    grads = {}
+    for name, p in model.named_parameters():
+        n = p.numel()
+        k = k_of(name, n)
+        shared = torch.randperm(n, generator=torch.Generator().manual_seed(shared_seed))[: k // 2]
+        own = torch.randperm(n, generator=g)[: k - k // 2]
+        idx = torch.unique(torch.cat([shared, own]))[:k]
+        flat = torch.zeros(n)
+        flat[idx] = torch.randn(idx.numel(), generator=g)
+        grads[name] = flat.view_as(p)
+    return grads

@@ -1,0 +1,123 @@
+"""dlgs.torch.ddp: the DDP communication hook on real ranks (torchrun, Gloo).
+
+One launch runs every scenario of ``tests/parallel/ddp_worker.py`` on 2 ranks;
+each test asserts on both ranks' records. The MPI backend is not in PyTorch's
+CPU wheels, so the hook is tested on Gloo only (NCCL needs GPUs).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import ROOT, load_ranks, torchrun, value
+from test_docs import TORCHRUN, blocks
+
+SCENARIOS = [
+    "dense_equals_ddp",
+    "sparse_training",
+    "exact_reconstruction",
+    "conservation",
+    "unused_parameters",
+    "resume",
+    "pickled_state",
+    "amp_nonfinite",
+    "mismatch",
+    "bad_input",
+]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ddp")
+    torchrun(2, [ROOT / "tests/parallel/ddp_worker.py", out, *SCENARIOS], timeout=400)
+    return load_ranks(out, 2)
+
+
+def test_density_one_equals_ddp_without_a_hook(ranks):
+    for r, v in enumerate(value(ranks, "dense_equals_ddp")):
+        for case, rec in v.items():
+            assert rec["hook"] == rec["plain"], f"rank {r} {case}"
+    a, b = value(ranks, "dense_equals_ddp")
+    assert a == b
+
+
+def test_sparse_training_keeps_ranks_bit_identical_after_every_step(ranks):
+    a, b = value(ranks, "sparse_training")
+    for case in a:
+        assert a[case]["digests"] == b[case]["digests"], case
+        assert len(set(a[case]["digests"])) == len(a[case]["digests"])  # it trains
+        if case.startswith("none"):
+            assert a[case]["sparse_messages"] >= 2, case
+        else:
+            assert a[case]["planned"], f"{case}: the dp planner settled on a plan"
+        assert a[case]["step"] == 8
+
+
+def test_k_sparse_gradients_are_reconstructed_exactly(ranks):
+    for r, v in enumerate(value(ranks, "exact_reconstruction")):
+        for case, rec in v.items():
+            assert rec["sparse_layers"] >= 2, (r, case)
+            assert rec["max_diff"] == 0.0, f"rank {r} {case}: {rec}"
+
+
+def test_error_feedback_conserves_the_gradient(ranks):
+    for r, rec in enumerate(value(ranks, "conservation")):
+        assert rec["sparse_layers"] >= 2
+        assert rec["max_error"] <= 1e-5 * rec["scale"], f"rank {r}: {rec}"
+
+
+def test_unused_parameters_with_find_unused_parameters(ranks):
+    a, b = value(ranks, "unused_parameters")
+    assert a["digests"] == b["digests"]
+    assert len(set(a["digests"])) == len(a["digests"])
+
+
+def test_resume_from_a_checkpoint_trains_on_identically(ranks):
+    for r, rec in enumerate(value(ranks, "resume")):
+        assert rec["resumed"] == rec["on"], f"rank {r}"
+        assert rec["step"] == 7
+    a, b = value(ranks, "resume")
+    assert a["on"] == b["on"]
+
+
+def test_a_pickled_state_binds_again_and_trains_on(ranks):
+    for r, rec in enumerate(value(ranks, "pickled_state")):
+        assert rec["resumed"] == rec["on"], f"rank {r}"
+        assert "bind(model)" in rec["unbound"]
+
+
+def test_amp_step_non_finite_on_one_rank_is_skipped_on_both(ranks):
+    a, b = value(ranks, "amp_nonfinite")
+    assert a["digests"] == b["digests"]
+    assert a["digests"][2] == a["digests"][1], "step 2 was skipped"
+    assert a["digests"][3] != a["digests"][2]
+    assert a["scales"] == b["scales"]
+    assert a["scales"][2] == a["scales"][1] / 2
+
+
+def test_mismatched_options_raise_on_every_rank(ranks):
+    for rec in value(ranks, "mismatch"):
+        assert rec["error"] == "RankMismatchError"
+        assert "density" in rec["message"]
+
+
+def test_bad_input_names_the_option(ranks):
+    for rec in value(ranks, "bad_input"):
+        assert rec["not_ddp"].startswith("TypeError")
+        assert "DistributedDataParallel" in rec["not_ddp"]
+        assert rec["density"].startswith("ValueError") and "density" in rec["density"]
+        assert rec["scaler"].startswith("TypeError") and "scaler" in rec["scaler"]
+
+
+def test_the_docs_ddp_script_runs_under_torchrun(tmp_path, monkeypatch):
+    found = [code for _, harness, code in blocks("docs/ddp.md") if harness == TORCHRUN]
+    assert found, "docs/ddp.md has a script for torchrun"
+    monkeypatch.setenv("STEPS", "6")
+    for j, code in enumerate(found):
+        script = tmp_path / f"ddp_doc_{j}.py"
+        script.write_text(code)
+        torchrun(2, [script], timeout=240, cwd=tmp_path)
+        ckpts = [torch.load(tmp_path / f"ckpt.{r}.pt", weights_only=False) for r in (0, 1)]
+        for name, tensor in ckpts[0]["model"].items():
+            assert torch.equal(tensor, ckpts[1]["model"][name]), f"ranks differ at {name}"
+        assert ckpts[0]["dlgs"]["step"] == 6
