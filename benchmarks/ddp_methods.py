@@ -8,7 +8,9 @@ side in one run, interleaved in rounds, on the same links. Methods:
 * ``ddp-fp16``: PyTorch's ``fp16_compress_hook``;
 * ``ddp-powersgd1`` / ``ddp-powersgd4``: PyTorch's PowerSGD hook at rank 1 / 4
   (error feedback, warm start; compressed from the second step, so the warm-up
-  covers the switch);
+  covers the switch), with the whole model in one DDP bucket: its hook issues
+  collectives from future callbacks, which on Gloo run in a different order
+  on each rank when several buckets are in flight (pytorch/pytorch#58467);
 * ``ddp-dlgs-none`` / ``ddp-dlgs``: ``dlgs.torch.ddp``'s hook, layer-wise / with
   the DP merge plan.
 
@@ -29,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import dlgs.torch.ddp
 
-__all__ = ["SPECS", "build_ddp", "init_torch_distributed", "wire_bytes"]
+__all__ = ["SPECS", "build_ddp", "close_torch_distributed", "init_torch_distributed", "wire_bytes"]
 
 #: Each of ``benchmarks.report.DDP_METHODS``: the dlgs merge strategy (None:
 #: not dlgs) and PowerSGD's rank (0: not PowerSGD).
@@ -56,6 +58,14 @@ def init_torch_distributed(rank: int, size: int, broadcast_object: Any) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=size)
 
 
+def close_torch_distributed() -> None:
+    """Leave the Gloo group together (a rank that exits first would make the
+    other's Gloo threads abort)."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def _free_port() -> int:
     import socket
 
@@ -75,7 +85,15 @@ def build_ddp(
     """``model`` in DDP with ``method``'s hook, plain SGD over it, and the
     hook's state (None for plain DDP and fp16)."""
     merge, rank = SPECS[method]
-    ddp = DDP(model)
+    if rank:
+        # One bucket: PowerSGD's hook issues collectives from its futures'
+        # callbacks, which on Gloo run in a different order on each rank when
+        # several buckets are in flight (a collective mismatch, or a hang;
+        # pytorch/pytorch#58467). An explicit cap also sizes the first bucket.
+        megabytes = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+        ddp = DDP(model, bucket_cap_mb=megabytes + 1)
+    else:
+        ddp = DDP(model)
     state: Any = None
     if method == "ddp-fp16":
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)

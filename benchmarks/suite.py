@@ -51,6 +51,7 @@ from dlgs.core.catalog import catalog_model
 from .report import (
     FRAMEWORKS,
     MODELS,
+    TORCH_METHODS,
     add_wire_options,
     base_method,
     density,
@@ -96,7 +97,7 @@ def run_cell(
         "--rounds",
         str(args.rounds),
         "--methods",
-        args.methods,
+        _methods_for(framework, args.methods),
         "--steps",
         str(args.steps),
         "--warmup",
@@ -228,6 +229,14 @@ def goals(rows: Sequence[dict], method: str = "dlgs") -> List[str]:
             f"| {100 * ours:.0f}% | {speedup:.2f}x | {goal} | {base_cell} | {ratio_cell} |"
         )
     return lines
+
+
+def _methods_for(framework: str, methods: str) -> str:
+    """``methods`` less the torch-only ones (two levels, alltoall, DDP) for a
+    TensorFlow cell, so that one suite can hold both frameworks."""
+    if framework == "torch":
+        return methods
+    return ",".join(m for m in methods.split(",") if base_method(m) not in TORCH_METHODS)
 
 
 #: The methods dlgs (dp) must beat where merging is meant to pay.

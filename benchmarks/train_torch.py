@@ -260,6 +260,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> None:
     mine = run_rounds(args, rank, hvd.barrier, one)
     # Plain dicts: a dataclass would pickle by its module path.
     gathered = hvd.allgather_object([vars(t) for t in mine.values()], name="benchmarks.train.times")
+    ddp_methods.close_torch_distributed()
     if rank != 0:
         return
     section = write_outputs(
