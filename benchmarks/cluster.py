@@ -11,7 +11,9 @@ range reserved for benchmarking.
 With ``--ranks-per-node L`` each namespace is a node holding ``L`` ranks
 (uncapped among themselves: they talk over the namespace's own address), the
 nodes joined by the capped links; Horovod's local and cross ranks and
-hostnames are set as a real multi-node launch sets them, and each rank sees
+hostnames are set as a real multi-node launch sets them (and torch.distributed's
+``MASTER_ADDR``, ``RANK``, ``WORLD_SIZE``, ... as ``torchrun`` sets them, so a
+script may start DDP too), and each rank sees
 its node's link as ``dlgs0`` (``/sys/class/net/dlgs0/statistics``: the bytes
 that crossed it; :func:`link_bytes`).
 
@@ -50,6 +52,7 @@ logger = logging.getLogger("benchmarks.cluster")
 SUBNET = "198.18.77"  # within 198.18.0.0/15 (RFC 2544 benchmarking range)
 BRIDGE = "dlgsbr0"
 IFACE = "dlgs0"  # the worker's interface inside its namespace
+TORCH_PORT = 29500  # torch.distributed's store, on rank 0's node (a fresh namespace)
 
 _RATE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmg]?)(bit|bps)?\s*$", re.IGNORECASE)
 
@@ -279,6 +282,7 @@ class Cluster:
         server.init(plan)
         base = dict(os.environ, **(env or {}))
         base.setdefault("OMP_NUM_THREADS", "1")
+        master = next(slot.hostname for slot in plan if slot.rank == 0)
         threads = []
         try:
             for slot in plan:
@@ -297,6 +301,16 @@ class Cluster:
                     HOROVOD_CONTROLLER="gloo",
                     HOROVOD_CPU_OPERATIONS="gloo",
                     HOROVOD_GLOO_IFACE=IFACE,
+                    # torch.distributed's env:// rendezvous, for a script that
+                    # (also) starts torch.distributed ranks (DDP): rank 0's
+                    # node serves the store; Gloo binds the node's link.
+                    MASTER_ADDR=master,
+                    MASTER_PORT=str(TORCH_PORT),
+                    RANK=str(slot.rank),
+                    WORLD_SIZE=str(slot.size),
+                    LOCAL_RANK=str(slot.local_rank),
+                    LOCAL_WORLD_SIZE=str(slot.local_size),
+                    GLOO_SOCKET_IFNAME=IFACE,
                 )
                 p = subprocess.Popen(
                     ["ip", "netns", "exec", ns, *argv],
