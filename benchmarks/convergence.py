@@ -31,6 +31,14 @@ optimizer) or ``dlgs-DENSITY`` with options joined by ``+``:
   (``reduce_width=4``): at 4 workers its owners keep as many sums as the
   allgather applies at most.
 
+PyTorch DDP methods (``torch.distributed`` Gloo ranks beside Horovod's, as
+``benchmarks/ddp_methods.py``): ``ddp`` (DDP's allreduce, momentum in the
+optimizer), ``ddp-powersgd-RANK`` (PyTorch's PowerSGD hook, error feedback,
+compressing from the second step, momentum in the optimizer, the model in one
+bucket) and ``ddp-dlgs-DENSITY[+OPTION...]`` (``dlgs.torch.ddp``'s hook, the
+options above). The report gives the bytes one rank sends per step, so that
+methods are compared at comparable bytes.
+
 Every dlgs method runs with ``merge="none"``: on loopback the default ``dp``
 plan finds dense cheaper and sends every layer dense, which would measure dense
 training. ``--seeds`` repeats every method with other initial weights and data
@@ -61,7 +69,9 @@ import torch
 import torch.nn.functional as F
 
 import dlgs.torch
+import dlgs.torch.ddp
 
+from . import ddp_methods
 from .datasets import fashion_mnist
 from .models import LSTMLM, FashionCNN
 from .report import write_csv
@@ -104,11 +114,12 @@ OPTIONS = {
 
 
 def method_options(method: str, momentum: float, warmup_steps: int) -> Optional[Tuple[Dict, float]]:
-    """``None`` for ``dense``; else the dlgs options of ``method`` and the
-    momentum left to the wrapped optimizer. Raises ValueError naming the method."""
-    if method == "dense":
+    """``None`` for ``dense``, ``ddp`` and ``ddp-powersgd-RANK``; else the dlgs
+    options of ``method`` (``dlgs-...`` or ``ddp-dlgs-...``) and the momentum
+    left to the wrapped optimizer. Raises ValueError naming the method."""
+    if method in ("dense", "ddp") or _powersgd_rank(method):
         return None
-    head, *opts = method.split("+")
+    head, *opts = method.removeprefix("ddp-").split("+")
     bad = [o for o in opts if o not in OPTIONS]
     try:
         if not head.startswith("dlgs-") or bad:
@@ -116,8 +127,8 @@ def method_options(method: str, momentum: float, warmup_steps: int) -> Optional[
         density = float(head[5:])
     except ValueError:
         raise ValueError(
-            f"--methods entries must be dense or dlgs-DENSITY[+OPTION...] with options "
-            f"{', '.join(OPTIONS)}, got {method!r}"
+            f"--methods entries must be dense, ddp, ddp-powersgd-RANK or "
+            f"[ddp-]dlgs-DENSITY[+OPTION...] with options {', '.join(OPTIONS)}, got {method!r}"
         ) from None
     kwargs: Dict = dict(density=density, min_sparse_size=256, merge="none")
     for o in opts:
@@ -129,18 +140,73 @@ def method_options(method: str, momentum: float, warmup_steps: int) -> Optional[
     return kwargs, (momentum if outer else 0.0)
 
 
-def make_optimizer(method: str, model, lr: float, momentum: float, warmup_steps: int = 0):
+def _powersgd_rank(method: str) -> int:
+    """RANK of ``ddp-powersgd-RANK`` (0: another method)."""
+    head, _, rank = method.rpartition("-")
+    return int(rank) if head == "ddp-powersgd" and rank.isdigit() and int(rank) > 0 else 0
+
+
+class Trainer:
+    """One method's model to call, optimizer, and the end of a step (after
+    ``backward``: the exchange where the form needs it, clipping, the update)."""
+
+    def __init__(self, method: str, model, opt, state=None):
+        self.method, self.model, self.opt, self.state = method, model, opt, state
+        self.ddp = method.startswith("ddp")
+
+    def step(self, clip: Optional[float] = None) -> None:
+        if clip is None:
+            self.opt.step()
+        elif self.ddp:  # DDP exchanged during backward
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+            self.opt.step()
+        else:
+            self.opt.synchronize()
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+            with self.opt.skip_synchronize():
+                self.opt.step()
+
+    def wire_bytes(self) -> int:
+        """Bytes this rank sends per step (dense: 4 per parameter)."""
+        module = self.model.module if self.ddp else self.model
+        params = sum(p.numel() for p in module.parameters() if p.requires_grad)
+        if self.method in ("dense", "ddp"):
+            return 4 * params
+        rank = _powersgd_rank(self.method)
+        if rank:
+            return ddp_methods.powersgd_bytes(module, rank)
+        engine = self.state.dlgs if self.ddp else self.opt.dlgs
+        return int(engine.exchange.wire_bytes())
+
+
+def make_trainer(method: str, model, lr: float, momentum: float, warmup_steps: int = 0):
     """Horovod's optimizer for ``dense``, dlgs's for a ``dlgs-...`` method
-    (momentum kept by dlgs, DGC's recipe, unless ``+outer``)."""
+    (momentum kept by dlgs, DGC's recipe, unless ``+outer``); DDP with its
+    hook for a ``ddp...`` method (the model's weights broadcast by DDP)."""
+    rank = _powersgd_rank(method)
+    if method == "ddp" or rank:
+        ddp, state = (
+            ddp_methods.powersgd_ddp(model, rank)
+            if rank
+            else (torch.nn.parallel.DistributedDataParallel(model), None)
+        )
+        opt = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=momentum)
+        return Trainer(method, ddp, opt, state)
     parsed = method_options(method, momentum, warmup_steps)
     if parsed is None:
         base = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
-        return hvd.DistributedOptimizer(base, named_parameters=model.named_parameters())
+        opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters())
+        return Trainer(method, model, opt)
     kwargs, outer = parsed
+    if method.startswith("ddp-"):
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        state = dlgs.torch.ddp.SparseState(ddp, **kwargs)
+        ddp.register_comm_hook(state, dlgs.torch.ddp.sparse_hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=outer)
+        return Trainer(method, ddp, opt, state)
     base = torch.optim.SGD(model.parameters(), lr=lr, momentum=outer)
-    return dlgs.torch.DistributedOptimizer(
-        base, named_parameters=model.named_parameters(), **kwargs
-    )
+    opt = dlgs.torch.DistributedOptimizer(base, named_parameters=model.named_parameters(), **kwargs)
+    return Trainer(method, model, opt)
 
 
 def _stage_steps(steps_per_epoch: int, warmup_epochs: float) -> int:
@@ -154,16 +220,17 @@ def _log_epoch(method: str, seed: int, epoch: int, what: str, value: float, seco
 
 def run_fashion(
     method: str, epochs: int, batch: int, seed: int = 0, warmup_epochs: float = 1.0
-) -> List[Tuple[int, float, float]]:
+) -> List[Tuple[int, float, float, int]]:
     xtr, ytr = map(torch.from_numpy, fashion_mnist("train"))
     xte, yte = map(torch.from_numpy, fashion_mnist("test"))
     torch.manual_seed(seed)
     model = FashionCNN()
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     per_epoch = len(xtr) // hvd.size() // batch
-    opt = make_optimizer(
+    tr = make_trainer(
         method, model, lr=0.05, momentum=0.9, warmup_steps=_stage_steps(per_epoch, warmup_epochs)
     )
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    model, opt = tr.model, tr.opt
     out, start = [], time.perf_counter()
     for epoch in range(epochs):
         order = np.random.default_rng(1000 * seed + epoch).permutation(len(xtr))
@@ -172,7 +239,7 @@ def run_fashion(
             idx = torch.from_numpy(perm[i : i + batch])
             opt.zero_grad()
             F.cross_entropy(model(xtr[idx]), ytr[idx]).backward()
-            opt.step()
+            tr.step()
         seconds = time.perf_counter() - start
         model.eval()
         with torch.no_grad():
@@ -181,14 +248,14 @@ def run_fashion(
                 for i in range(0, len(xte), 1000)
             )
         model.train()
-        out.append((epoch + 1, seconds, 100.0 * correct / len(xte)))
+        out.append((epoch + 1, seconds, 100.0 * correct / len(xte), tr.wire_bytes()))
         _log_epoch(method, seed, epoch, "accuracy %.2f%%", out[-1][2], seconds)
     return out
 
 
 def run_ptb(
     method: str, epochs: int, batch: int, seed: int = 0, warmup_epochs: float = 1.0, bptt: int = 35
-) -> List[Tuple[int, float, float]]:
+) -> List[Tuple[int, float, float, int]]:
     splits, vocab = ptb_tokens()
     train = splits["train"]
     shard = len(train) // hvd.size()
@@ -198,21 +265,19 @@ def run_ptb(
     valid = splits["valid"]
     torch.manual_seed(seed)
     model = LSTMLM(vocab=vocab)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     per_epoch = len(range(0, cols - 1 - bptt, bptt))
-    opt = make_optimizer(
+    tr = make_trainer(
         method, model, lr=1.0, momentum=0.0, warmup_steps=_stage_steps(per_epoch, warmup_epochs)
     )
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    model, opt = tr.model, tr.opt
     out, start = [], time.perf_counter()
     for epoch in range(epochs):
         for j in range(0, cols - 1 - bptt, bptt):
             x, y = stream[:, j : j + bptt], stream[:, j + 1 : j + 1 + bptt]
             opt.zero_grad()
             F.cross_entropy(model(x).reshape(-1, vocab), y.reshape(-1)).backward()
-            opt.synchronize()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
-            with opt.skip_synchronize():
-                opt.step()
+            tr.step(clip=5.0)
         seconds = time.perf_counter() - start
         model.eval()
         loss, n = 0.0, 0
@@ -226,7 +291,7 @@ def run_ptb(
                 ).item()
                 n += y.numel()
         model.train()
-        out.append((epoch + 1, seconds, math.exp(loss / n)))
+        out.append((epoch + 1, seconds, math.exp(loss / n), tr.wire_bytes()))
         _log_epoch(method, seed, epoch, "perplexity %.1f", out[-1][2], seconds)
     return out
 
@@ -247,6 +312,7 @@ def summarize(rows: List[Dict]) -> Dict[str, Dict]:
             low=float(vals.min()),
             high=float(vals.max()),
             seeds=len(vals),
+            wire=float(np.mean([float(r.get("wire_bytes") or 0) for r in by_seed.values()])),
         )
     return out
 
@@ -261,28 +327,31 @@ def report(rows: List[Dict], task: str, command: str, out: Path) -> str:
         "",
         f"Environment: {os.environ.get('DLGS_BANDWIDTH', 'plain horovodrun')} links "
         f'({os.environ.get("DLGS_CLUSTER", "loopback")}). dlgs methods use `merge="none"` '
-        "(every eligible layer sparse).",
+        "(every eligible layer sparse). KB/step: what one rank sends per step (dense: 4 bytes "
+        "per parameter; PowerSGD: its P and Q factors and the layers it leaves dense; dlgs: "
+        "every message at capacity).",
         "",
-        f"| method | epochs | seeds | seconds | {metric}: mean | min-max | gap to dense (mean) |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        f"| method | KB/step | epochs | seeds | seconds | {metric}: mean | min-max "
+        "| gap to dense (mean) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    dense = final.get("dense")
+    dense = final.get("dense") or final.get("ddp")
     for m, r in final.items():
         gap = ""
-        if dense is not None and m != "dense":
+        if dense is not None and m not in ("dense", "ddp"):
             if task == "fashion":
                 gap = f"{r['mean'] - dense['mean']:+.2f} points"
             else:
                 gap = f"{100 * (r['mean'] / dense['mean'] - 1):+.1f}%"
         lines.append(
-            f"| {m} | {r['epoch']} | {r['seeds']} | {r['seconds']:.0f} | {r['mean']:.2f} | "
-            f"{r['low']:.2f}-{r['high']:.2f} | {gap} |"
+            f"| {m} | {r['wire'] / 1e3:.1f} | {r['epoch']} | {r['seeds']} | {r['seconds']:.0f} | "
+            f"{r['mean']:.2f} | {r['low']:.2f}-{r['high']:.2f} | {gap} |"
         )
     goal = "within 0.5 points of dense" if task == "fashion" else "within 3% of dense"
     lines += ["", f"Goal: every dlgs run {goal} (means over seeds)."]
     if dense is not None:
         for m, r in final.items():
-            if m == "dense":
+            if m in ("dense", "ddp"):
                 continue
             ok = (
                 r["mean"] >= dense["mean"] - 0.5
@@ -350,6 +419,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if args.warmup_epochs <= 0:
         parser.error(f"--warmup-epochs must be > 0, got {args.warmup_epochs}")
     hvd.init()
+    if any(m.startswith("ddp") for m in args.methods.split(",")):
+        ddp_methods.init_torch_distributed(
+            hvd.rank(),
+            hvd.size(),
+            lambda obj: hvd.broadcast_object(obj, root_rank=0, name="convergence.port"),
+        )
     torch.set_num_threads(int(os.environ.get("DLGS_THREADS", "1")))
     logging.basicConfig(
         level=logging.INFO if hvd.rank() == 0 else logging.WARNING,
@@ -368,7 +443,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             batch = args.batch or (64 if args.task == "fashion" else 20)
             res = run(method, args.epochs, batch, seed=seed, warmup_epochs=args.warmup_epochs)
             rows += [
-                dict(method=method, seed=seed, epoch=e, seconds=s, metric=m) for e, s, m in res
+                dict(method=method, seed=seed, epoch=e, seconds=s, metric=m, wire_bytes=w)
+                for e, s, m, w in res
             ]
         if hvd.rank() == 0:
             args.out.mkdir(parents=True, exist_ok=True)

@@ -31,7 +31,15 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import dlgs.torch.ddp
 
-__all__ = ["SPECS", "build_ddp", "close_torch_distributed", "init_torch_distributed", "wire_bytes"]
+__all__ = [
+    "SPECS",
+    "build_ddp",
+    "close_torch_distributed",
+    "init_torch_distributed",
+    "powersgd_bytes",
+    "powersgd_ddp",
+    "wire_bytes",
+]
 
 #: Each of ``benchmarks.report.DDP_METHODS``: the dlgs merge strategy (None:
 #: not dlgs) and PowerSGD's rank (0: not PowerSGD).
@@ -74,6 +82,39 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def powersgd_ddp(model: nn.Module, rank: int) -> Tuple[DDP, Any]:
+    """``model`` in DDP with PyTorch's PowerSGD hook at ``rank`` (error
+    feedback, warm start, compressing from the second step) and its state.
+
+    One bucket: PowerSGD's hook issues collectives from its futures'
+    callbacks, which on Gloo run in a different order on each rank when
+    several buckets are in flight (a collective mismatch, or a hang;
+    pytorch/pytorch#58467). An explicit cap also sizes the first bucket."""
+    megabytes = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+    ddp = DDP(model, bucket_cap_mb=megabytes + 1)
+    state = powersgd.PowerSGDState(
+        process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=2
+    )
+    ddp.register_comm_hook(state, powersgd.powerSGD_hook)
+    return ddp, state
+
+
+def powersgd_bytes(model: nn.Module, rank: int) -> int:
+    """Bytes PowerSGD at ``rank`` sends per step: the P and Q factors of each
+    matrix it compresses (shape ``(rows, rest)``, compressed where
+    ``2 * rank * (rows + rest) < rows * rest``, its ``min_compression_rate``)
+    and 4 per other parameter."""
+    total = 0
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        rows = p.shape[0] if p.dim() > 1 else p.numel()
+        rest = p.numel() // rows
+        small = rank * (rows + rest)
+        total += 4 * (small if p.dim() > 1 and 2 * small < rows * rest else p.numel())
+    return total
+
+
 def build_ddp(
     method: str,
     model: nn.Module,
@@ -81,27 +122,19 @@ def build_ddp(
     profile_steps: int,
     lr: float,
     wire: Optional[Dict[str, str]] = None,
+    bucket_mb: Optional[float] = None,
 ) -> Tuple[DDP, torch.optim.Optimizer, Any]:
-    """``model`` in DDP with ``method``'s hook, plain SGD over it, and the
-    hook's state (None for plain DDP and fp16)."""
+    """``model`` in DDP (``bucket_cap_mb=bucket_mb``; None: DDP's default)
+    with ``method``'s hook, plain SGD over it, and the hook's state (None for
+    plain DDP and fp16)."""
     merge, rank = SPECS[method]
-    if rank:
-        # One bucket: PowerSGD's hook issues collectives from its futures'
-        # callbacks, which on Gloo run in a different order on each rank when
-        # several buckets are in flight (a collective mismatch, or a hang;
-        # pytorch/pytorch#58467). An explicit cap also sizes the first bucket.
-        megabytes = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
-        ddp = DDP(model, bucket_cap_mb=megabytes + 1)
-    else:
-        ddp = DDP(model)
     state: Any = None
+    if rank:
+        ddp, state = powersgd_ddp(model, rank)
+    else:
+        ddp = DDP(model) if bucket_mb is None else DDP(model, bucket_cap_mb=bucket_mb)
     if method == "ddp-fp16":
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
-    elif rank:
-        state = powersgd.PowerSGDState(
-            process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=2
-        )
-        ddp.register_comm_hook(state, powersgd.powerSGD_hook)
     elif merge is not None:
         state = dlgs.torch.ddp.SparseState(
             ddp,
@@ -115,23 +148,12 @@ def build_ddp(
 
 
 def wire_bytes(method: str, model: nn.Module, state: Any) -> int:
-    """Bytes one rank contributes per step: DDP 4 per parameter, fp16 2;
-    PowerSGD its P and Q factors for the matrices it compresses (shape
-    ``(rows, rest)``, compressed where ``rows * rest >= 2 * rank * (rows +
-    rest)``, its ``min_compression_rate``) and 4 per other parameter; dlgs
-    ``.dlgs.exchange.wire_bytes()``."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    if method == "ddp":
-        return 4 * sum(p.numel() for p in params)
-    if method == "ddp-fp16":
-        return 2 * sum(p.numel() for p in params)
+    """Bytes one rank contributes per step: DDP 4 per parameter, fp16 2,
+    PowerSGD :func:`powersgd_bytes`, dlgs ``.dlgs.exchange.wire_bytes()``."""
+    params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     merge, rank = SPECS[method]
     if rank:
-        total = 0
-        for p in params:
-            rows = p.shape[0] if p.dim() > 1 else p.numel()
-            rest = p.numel() // rows
-            small = rank * (rows + rest)
-            total += 4 * (small if p.dim() > 1 and 2 * small < rows * rest else p.numel())
-        return total
-    return int(state.dlgs.exchange.wire_bytes())
+        return powersgd_bytes(model, rank)
+    if merge is not None:
+        return int(state.dlgs.exchange.wire_bytes())
+    return (2 if method == "ddp-fp16" else 4) * params

@@ -891,6 +891,14 @@ def parse_args(argv: Optional[Sequence[str]] = None, description: str = "") -> a
         "--profile-steps", type=positive_int, default=3, help="dlgs profiling (merging methods)"
     )
     parser.add_argument(
+        "--bucket-cap-mb",
+        type=positive_float,
+        default=None,
+        help="DDP methods but PowerSGD's: DDP's bucket_cap_mb (default: DDP's own, 25; the "
+        "hooks see gradients a bucket at a time, so a cap near the model's size leaves the "
+        "exchange nothing to overlap)",
+    )
+    parser.add_argument(
         "--tf-mode",
         choices=["function", "py-function", "eager"],
         default=None,

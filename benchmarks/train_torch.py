@@ -154,6 +154,7 @@ def run_method(
     profile_steps: int,
     progress: Optional[Any] = None,
     wire: Optional[Dict[str, str]] = None,
+    bucket_mb: Optional[float] = None,
 ) -> MethodTimes:
     """Warm up, then time ``steps`` full iterations of ``method`` on this rank.
 
@@ -169,7 +170,9 @@ def run_method(
     state = None  # a DDP hook's
     if method in DDP_METHODS:
         module = model
-        model, opt, state = ddp_methods.build_ddp(method, model, density, profile_steps, LR, wire)
+        model, opt, state = ddp_methods.build_ddp(
+            method, model, density, profile_steps, LR, wire, bucket_mb
+        )
         dlgs_of = state.dlgs if isinstance(state, dlgs.torch.ddp.SparseState) else None
     else:
         opt = build_optimizer(method, model, density, profile_steps, wire)
@@ -255,6 +258,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> None:
             profile_steps=args.profile_steps,
             progress=bar,
             wire=wire_options(args),
+            bucket_mb=args.bucket_cap_mb,
         )
 
     mine = run_rounds(args, rank, hvd.barrier, one)

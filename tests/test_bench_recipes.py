@@ -40,9 +40,22 @@ def test_convergence_methods_parse_to_dlgs_options():
     assert outer == 0.0
     kwargs, outer = parse("dlgs-0.01+outer", 0.9, 1)
     assert kwargs["momentum"] == 0.0 and outer == 0.9
-    for bad in ("dlgs-x", "dlgs-0.01+fast", "sparse-0.01"):
+    for bad in ("dlgs-x", "dlgs-0.01+fast", "sparse-0.01", "ddp-powersgd-0", "ddp-dlgs-y"):
         with pytest.raises(ValueError, match="dlgs-DENSITY"):
             parse(bad, 0.9, 1)
+    # The DDP forms: plain DDP and PowerSGD take no dlgs options; dlgs's hook the same.
+    assert parse("ddp", 0.9, 1) is None and parse("ddp-powersgd-4", 0.9, 1) is None
+    assert parse("ddp-dlgs-0.01+outer", 0.9, 1) == parse("dlgs-0.01+outer", 0.9, 1)
+
+
+def test_engines_pick_their_methods():
+    from benchmarks.report import DDP_METHODS, ENGINES, parse_args
+
+    assert parse_args([]).methods == list(ENGINES["horovod"])
+    both = parse_args(["--engine", "both"]).methods
+    assert set(DDP_METHODS) <= set(both) and "dlgs" in both
+    with pytest.raises(SystemExit):
+        parse_args(["--framework", "tensorflow", "--engine", "ddp"])
 
 
 def test_train_methods_take_their_own_density():
