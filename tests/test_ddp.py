@@ -21,6 +21,9 @@ SCENARIOS = [
     "resume",
     "pickled_state",
     "amp_nonfinite",
+    "error_mid_step",
+    "momentum_and_warmup",
+    "nonfinite_step",
     "mismatch",
     "bad_input",
 ]
@@ -84,6 +87,14 @@ def test_a_pickled_state_binds_again_and_trains_on(ranks):
     for r, rec in enumerate(value(ranks, "pickled_state")):
         assert rec["resumed"] == rec["on"], f"rank {r}"
         assert "bind(model)" in rec["unbound"]
+        assert "already" in rec["errors"]["twice"]
+        assert "scaler is required" in rec["errors"]["scaler"]
+
+
+def test_an_error_inside_the_hook_is_raised_by_backward_on_every_rank(ranks):
+    for rec in value(ranks, "error_mid_step"):
+        assert "was not built over" in rec["message"], rec["message"]
+        assert rec["pending"], "the exchange's step was reset (every layer pending again)"
 
 
 def test_amp_step_non_finite_on_one_rank_is_skipped_on_both(ranks):
@@ -93,6 +104,19 @@ def test_amp_step_non_finite_on_one_rank_is_skipped_on_both(ranks):
     assert a["digests"][3] != a["digests"][2]
     assert a["scales"] == b["scales"]
     assert a["scales"][2] == a["scales"][1] / 2
+
+
+def test_momentum_correction_and_warmup_keep_ranks_identical(ranks):
+    a, b = value(ranks, "momentum_and_warmup")
+    assert a["digests"] == b["digests"]
+    assert len(set(a["digests"])) == len(a["digests"])
+
+
+def test_a_step_non_finite_on_one_rank_is_seen_by_both(ranks):
+    a, b = value(ranks, "nonfinite_step")
+    assert a["finite"] == b["finite"] == [True, True, False, True, True]
+    assert a["digests"] == b["digests"]
+    assert a["digests"][2] == a["digests"][1]
 
 
 def test_mismatched_options_raise_on_every_rank(ranks):

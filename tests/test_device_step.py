@@ -33,10 +33,17 @@ def _step(ex, grads, device):
     return {i: np.array(v, copy=True) for i, v in out.items()}, bool(ok)
 
 
-@pytest.mark.parametrize("controller", ["topk", "fixed"])
+@pytest.mark.parametrize("controller", ["topk", "fixed", "topk-momentum"])
 def test_device_steps_equal_host_steps_and_are_counted(controller):
     fixed = {"threshold": 0.5} if controller == "fixed" else {}
-    cfg = SparsityConfig(density=0.05, min_sparse_size=1024, controller=controller, **fixed)
+    momentum = {"momentum": 0.9} if controller.endswith("momentum") else {}
+    cfg = SparsityConfig(
+        density=0.05,
+        min_sparse_size=1024,
+        controller=controller.split("-")[0],
+        **fixed,
+        **momentum,
+    )
 
     def body(rank, comm):
         host = SparseExchange(OPS, comm, cfg, SIZES, prefix="host")
@@ -55,6 +62,8 @@ def test_device_steps_equal_host_steps_and_are_counted(controller):
             for i, layer in enumerate(host.layers):
                 if layer.residual is not None:
                     np.testing.assert_array_equal(layer.residual, dev.layers[i].residual)
+                if momentum:  # every layer's velocity, the dense one's too
+                    np.testing.assert_array_equal(layer.velocity, dev.layers[i].velocity)
         dev.account_device_steps(5)
         assert dev.step == host.step == 6
         return seen

@@ -370,6 +370,11 @@ def test_the_exchange_traced_into_the_graph_equals_the_eager_one(ranks):
     r0, r1 = value(ranks, "graph_exchange")
     for case in ("eager", "graph", "dynamic.eager", "dynamic.graph", "logging.graph"):
         assert r0[case]["digests"] == r1[case]["digests"], f"{case}: ranks differ"
+    # Momentum correction runs on the device too: bit for bit as eagerly.
+    for v in (r0, r1):
+        assert v["momentum.graph"]["digests"] == v["momentum.eager"]["digests"]
+    assert r0["momentum.graph"]["digests"] == r1["momentum.graph"]["digests"]
+    assert r0["momentum.graph"]["host_steps"] == 4, r0["momentum.graph"]
     assert r0["fit"] == r1["fit"] and r0["dense"] == r1["dense"]
     for v in (r0, r1):  # each rank's residuals, as eagerly
         assert v["graph"]["residuals"] == v["eager"]["residuals"]

@@ -935,8 +935,8 @@ class SparseExchange:
         controllers' learning, the step hooks) does not run: steps that need
         it run on the host. Needs: the layout of the density in force made
         and verified, no agreement, timed step or relayout pending, a
-        controller that learns nothing on the host, no momentum correction,
-        the allgather transport, and no dense layer still owing a residual.
+        controller that learns nothing on the host, the allgather transport,
+        and no dense layer still owing a residual.
         ``now=False``: whether such a step can be traced now, for later steps
         (an anchor due next is no obstacle; an agreement or a timed step due
         is: a submit would run it while tracing)."""
@@ -956,8 +956,6 @@ class SparseExchange:
                 return "the next step anchors thresholds (on the host)"
             if self._device_bank is None or self._device_bank_version != self.layout_version:
                 return "the controllers' state is not on the device (prepare_device_steps)"
-        if self.config.momentum:
-            return "momentum correction"
         if self.dense_external:
             return "dense layers are reduced by the caller"
         if self._transport.name != "flat":
@@ -1001,7 +999,8 @@ class SparseExchange:
     def finish_on_device(self) -> Any:
         """End a step of :meth:`device_ready`'s kind (after :meth:`wait` with
         ``finish=False``) with device operations alone: every sparse layer
-        keeps its new residual where the step was finite on every rank (its
+        keeps its new residual (and every layer its new velocity, with
+        momentum correction) where the step was finite on every rank (its
         count words all non-negative and every dense output finite), the old
         one otherwise. Returns that verdict (0-d bool). Nothing on the host
         advances: the caller counts the steps that ran this way and hands
@@ -1031,6 +1030,8 @@ class SparseExchange:
             layer = self._layers[i]
             if self._sparse(layer):
                 ops.select_(layer.residual, ok, layer.residual_next)
+            if layer.velocity_next is not None:  # momentum correction
+                ops.select_(layer.velocity, ok, layer.velocity_next)
         self.abort_device_step()  # the step's host bookkeeping, as before it
         return ok
 

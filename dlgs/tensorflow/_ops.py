@@ -20,6 +20,7 @@ the CPU, the controllers' 0-d results. The same operations trace into a graph
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Sequence
 
 import numpy as np
@@ -295,8 +296,12 @@ class TFOps:
         return tf.greater_equal(_read(x), thr if _is_np(thr) else tf.cast(thr, _dtype(x)))
 
     def count_nonzero(self, mask):
-        # A sum of int32 (count_nonzero counts in int64, ~3x slower on CPU).
-        return tf.reduce_sum(tf.cast(_read(mask), tf.int32))
+        mask = _read(mask)
+        if not _gpus():
+            # A sum of int32 (count_nonzero counts in int64, ~3x slower on CPU);
+            # not where a GPU is, where TensorFlow sums int32 in host memory.
+            return tf.reduce_sum(tf.cast(mask, tf.int32))
+        return tf.math.count_nonzero(mask, dtype=tf.int32)
 
     def nonzero_static(self, mask, size, fill):
         # tf.where has a data-dependent shape (on GPU it synchronises once to
@@ -319,28 +324,34 @@ class TFOps:
         return self._update(out, tf.cast(vals, _dtype(out)))
 
     def _scatter(self, dst, idx, vals, kind: str):
+        """``dst[idx] (kind)= vals``; ``idx`` / ``vals`` may be lists of rows,
+        applied one after the other (one read and one write of ``dst``)."""
         fn = {
             "update": tf.tensor_scatter_nd_update,
             "add": tf.tensor_scatter_nd_add,
             "sub": tf.tensor_scatter_nd_sub,
         }[kind]
+        rows = list(zip(idx, vals)) if isinstance(idx, list) else [(idx, vals)]
         view = _as_view(dst)
         if view is None:
-            vals = tf.broadcast_to(vals, tf.shape(idx)) if vals.shape.rank == 0 else vals
-            return fn(dst, tf.reshape(idx, [-1, 1]), vals)
+            for i, v in rows:
+                v = tf.broadcast_to(v, tf.shape(i)) if v.shape.rank == 0 else v
+                dst = fn(dst, tf.reshape(i, [-1, 1]), v)
+            return dst
         # Dense ops on the whole variable, not Resource* scatters: a sparse
         # access puts a variable in copy-on-read mode for good (every later
         # ReadVariableOp copies it), which cost more on large layers than
         # this one copy (a traced step of one 2M-element layer: 9.5 -> 7.8 ms).
-        pos = tf.reshape(view.indices(_flat(idx)), _ivec(-1, 1))  # same width only
-        vals = vals if vals.dtype == view.dtype else tf.cast(vals, view.dtype)
-        vals = tf.broadcast_to(vals, tf.shape(pos)[:1]) if vals.shape.rank == 0 else vals
         var = view.var
         whole = tf.raw_ops.ReadVariableOp(resource=var.handle, dtype=var.dtype)
         if var.dtype != view.dtype:
             whole = tf.bitcast(whole, view.dtype)
-        new = fn(whole, pos, vals)
-        new = new if var.dtype == view.dtype else tf.bitcast(new, var.dtype)
+        for i, v in rows:
+            pos = tf.reshape(view.indices(_flat(i)), _ivec(-1, 1))  # same width only
+            v = v if v.dtype == view.dtype else tf.cast(v, view.dtype)
+            v = tf.broadcast_to(v, tf.shape(pos)[:1]) if v.shape.rank == 0 else v
+            whole = fn(whole, pos, v)  # from the second row on, in place
+        new = whole if var.dtype == view.dtype else tf.bitcast(whole, var.dtype)
         tf.raw_ops.AssignVariableOp(resource=var.handle, value=new)
         return dst
 
@@ -416,9 +427,8 @@ class TFOps:
         if rows <= 2:
             return self._scatter(dst, tf.reshape(idx, [-1]), tf.reshape(vals, [-1]), "add")
         idx, vals = tf.reshape(idx, _ivec(rows, -1)), tf.reshape(vals, _ivec(rows, -1))
-        for r in range(rows):
-            self._scatter(dst, idx[r], vals[r], "add")
-        return dst
+        each = range(rows)
+        return self._scatter(dst, [idx[r] for r in each], [vals[r] for r in each], "add")
 
     def mul_(self, x, factor):
         view = _as_view(x)
@@ -573,6 +583,12 @@ def _fill(n: int, value: int) -> tf.Tensor:
 
 def _is_np(x: Any) -> bool:
     return isinstance(x, (np.ndarray, np.generic, float, int))
+
+
+@functools.lru_cache(maxsize=None)
+def _gpus() -> bool:
+    """Whether TensorFlow sees a GPU (asked once)."""
+    return bool(tf.config.list_physical_devices("GPU"))
 
 
 def _on_host(like: Any) -> bool:

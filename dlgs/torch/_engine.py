@@ -227,7 +227,7 @@ def build_engine(
     ranks_per_node: Optional[int] = None,
     **kwargs: Any,
 ) -> Engine:
-    """:func:`dlgs.torch._common.build_engine` on Horovod: ``topology`` and
+    """:func:`dlgs.torch._common.build_flat_or_two_level` on Horovod: ``topology`` and
     ``ranks_per_node`` as the forms take them."""
     return build_flat_or_two_level(
         params,

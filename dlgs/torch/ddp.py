@@ -41,16 +41,16 @@ _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 class _Work:
     """A started collective: its work handle, its output and how to finish it."""
 
-    __slots__ = ("work", "out", "divide", "into")
+    __slots__ = ("work", "out", "into")
 
-    def __init__(self, work: Any, out: torch.Tensor, divide: int = 1, into: Any = None):
-        self.work, self.out, self.divide, self.into = work, out, divide, into
+    def __init__(self, work: Any, out: torch.Tensor, into: Any = None):
+        self.work, self.out, self.into = work, out, into
 
 
 class ProcessGroupCollectives:
     """:class:`dlgs.core.exchange.Collectives` on a ``torch.distributed``
-    process group (Gloo on CPU, NCCL on GPU). Dense allreduces average (a sum,
-    then a division by the group's size: what DDP itself computes).
+    process group (Gloo on CPU, NCCL on GPU). Dense allreduces average (a
+    division by the group's size, then a sum: what DDP itself computes).
     ``torch.distributed`` matches collectives by the order they are issued,
     not by name: every rank issues the same ones in the same order (the core
     does), and ``name`` only labels them."""
@@ -75,15 +75,16 @@ class ProcessGroupCollectives:
         return _Work(work, out)
 
     def allreduce_async(self, tensor: torch.Tensor, name: str) -> _Work:
-        wire = tensor if tensor.is_contiguous() else tensor.contiguous()
+        # Divided first, then summed: what DDP computes (bit for bit), and no
+        # overflow of half-precision sums. Into a new tensor: ``tensor`` holds
+        # its values until the result replaces them (at synchronize).
+        wire = tensor.div(self.size)
         work = dist.all_reduce(wire, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-        return _Work(work, wire, self.size, tensor if wire is not tensor else None)
+        return _Work(work, wire, into=tensor)
 
     def synchronize(self, handle: _Work) -> torch.Tensor:
         handle.work.wait()
         out = handle.out
-        if handle.divide != 1:
-            out.div_(handle.divide)
         if handle.into is not None:
             handle.into.copy_(out)
             return handle.into
@@ -169,6 +170,7 @@ class SparseState:
             density=density, config=config, merge=merge, log_every=log_every, **options
         )
         self._scaler = scaler
+        self._had_scaler = False
         self._saved: Optional[Dict[str, Any]] = None
         self._unbind()
         self.bind(model, process_group)
@@ -178,9 +180,22 @@ class SparseState:
         self._index: Dict[int, int] = {}
         self._pending: List[Tuple[torch.futures.Future, torch.Tensor, List[Tuple[int, Any]]]] = []
 
-    def bind(self, model: Any, process_group: Any = None) -> "SparseState":
+    def bind(self, model: Any, process_group: Any = None, scaler: Any = None) -> "SparseState":
         """Build the engine over ``model``'s parameters (a collective: every
-        rank, same order), loading what an unpickled state carried."""
+        rank, same order), loading what an unpickled state carried. Once per
+        state; an unpickled state that had a ``scaler`` needs it again."""
+        if self.engine is not None:
+            raise RuntimeError(
+                "this SparseState is bound to a model already: build a new one for another"
+            )
+        if scaler is not None:
+            check_scaler(scaler)
+            self._scaler = scaler
+        if self._had_scaler and self._scaler is None:
+            raise ValueError(
+                "scaler is required: this state was saved from a loop with a GradScaler "
+                "(residuals are kept in unscaled units); bind(model, scaler=scaler)"
+            )
         if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
             raise TypeError(
                 f"model must be a torch.nn.parallel.DistributedDataParallel, got "
@@ -193,7 +208,8 @@ class SparseState:
             )
         group = process_group if process_group is not None else model.process_group
         ranks = dist.get_process_group_ranks(group)
-        own = dist.new_group(ranks, backend=dist.get_backend(group))
+        # Only the group's ranks make it (a subgroup, or several DDP groups).
+        own = dist.new_group(ranks, backend=dist.get_backend(group), use_local_synchronization=True)
         kwargs = dict(self._kwargs)
         log_every = kwargs.pop("log_every")
         config, planner = build_configs(
@@ -243,12 +259,17 @@ class SparseState:
         self.engine.load_state_dict(state)
 
     def __getstate__(self) -> Dict[str, Any]:
-        return {"kwargs": self._kwargs, "saved": self.state_dict()}
+        return {
+            "kwargs": self._kwargs,
+            "saved": self.state_dict(),
+            "had_scaler": self._scaler is not None,
+        }
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         self._kwargs = state["kwargs"]
         self._saved = state["saved"] or None
         self._scaler = None
+        self._had_scaler = bool(state.get("had_scaler"))
         self._unbind()
 
     # -- the hook ---------------------------------------------------------------------
@@ -264,44 +285,49 @@ class SparseState:
         buffer = bucket.buffer()
         if buffer.is_sparse:
             raise RuntimeError("dlgs' DDP hook does not take sparse gradients (sparse=True)")
+        devices = [buffer.device] if buffer.is_cuda else None
+        future: torch.futures.Future = torch.futures.Future(devices=devices)
         entries = []
-        for p, grad in zip(bucket.parameters(), bucket.gradients()):
-            i = self._index.get(id(p))
-            if i is None:
-                raise RuntimeError(
-                    f"DDP's bucket holds a parameter of shape {tuple(p.shape)} that this "
-                    "SparseState was not built over: build it from this DDP model"
-                )
-            exchange.submit(i, grad)
-            entries.append((i, grad))
-        future: torch.futures.Future = torch.futures.Future()
         self._pending.append((future, buffer, entries))
-        if bucket.is_last():
-            self._finish()
+        try:
+            for p, grad in zip(bucket.parameters(), bucket.gradients()):
+                i = self._index.get(id(p))
+                if i is None:
+                    raise RuntimeError(
+                        f"DDP's bucket holds a parameter of shape {tuple(p.shape)} that this "
+                        "SparseState was not built over: build it from this DDP model"
+                    )
+                exchange.submit(i, grad)
+                entries.append((i, grad))
+            if bucket.is_last():
+                self._finish()
+        except BaseException as err:
+            # This rank's step is over: every bucket's future fails (DDP
+            # raises it from backward) and the exchange starts the next step clean.
+            pending, self._pending = self._pending, []
+            for waiting, _, _ in pending:
+                if not waiting.done():
+                    waiting.set_exception(err)
+            exchange.abort_device_step()
+            raise
         return future
 
     def _finish(self) -> None:
+        exchange = self.engine.exchange  # type: ignore[union-attr]
+        assert exchange is not None
+        missing = exchange.pending()
+        if missing:
+            names = [exchange.layers[i].name for i in missing[:5]]
+            raise RuntimeError(f"DDP's buckets did not hold every parameter: {names}")
+        reduced = exchange.wait()
         pending, self._pending = self._pending, []
-        try:
-            exchange = self.engine.exchange  # type: ignore[union-attr]
-            assert exchange is not None
-            missing = exchange.pending()
-            if missing:
-                names = [exchange.layers[i].name for i in missing[:5]]
-                raise RuntimeError(f"DDP's buckets did not hold every parameter: {names}")
-            reduced = exchange.wait()
-            for future, buffer, entries in pending:
-                for i, grad in entries:
-                    out = reduced[i]
-                    if out.data_ptr() != grad.data_ptr() or out.dtype != grad.dtype:
-                        grad.copy_(out.reshape(grad.shape))
-                future.set_result(buffer)
-            self.engine.step_done()  # type: ignore[union-attr]
-        except BaseException as err:
-            for future, _, _ in pending:
-                if not future.done():
-                    future.set_exception(err)
-            raise
+        for future, buffer, entries in pending:
+            for i, grad in entries:
+                out = reduced[i]
+                if out.data_ptr() != grad.data_ptr() or out.dtype != grad.dtype:
+                    grad.copy_(out.reshape(grad.shape))
+            future.set_result(buffer)
+        self.engine.step_done()  # type: ignore[union-attr]
 
 
 def sparse_hook(state: SparseState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from scenarios import main, scenario  # tests/parallel, the script's own folder
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch_common import digest, mlp, own_sent, sparse_grads
+from torch_common import conservation_error, digest, mlp, own_sent, sparse_grads
 
 import dlgs.torch.ddp
 from dlgs.core import RankMismatchError
@@ -42,6 +42,15 @@ class _Dist:
 def batch(step: int, n: int = 16):
     g = torch.Generator().manual_seed(1000 * step + dist.get_rank())
     return torch.randn(n, 32, generator=g), torch.randint(0, 10, (n,), generator=g)
+
+
+def batch_inf_on_rank1(step: int, bad: int = 2):
+    """:func:`batch`, with an infinity in rank 1's input at step ``bad``."""
+    x, y = batch(step)
+    if step == bad and dist.get_rank() == 1:
+        x = x.clone()
+        x[0, 0] = float("inf")
+    return x, y
 
 
 def ddp(seed: int = 0, hidden: int = 64, **kwargs) -> DDP:
@@ -186,15 +195,7 @@ def conservation():
             total_in[i] += grads[layer.name.removeprefix("inner.")].reshape(-1)
         for i, sent in own_sent(ex).items():
             total_sent[i] += sent
-    worst, scale, sparse = 0.0, 0.0, 0
-    for i, layer in enumerate(ex.layers):
-        if layer.residual is None:
-            continue
-        sparse += 1
-        resid = layer.residual[: layer.numel]
-        worst = max(worst, (total_sent[i] + resid - total_in[i]).abs().max().item())
-        scale = max(scale, total_in[i].abs().max().item())
-    return {"max_error": worst, "scale": scale, "sparse_layers": sparse}
+    return conservation_error(ex, total_in, total_sent)
 
 
 class _Branches(torch.nn.Module):
@@ -282,7 +283,42 @@ def pickled_state():
     model2.register_comm_hook(copy.bind(model2), dlgs.torch.ddp.sparse_hook)
     opt2 = sgd(model2)
     opt2.load_state_dict(ckpt["opt"])
-    return {"on": on, "resumed": train(model2, opt2, 3, start=2), "unbound": unbound}
+    resumed = train(model2, opt2, 3, start=2)
+    errors = {}
+    try:  # bound once only: a second bind would drop what the state learnt
+        copy.bind(model2)
+    except RuntimeError as err:
+        errors["twice"] = str(err)
+    # A state saved with a GradScaler needs one again.
+    scaled = hooked(ddp(hidden=128), density=0.05, scaler=torch.amp.GradScaler("cpu"))
+    again = pickle.loads(pickle.dumps(scaled))
+    try:
+        again.bind(ddp(hidden=128))
+    except ValueError as err:
+        errors["scaler"] = str(err)
+    return {"on": on, "resumed": resumed, "unbound": unbound, "errors": errors}
+
+
+@scenario
+def error_mid_step():
+    """An error inside the hook fails the step (raised by backward, with every
+    bucket's future failed: no hang). DDP's own reducer cannot go on after a
+    failed hook, so training stops there, as with any hook."""
+    model = ddp(hidden=128)
+    state = hooked(model, density=0.05, min_sparse_size=64, merge="none")
+    opt = sgd(model)
+    train(model, opt, 1)
+    message = ""
+    if dist.get_rank() >= 0:  # every rank fails the same step, as on a real bad input
+        index, state._index = state._index, {}  # noqa: SLF001 - provoke the error
+        try:
+            opt.zero_grad()
+            x, y = batch(1)
+            F.cross_entropy(model(x), y).backward()
+        except RuntimeError as err:
+            message = str(err)
+        state._index = index  # noqa: SLF001
+    return {"message": message, "pending": state.dlgs.exchange.pending() != []}
 
 
 @scenario
@@ -296,10 +332,7 @@ def amp_nonfinite():
     digests, scales = [], []
     for s in range(5):
         opt.zero_grad()
-        x, y = batch(s)
-        if s == 2 and dist.get_rank() == 1:
-            x = x.clone()
-            x[0, 0] = float("inf")
+        x, y = batch_inf_on_rank1(s)
         loss = F.cross_entropy(model(x), y)
         scaler.scale(loss).backward()
         scaler.step(opt)
@@ -307,6 +340,43 @@ def amp_nonfinite():
         digests.append(digest(model))
         scales.append(float(scaler.get_scale()))
     return {"digests": digests, "scales": scales}
+
+
+@scenario
+def momentum_and_warmup():
+    """Momentum correction (the optimizer without momentum) and DGC's warm-up
+    through the hook: ranks bit-identical after every step."""
+    model = ddp(hidden=128)
+    hooked(
+        model,
+        density=0.02,
+        min_sparse_size=64,
+        merge="none",
+        momentum=0.9,
+        warmup="dgc",
+        warmup_steps=2,
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.0)
+    return {"digests": train(model, opt, 8)}
+
+
+@scenario
+def nonfinite_step():
+    """A step non-finite on rank 1 only: every rank reads NaN for it and
+    learns the same verdict; skipping that update keeps ranks identical."""
+    model = ddp(hidden=128)
+    state = hooked(model, density=0.05, min_sparse_size=64, merge="none")
+    opt = sgd(model)
+    digests, finite = [], []
+    for s in range(5):
+        opt.zero_grad()
+        x, y = batch_inf_on_rank1(s)
+        F.cross_entropy(model(x), y).backward()
+        finite.append(bool(state.dlgs.last_step_finite))
+        if finite[-1]:
+            opt.step()
+        digests.append(digest(model))
+    return {"digests": digests, "finite": finite}
 
 
 @scenario

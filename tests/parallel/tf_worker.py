@@ -722,6 +722,8 @@ def graph_exchange():
         # Ranks whose own limits differ (log_every on rank 0 only) still take
         # the same branch every step: the budget is agreed.
         "logging.": dict(opts, log_every=3 if hvd.rank() == 0 else 0),
+        # Momentum correction on the device: every layer's velocity kept where finite.
+        "momentum.": dict(opts, momentum=0.9),
     }
     for prefix, case_opts in cases.items():
         for mode in ("eager", "graph"):

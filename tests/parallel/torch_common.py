@@ -7,7 +7,7 @@ import hashlib
 
 import torch
 
-__all__ = ["digest", "mlp", "own_sent", "sparse_grads"]
+__all__ = ["conservation_error", "digest", "mlp", "own_sent", "sparse_grads"]
 
 
 def mlp(seed: int, hidden: int = 64) -> torch.nn.Module:
@@ -59,3 +59,17 @@ def sparse_grads(model, k_of, seed, shared_seed):
         flat[idx] = torch.randn(idx.numel(), generator=g)
         grads[name] = flat.view_as(p)
     return grads
+
+
+def conservation_error(exchange, total_in: dict, total_sent: dict) -> dict:
+    """Over the sparse layers: the largest |sent + residual - input| (totals
+    by layer index), the inputs' scale and how many layers were sparse."""
+    worst, scale, sparse = 0.0, 0.0, 0
+    for i, layer in enumerate(exchange.layers):
+        if layer.residual is None:
+            continue
+        sparse += 1
+        resid = layer.residual[: layer.numel]
+        worst = max(worst, (total_sent[i] + resid - total_in[i]).abs().max().item())
+        scale = max(scale, total_in[i].abs().max().item())
+    return {"max_error": worst, "scale": scale, "sparse_layers": sparse}

@@ -19,7 +19,7 @@ import horovod.torch as hvd
 import torch
 import torch.nn.functional as F
 from scenarios import main, scenario  # tests/parallel, the script's own folder
-from torch_common import digest, mlp, own_sent, sparse_grads
+from torch_common import conservation_error, digest, mlp, own_sent, sparse_grads
 
 import dlgs.torch
 from dlgs.core import RankMismatchError, plan_layers
@@ -530,15 +530,7 @@ def conservation():
             opt.synchronize()
             for i, sent in own_sent(ex).items():
                 total_sent[i] += sent
-        worst, scale, sparse_layers = 0.0, 0.0, 0
-        for i, layer in enumerate(ex.layers):
-            if layer.residual is None:
-                continue
-            sparse_layers += 1
-            resid = layer.residual[: layer.numel]
-            worst = max(worst, (total_sent[i] + resid - total_in[i]).abs().max().item())
-            scale = max(scale, total_in[i].abs().max().item())
-        out[name] = {"max_error": worst, "scale": scale, "sparse_layers": sparse_layers}
+        out[name] = conservation_error(ex, total_in, total_sent)
     return out
 
 
