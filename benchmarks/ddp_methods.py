@@ -147,13 +147,12 @@ def build_ddp(
     return ddp, torch.optim.SGD(ddp.parameters(), lr=lr, momentum=0.0), state
 
 
-def wire_bytes(method: str, model: nn.Module, state: Any) -> int:
-    """Bytes one rank contributes per step: DDP 4 per parameter, fp16 2,
-    PowerSGD :func:`powersgd_bytes`, dlgs ``.dlgs.exchange.wire_bytes()``."""
-    params = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    merge, rank = SPECS[method]
+def wire_bytes(method: str, model: nn.Module) -> int:
+    """Bytes one rank contributes per step with a DDP method that is not
+    dlgs's (whose exchange says: ``.dlgs.exchange.wire_bytes()``): DDP 4 per
+    parameter, fp16 2, PowerSGD :func:`powersgd_bytes`."""
+    rank = SPECS[method][1]
     if rank:
         return powersgd_bytes(model, rank)
-    if merge is not None:
-        return int(state.dlgs.exchange.wire_bytes())
+    params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return (2 if method == "ddp-fp16" else 4) * params

@@ -34,7 +34,6 @@ from .report import (
     base_method,
     guard_verdict,
     is_auto,
-    is_merging,
     predicted_tails,
     run_rounds,
     settle_steps,
@@ -167,9 +166,8 @@ def run_method(
     model = spec.build()
     if not isinstance(model, EmulatedNet):  # its parameters start as zeros on every rank
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    state = None  # a DDP hook's
+    module = model  # DDP methods: the model inside DDP
     if method in DDP_METHODS:
-        module = model
         model, opt, state = ddp_methods.build_ddp(
             method, model, density, profile_steps, LR, wire, bucket_mb
         )
@@ -195,7 +193,7 @@ def run_method(
             out.step_wait.append(t3 - t2)
             if sparse:
                 out.sparsify.append(dlgs_of.exchange.last_submit_seconds)
-        elif i == warmup - 1 and (is_merging(method) or method == "ddp-dlgs"):
+        elif i == warmup - 1 and sparse and dlgs_of.planner.strategy != "none":
             if not dlgs_of.planner.settled:
                 raise RuntimeError(
                     f"{method}: no final merge plan after {warmup} warm-up steps "
@@ -204,12 +202,6 @@ def run_method(
         if progress is not None:
             progress.update(1)
     params = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    if method in DDP_METHODS:
-        out.wire_bytes = ddp_methods.wire_bytes(method, module, state)
-    elif method == "dense":
-        out.wire_bytes = 4 * params
-    elif method == "fp16":
-        out.wire_bytes = 2 * params
     if sparse:
         out.wire_bytes = dlgs_of.exchange.wire_bytes()
         out.density = dlgs_of.exchange.density
@@ -219,6 +211,12 @@ def run_method(
             out.predicted_tails = predicted_tails(dlgs_of.planner, dlgs_of.exchange)
         if dlgs_of.planner.plan is not None:
             logger.debug("%s: plan in force\n%s", method, dlgs_of.planner.plan.describe())
+    elif method in DDP_METHODS:
+        out.wire_bytes = ddp_methods.wire_bytes(method, module)
+    elif method == "dense":
+        out.wire_bytes = 4 * params
+    elif method == "fp16":
+        out.wire_bytes = 2 * params
     return out
 
 

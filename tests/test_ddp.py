@@ -78,9 +78,10 @@ def test_unused_parameters_with_find_unused_parameters(ranks):
 def test_resume_from_a_checkpoint_trains_on_identically(ranks):
     for r, rec in enumerate(value(ranks, "resume")):
         assert rec["resumed"] == rec["on"], f"rank {r}"
-        assert rec["step"] == 7
+        assert rec["resumed_dp"] == rec["on_dp"], f"rank {r}: with a plan in force"
+        assert rec["without_dlgs_state"] != rec["on"], "the comparison can fail"
     a, b = value(ranks, "resume")
-    assert a["on"] == b["on"]
+    assert a["on"] == b["on"] and a["on_dp"] == b["on_dp"]
 
 
 def test_a_pickled_state_binds_again_and_trains_on(ranks):

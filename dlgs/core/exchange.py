@@ -1032,13 +1032,14 @@ class SparseExchange:
                 ops.select_(layer.residual, ok, layer.residual_next)
             if layer.velocity_next is not None:  # momentum correction
                 ops.select_(layer.velocity, ok, layer.velocity_next)
-        self.abort_device_step()  # the step's host bookkeeping, as before it
+        self.abort_step()  # the step's host bookkeeping, as before it
         return ok
 
-    def abort_device_step(self) -> None:
-        """Put the host's bookkeeping back as before :meth:`begin_device_step`
-        (what :meth:`finish_on_device` ends with; after an error while such a
-        step was traced, the next step starts clean)."""
+    def abort_step(self) -> None:
+        """Drop the step under way, so that the next one starts clean: what
+        :meth:`finish_on_device` ends with (the host's bookkeeping put back as
+        before :meth:`begin_device_step`), and what an adapter calls after an
+        error inside a step (a failed trace, a DDP hook that raised)."""
         saved, self._device_saved = self._device_saved, None
         if saved is not None:
             for layer, (count, theta) in zip(self._layers, saved[0]):

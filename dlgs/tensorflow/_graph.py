@@ -147,7 +147,7 @@ class GraphSteps:
             reduced = ex.wait(finish=False)
             ok = ex.finish_on_device()
         except BaseException:
-            ex.abort_device_step()
+            ex.abort_step()
             raise
         v = self._variables()
         bump = [

@@ -94,9 +94,8 @@ class _View:
         elif 2 * length >= size:
             # Most of the variable (a layer's residual, which has one spare
             # element): one concatenation and a whole assignment. On CPU,
-            # ResourceStridedSliceAssign copies ~4x slower than a concat
-            # (3.5 ms against 0.9 ms for 2M floats), which made it the
-            # largest cost of a traced step on large layers.
+            # ResourceStridedSliceAssign was the slowest operation of a traced
+            # step on large layers (benchmarks/tf_exchange_ops.py --ops).
             whole = tf.raw_ops.ReadVariableOp(resource=var.handle, dtype=var.dtype)
             parts = [value]
             if start:
@@ -298,7 +297,7 @@ class TFOps:
     def count_nonzero(self, mask):
         mask = _read(mask)
         if not _gpus():
-            # A sum of int32 (count_nonzero counts in int64, ~3x slower on CPU);
+            # A sum of int32 (count_nonzero casts to int64 first, a full pass);
             # not where a GPU is, where TensorFlow sums int32 in host memory.
             return tf.reduce_sum(tf.cast(mask, tf.int32))
         return tf.math.count_nonzero(mask, dtype=tf.int32)
@@ -341,7 +340,7 @@ class TFOps:
         # Dense ops on the whole variable, not Resource* scatters: a sparse
         # access puts a variable in copy-on-read mode for good (every later
         # ReadVariableOp copies it), which cost more on large layers than
-        # this one copy (a traced step of one 2M-element layer: 9.5 -> 7.8 ms).
+        # this one copy (benchmarks/tf_exchange_ops.py --ops).
         var = view.var
         whole = tf.raw_ops.ReadVariableOp(resource=var.handle, dtype=var.dtype)
         if var.dtype != view.dtype:
@@ -484,8 +483,7 @@ class TFOps:
         a, b = _as_view(dst), _as_view(src)
         if a is not None and b is not None and a.whole and b.whole and a.length >= _COND_COPY:
             # A large whole variable (a layer's residual): copy only when the
-            # flag holds (one pass), not a select over three (1.4 ms -> 0.4 ms
-            # for 2M floats on CPU).
+            # flag holds (one pass), not a select that reads three.
             def copy() -> tf.Tensor:
                 a.write(b.read())
                 return tf.constant(True)

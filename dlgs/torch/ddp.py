@@ -76,11 +76,11 @@ class ProcessGroupCollectives:
 
     def allreduce_async(self, tensor: torch.Tensor, name: str) -> _Work:
         # Divided first, then summed: what DDP computes (bit for bit), and no
-        # overflow of half-precision sums. Into a new tensor: ``tensor`` holds
-        # its values until the result replaces them (at synchronize).
-        wire = tensor.div(self.size)
+        # overflow of half-precision sums; in place, as Horovod's allreduce.
+        wire = tensor if tensor.is_contiguous() else tensor.contiguous()
+        wire.div_(self.size)
         work = dist.all_reduce(wire, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-        return _Work(work, wire, into=tensor)
+        return _Work(work, wire, into=tensor if wire is not tensor else None)
 
     def synchronize(self, handle: _Work) -> torch.Tensor:
         handle.work.wait()
@@ -308,7 +308,7 @@ class SparseState:
             for waiting, _, _ in pending:
                 if not waiting.done():
                     waiting.set_exception(err)
-            exchange.abort_device_step()
+            exchange.abort_step()
             raise
         return future
 
@@ -320,13 +320,13 @@ class SparseState:
             names = [exchange.layers[i].name for i in missing[:5]]
             raise RuntimeError(f"DDP's buckets did not hold every parameter: {names}")
         reduced = exchange.wait()
-        pending, self._pending = self._pending, []
-        for future, buffer, entries in pending:
+        for future, buffer, entries in self._pending:
             for i, grad in entries:
                 out = reduced[i]
                 if out.data_ptr() != grad.data_ptr() or out.dtype != grad.dtype:
                     grad.copy_(out.reshape(grad.shape))
             future.set_result(buffer)
+        self._pending.clear()
         self.engine.step_done()  # type: ignore[union-attr]
 
 

@@ -237,27 +237,48 @@ def _save(obj) -> bytes:
     return buf.getvalue()
 
 
-@scenario
-def resume():
-    """Save model, optimizer and dlgs state after 3 steps; training on equals
-    a fresh model that loads them (each rank its own dlgs state)."""
+def _resume_run(options: dict, saved_at: int, more: int, keep_dlgs: bool = True):
+    """Train ``saved_at`` steps, save, train ``more``; then a fresh model,
+    optimizer and state load the checkpoint (dlgs' part unless not
+    ``keep_dlgs``) and train the same ``more`` steps: both runs' digests."""
     model = ddp(hidden=128)
-    state = hooked(model, density=0.05, min_sparse_size=64, profile_steps=2)
+    state = hooked(model, density=0.05, min_sparse_size=64, **options)
     opt = sgd(model)
-    train(model, opt, 3)
+    train(model, opt, saved_at)
+    if options.get("merge") == "dp" and not state.dlgs.planner.settled:
+        raise RuntimeError(f"no plan in force after {saved_at} steps")
     saved = _save(
         {"model": model.state_dict(), "opt": opt.state_dict(), "dlgs": state.state_dict()}
     )
-    on = train(model, opt, 4, start=3)
+    on = train(model, opt, more, start=saved_at)
     model2 = ddp(seed=9, hidden=128)
-    state2 = hooked(model2, density=0.05, min_sparse_size=64, profile_steps=2)
+    state2 = hooked(model2, density=0.05, min_sparse_size=64, **options)
     opt2 = sgd(model2)
     ckpt = torch.load(io.BytesIO(saved), weights_only=False)
     model2.load_state_dict(ckpt["model"])
     opt2.load_state_dict(ckpt["opt"])
-    state2.load_state_dict(ckpt["dlgs"])
-    resumed = train(model2, opt2, 4, start=3)
-    return {"on": on, "resumed": resumed, "step": state2.dlgs.exchange.step}
+    if keep_dlgs:
+        state2.load_state_dict(ckpt["dlgs"])
+    return on, train(model2, opt2, more, start=saved_at)
+
+
+@scenario
+def resume():
+    """Save model, optimizer and dlgs state mid-run; training on equals a
+    fresh model that loads them (each rank its own dlgs state): layer-wise,
+    and with a DP plan in force (profiled 2 steps, planned, then saved)."""
+    layerwise = dict(merge="none", anchor_every=3)
+    on, resumed = _resume_run(layerwise, 3, 4)
+    # Negative control: without dlgs' residuals and thresholds the run differs.
+    _, without = _resume_run(layerwise, 3, 4, keep_dlgs=False)
+    on_dp, resumed_dp = _resume_run(dict(merge="dp", profile_steps=2), 10, 4)
+    return {
+        "on": on,
+        "resumed": resumed,
+        "without_dlgs_state": without,
+        "on_dp": on_dp,
+        "resumed_dp": resumed_dp,
+    }
 
 
 @scenario
