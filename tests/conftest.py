@@ -61,7 +61,7 @@ HOROVODRUN = str(Path(sys.executable).parent / "horovodrun")
 
 
 def horovodrun(
-    backend: str, np: int, args, *, timeout: float, cwd=ROOT, extra_path=None
+    backend: str, np: int, args, *, timeout: float, cwd=ROOT, extra_path=None, fails=False
 ) -> subprocess.CompletedProcess:
     """Run ``python ARGS`` on ``np`` real ranks with ``--gloo`` or ``--mpi``.
 
@@ -69,9 +69,10 @@ def horovodrun(
     every rank) after ``timeout`` seconds, failing the test: a hang is a failure,
     never a stuck CI job. Ranks get ``DLGS_TEST_HANG_S`` a little earlier, at
     which the scenario workers dump their stacks (showing where they waited).
+    ``fails``: the job must end with a non-zero exit (a fault test), not zero.
     """
     cmd = [HOROVODRUN, "-np", str(np), f"--{backend}", sys.executable, *map(str, args)]
-    return _launch(cmd, timeout=timeout, cwd=cwd, extra_path=extra_path)
+    return _launch(cmd, timeout=timeout, cwd=cwd, extra_path=extra_path, fails=fails)
 
 
 def torchrun(np: int, args, *, timeout: float, cwd=ROOT) -> subprocess.CompletedProcess:
@@ -82,7 +83,7 @@ def torchrun(np: int, args, *, timeout: float, cwd=ROOT) -> subprocess.Completed
     return _launch(cmd, timeout=timeout, cwd=cwd, extra_path=None)
 
 
-def _launch(cmd, *, timeout: float, cwd, extra_path) -> subprocess.CompletedProcess:
+def _launch(cmd, *, timeout: float, cwd, extra_path, fails=False) -> subprocess.CompletedProcess:
     env = dict(os.environ)
     # Open MPI refuses to run as root without these (docs/design.md).
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
@@ -110,7 +111,9 @@ def _launch(cmd, *, timeout: float, cwd, extra_path) -> subprocess.CompletedProc
             f"{' '.join(cmd)} hung: killed after {timeout:.0f} s\n--- stdout ---\n"
             f"{stdout[-4000:]}\n--- stderr ---\n{stderr[-4000:]}"
         )
-    if proc.returncode != 0:
+    if fails and proc.returncode == 0:
+        pytest.fail(f"{' '.join(cmd)} exited 0, expected a failure\n{stdout[-4000:]}\n{stderr[-4000:]}")
+    if proc.returncode != 0 and not fails:
         pytest.fail(
             f"{' '.join(cmd)} exited {proc.returncode} after {time.monotonic() - start:.0f} s"
             f"\n--- stdout ---\n{stdout[-4000:]}\n--- stderr ---\n{stderr[-4000:]}"

@@ -9,6 +9,8 @@ from __future__ import annotations
 import atexit
 import logging
 import pickle
+import sys
+import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import horovod.torch as hvd
@@ -262,21 +264,51 @@ def _two_levels(topology: str, ranks_per_node: Optional[int]):
 
 _EXIT_BARRIER: List[bool] = []
 
+#: How long the exit barrier waits for the other ranks (seconds): longer than
+#: any one step's last node collectives, so a normal exit never cuts it short.
+EXIT_BARRIER_SECONDS = 120.0
+
+
+def _failing() -> bool:
+    """Whether this interpreter is exiting on an uncaught exception (Python
+    sets ``sys.last_value`` before it runs the ``atexit`` handlers)."""
+    return getattr(sys, "last_value", None) is not None or getattr(sys, "last_exc", None) is not None
+
 
 def _wait_for_every_rank_at_exit() -> None:
     """A step's last collectives run within each node, so one node can finish
     its last step and exit while another still completes its own; Horovod
-    then shuts down under it ("Horovod has been shut down"). At exit, before
-    Horovod's own shutdown (atexit runs last-registered first), every rank
-    waits for the others in one tiny allreduce; where Horovod is down already
-    (a rank failed, or the script shut it down) there is nothing to wait for."""
+    then shuts down under it ("Horovod has been shut down"). At a normal
+    exit, before Horovod's own shutdown (atexit runs last-registered first),
+    every rank waits for the others in one tiny allreduce.
+
+    A rank that exits on an uncaught exception must not wait: the others are
+    blocked in a collective it will never join, and only its Horovod shutting
+    down ends them (with ``HorovodInternalError``, within a fraction of a
+    second; issue 42). Where Horovod is down already (a rank failed, or the
+    script shut it down) there is nothing to wait for; and the wait is bounded
+    (:data:`EXIT_BARRIER_SECONDS`) for a rank that ends with ``sys.exit(1)``
+    while another never comes."""
     if _EXIT_BARRIER:
         return
     _EXIT_BARRIER.append(True)
 
     def barrier() -> None:
+        if _failing():
+            logger.debug("dlgs: no exit barrier (this rank is exiting on an exception)")
+            return
         try:
-            hvd.allreduce(torch.zeros(1), name="dlgs.exit", op=hvd.Sum)
+            handle = hvd.allreduce_async(torch.zeros(1), name="dlgs.exit", op=hvd.Sum)
+            deadline = time.monotonic() + EXIT_BARRIER_SECONDS
+            while not hvd.poll(handle):
+                if time.monotonic() > deadline:
+                    logger.warning(
+                        "dlgs: the other ranks did not reach exit within %.0f s; exiting",
+                        EXIT_BARRIER_SECONDS,
+                    )
+                    return
+                time.sleep(0.005)
+            hvd.synchronize(handle)
         except Exception:  # noqa: BLE001 - Horovod down or not initialised: nothing to wait for
             logger.debug("dlgs: no exit barrier (Horovod is shut down)")
 

@@ -1,0 +1,86 @@
+"""Real ranks with a fault on one of them (tests/test_faults.py):
+``python fault_worker.py OUT FAULT TOPOLOGY TRANSPORT``.
+
+The shared MLP (mlp_steps.py) trained with form (b) on ``TOPOLOGY``
+(``flat`` | ``hierarchical``, 2 ranks per node) and ``TRANSPORT``
+(``allgather`` | ``reduce``), with one fault:
+
+- ``step``: rank 1 raises at step 3;
+- ``construct``: rank 0 raises right after the optimizer is built;
+- ``load``: rank 0 loads a damaged checkpoint (NaN residuals and thresholds)
+  in Horovod's resume recipe, which dlgs refuses.
+
+Nothing here catches the fault: the job must end on every rank (the test
+reads when). Each rank writes ``OUT/exit{rank}.json`` with the time its
+interpreter reached its last exit handler (registered before Horovod's, so it
+runs after Horovod shut down), and the faulting rank ``OUT/fault.json`` with
+the time of the fault.
+"""
+
+import atexit
+import json
+import sys
+import time
+
+out, fault, topology, transport = sys.argv[1:5]
+_rank = []
+
+
+def _record_exit():
+    if _rank:
+        with open(f"{out}/exit{_rank[0]}.json", "w") as f:
+            json.dump({"time": time.time()}, f)
+
+
+atexit.register(_record_exit)  # before Horovod's: runs after its shutdown
+
+import horovod.torch as hvd  # noqa: E402
+import torch  # noqa: E402
+from mlp_steps import dlgs_opts, model_and_opt, train  # noqa: E402
+
+hvd.init(process_sets="dynamic")
+rank = hvd.rank()
+_rank.append(rank)
+torch.set_num_threads(1)
+options = {"merge": "none", "transport": transport}
+if topology == "hierarchical":
+    options.update(topology="hierarchical", ranks_per_node=2)
+
+
+def injected(message):
+    with open(f"{out}/fault.json", "w") as f:
+        json.dump({"time": time.time(), "rank": rank}, f)
+    return RuntimeError(message)
+
+
+def damaged(state):
+    """``state`` with every floating tensor set to NaN."""
+    if isinstance(state, dict):
+        return {k: damaged(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [damaged(v) for v in state]
+    if torch.is_tensor(state) and state.is_floating_point():
+        return torch.full_like(state, float("nan"))
+    if isinstance(state, float):
+        return float("nan")
+    return state
+
+
+if fault == "load":
+    model, opt = model_and_opt(dlgs_opts(0.05, **options))
+    train(model, opt, rank, steps=3)
+    saved = damaged(opt.state_dict()["dlgs"])
+    state = opt.state_dict()
+    state["dlgs"] = saved
+model, opt = model_and_opt(dlgs_opts(0.05, **options))
+if fault == "construct" and rank == 0:
+    raise injected("injected fault right after construction")
+if fault == "load" and rank == 0:
+    with open(f"{out}/fault.json", "w") as f:
+        json.dump({"time": time.time(), "rank": rank}, f)
+    opt.load_state_dict(state)  # refused: NaN in the checkpoint
+    raise AssertionError("a damaged checkpoint loaded")
+for step in range(8):
+    if fault == "step" and rank == 1 and step == 3:
+        raise injected("injected fault at step 3")
+    train(model, opt, rank, steps=1, start=step)
