@@ -20,6 +20,7 @@ __all__ = [
     "build_config",
     "build_configs",
     "build_planner",
+    "TWO_LEVEL_REFUSED",
     "check_log_every",
     "check_op",
     "check_no_groups",
@@ -28,6 +29,15 @@ __all__ = [
     "warn_float64",
     "check_int",
 ]
+
+
+_TWO_LEVEL = (
+    "the two-level exchange runs in dlgs.torch.DistributedOptimizer (Horovod form (b)) only "
+    "for now; use it there, or leave the option unset for the flat exchange "
+    "(docs/options.md, the door x feature table)"
+)
+#: What the doors other than torch's form (b) refuse, and why.
+TWO_LEVEL_REFUSED = {"topology": _TWO_LEVEL, "ranks_per_node": _TWO_LEVEL}
 
 
 def build_config(
@@ -78,11 +88,29 @@ _MERGE_FIELDS = tuple(f.name for f in fields(MergeConfig) if f.name != "strategy
 
 
 def build_configs(
-    config: Optional[SparsityConfig], density: Optional[float], merge: Any, options: Dict[str, Any]
+    config: Optional[SparsityConfig],
+    density: Optional[float],
+    merge: Any,
+    options: Dict[str, Any],
+    *,
+    door: str = "",
+    refused: Optional[Dict[str, str]] = None,
 ) -> Tuple[SparsityConfig, OnlinePlanner]:
     """What every entry point does with its dlgs options: ``options`` may hold
     any :class:`SparsityConfig` field and any :class:`MergeConfig` field but
-    ``strategy`` (given as ``merge=``); each is validated once, by its config."""
+    ``strategy`` (given as ``merge=``); each is validated once, by its config.
+
+    ``refused``: options another door takes but ``door`` does not, each with
+    the reason (a ``ValueError`` naming it, not "unknown option"). An option
+    given where it has no effect is an error too, never silently ignored:
+    ``reduce_width`` without ``transport="reduce"`` or ``"auto"``."""
+    for key in sorted(set(options) & set(refused or {})):
+        raise ValueError(f"{key}= is not supported by {door}: {(refused or {})[key]}")
+    if "reduce_width" in options and options.get("transport", "allgather") == "allgather":
+        raise ValueError(
+            f"reduce_width={options['reduce_width']!r} applies to transport='reduce' or "
+            "'auto' only; with transport='allgather' (the default) leave it unset"
+        )
     options = dict(options)
     merge_options = {k: options.pop(k) for k in _MERGE_FIELDS if k in options}
     planner = build_planner(merge, **merge_options)

@@ -112,7 +112,9 @@ def _launch(cmd, *, timeout: float, cwd, extra_path, fails=False) -> subprocess.
             f"{stdout[-4000:]}\n--- stderr ---\n{stderr[-4000:]}"
         )
     if fails and proc.returncode == 0:
-        pytest.fail(f"{' '.join(cmd)} exited 0, expected a failure\n{stdout[-4000:]}\n{stderr[-4000:]}")
+        pytest.fail(
+            f"{' '.join(cmd)} exited 0, expected a failure\n{stdout[-4000:]}\n{stderr[-4000:]}"
+        )
     if proc.returncode != 0 and not fails:
         pytest.fail(
             f"{' '.join(cmd)} exited {proc.returncode} after {time.monotonic() - start:.0f} s"

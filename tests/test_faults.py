@@ -30,9 +30,7 @@ def _run_fault(tmp_path, fault, topology="flat", transport="allgather", np=4, ba
     return proc, ends
 
 
-@pytest.mark.parametrize(
-    ("fault", "transport"), [("step", "allgather"), ("construct", "reduce")]
-)
+@pytest.mark.parametrize(("fault", "transport"), [("step", "allgather"), ("construct", "reduce")])
 def test_an_exception_on_one_rank_ends_every_rank_of_the_two_level_exchange(
     tmp_path, fault, transport
 ):

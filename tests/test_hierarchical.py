@@ -282,6 +282,30 @@ def test_a_checkpoint_of_another_topology_is_refused_by_name():
         hier.load_state_dict(state, torch.zeros(1))
 
 
+def test_a_hierarchical_checkpoint_in_a_flat_exchange_says_where_it_came_from():
+    """Issue 42: not 'version must be 1, got None', but what the state is and what to do."""
+    cfg = SparsityConfig(density=0.02, min_sparse_size=1000)
+    state = HierarchicalExchange(OPS, _SoloNode(LOCAL), _Solo(NODES), cfg, LAYERS).state_dict()
+    from dlgs.core.exchange import SparseExchange
+
+    flat = SparseExchange(OPS, _Solo(P), cfg, LAYERS)
+    with pytest.raises(ValueError, match="saved with topology='hierarchical'.*without its 'dlgs'"):
+        flat.load_state_dict(state, torch.zeros(1))
+
+
+def test_a_checkpoint_of_another_model_without_residuals_is_refused_by_name():
+    """Issue 42: every layer dense when it was saved (no buffer to compare),
+    yet another model (a hidden layer of 128 against 96) must not load."""
+    dense = SparsityConfig(density=1.0)
+    wide = [("w1", 128 * 32), ("b1", 128)]
+    narrow = [("w1", 96 * 32), ("b1", 96)]
+    state = HierarchicalExchange(OPS, _SoloNode(LOCAL), _Solo(NODES), dense, wide).state_dict()
+    assert all(e["residual"] is None for e in state["exchange"]["layers"].values())
+    other = HierarchicalExchange(OPS, _SoloNode(LOCAL), _Solo(NODES), dense, narrow)
+    with pytest.raises(ValueError, match="'w1' was saved for 2048 elements but the parameter"):
+        other.load_state_dict(state, torch.zeros(1))
+
+
 class _Solo:
     """Collectives of a process set of ``size`` that no test step uses."""
 

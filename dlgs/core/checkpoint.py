@@ -57,6 +57,14 @@ def validate(
     sizes = dict(layers)
     if not isinstance(state, dict):
         raise TypeError(f"dlgs state must be a dict, got {type(state).__name__}")
+    if "exchange" in state and "topology" in state:
+        raise ValueError(
+            f"dlgs state was saved with topology='hierarchical' ({state['topology']} ranks per "
+            "node and nodes): its residuals are per shard of each layer and do not load into "
+            "this exchange (topology='flat'); load it with the same topology and "
+            "ranks_per_node, or load the optimizer state without its 'dlgs' entry to start "
+            "the residuals afresh"
+        )
     version = state.get("version")
     if version != STATE_VERSION:
         raise ValueError(f"dlgs state version must be {STATE_VERSION}, got {version!r}")
@@ -72,6 +80,14 @@ def validate(
         )
     for name, entry in saved.items():
         n = sizes[name]
+        # Saved since issue 42: a state whose layers were all sent dense holds
+        # no buffer to compare, so the size itself is what tells another model.
+        numel = entry.get("numel") if isinstance(entry, dict) else None
+        if numel is not None and numel != n:
+            raise ValueError(
+                f"dlgs state for parameter {name!r} was saved for {numel} elements but the "
+                f"parameter has {n} (a checkpoint of another model?)"
+            )
         for attr in ("residual", "velocity"):
             buf = entry.get(attr)
             # Saved buffers may be framework tensors or NumPy arrays (TF state).
@@ -185,6 +201,7 @@ def layer_states(ops: ArrayOps, records: Sequence["LayerRecord"]) -> Dict[str, A
                 for key, v in layer.ctrl.items()
             },
             "k": layer.plan.k if layer.plan is not None else None,
+            "numel": layer.numel,
         }
         for layer in records
     }

@@ -40,7 +40,7 @@ from ..core.engine import OptimizerAliases, _deprecated, check_unique_names
 from ._graph import GraphSteps
 from ._ops import OPS, _read
 
-__all__ = ["DlgsAccessors", "Engine", "HorovodCollectives", "variable_name"]
+__all__ = ["DlgsAccessors", "Engine", "HorovodCollectives", "build_tf_configs", "variable_name"]
 
 logger = logging.getLogger("dlgs.tensorflow")
 
@@ -55,6 +55,22 @@ def variable_name(v: Any) -> str:
     if isinstance(name, str) and name:
         return name
     raise TypeError(f"expected a tf.Variable or keras.Variable, got {type(v).__name__}")
+
+
+def build_tf_configs(
+    config: Any, density: Any, merge: Any, options: Dict[str, Any], *, door: str
+) -> Tuple[Any, Any]:
+    """:func:`dlgs._options.build_configs` for a TensorFlow door: what it
+    refuses is refused at construction, naming the option and why (not at the
+    first step, inside TensorFlow's error)."""
+    cfg, planner = _options.build_configs(
+        config, density, merge, options, door=door, refused=_options.TWO_LEVEL_REFUSED
+    )
+    if cfg.kernels == "triton":
+        raise ValueError(
+            "kernels='triton' is for PyTorch tensors; TensorFlow uses kernels='auto' or 'torch'"
+        )
+    return cfg, planner
 
 
 def _dtype(v: Any) -> tf.DType:

@@ -47,7 +47,14 @@ from .. import _options
 from ..core.config import SparsityConfig
 from ..core.engine import CompressionAliases, _deprecated
 from ._amp import check_scaler, scale_reader
-from ._engine import Engine, HorovodCollectives, _shape, engine_named, variable_name
+from ._engine import (
+    Engine,
+    HorovodCollectives,
+    _shape,
+    build_tf_configs,
+    engine_named,
+    variable_name,
+)
 
 __all__ = ["Compression"]
 
@@ -92,7 +99,9 @@ class Compression(CompressionAliases):
     ):
         _options.check_log_every(log_every)
         check_scaler(scaler)
-        cfg, planner = _options.build_configs(config, density, merge, options)
+        cfg, planner = build_tf_configs(
+            config, density, merge, options, door="dlgs.tensorflow.Compression"
+        )
         if isinstance(variables, (str, bytes)) or not hasattr(variables, "__iter__"):
             raise TypeError("variables must be a list of variables, e.g. model.trainable_variables")
         self._variables = list(variables)

@@ -28,7 +28,7 @@ import keras
 from .. import _options
 from ..core.config import SparsityConfig
 from ._amp import scale_reader
-from ._engine import DlgsAccessors, Engine, HorovodCollectives
+from ._engine import DlgsAccessors, Engine, HorovodCollectives, build_tf_configs
 from .tape import _check_compression
 
 __all__ = ["DistributedOptimizer"]
@@ -151,7 +151,7 @@ def DistributedOptimizer(
     prefix = "dlgs.keras" if name is None else name
     if not isinstance(prefix, str) or not prefix:
         raise ValueError(f"name must be None or a non-empty str, got {name!r}")
-    cfg, planner = _options.build_configs(config, density, merge, options)
+    cfg, planner = build_tf_configs(config, density, merge, options, door="dlgs.tensorflow.keras")
     average = op == hvd.Average
     pre, post = _options.horovod_scales(average, gradient_predivide_factor)
     comm = HorovodCollectives(op, pre, post, process_set, compression, device_dense, device_sparse)

@@ -30,7 +30,14 @@ from .._horovod import methods_of
 from ..core.config import SparsityConfig
 from ..core.engine import OptimizerAliases
 from ._amp import check_scaler, scale_reader
-from ._engine import DlgsAccessors, Engine, HorovodCollectives, engine_named, variable_name
+from ._engine import (
+    DlgsAccessors,
+    Engine,
+    HorovodCollectives,
+    build_tf_configs,
+    engine_named,
+    variable_name,
+)
 
 __all__ = ["DistributedGradientTape"]
 
@@ -152,7 +159,9 @@ def DistributedGradientTape(
     check_scaler(scaler)
     if not isinstance(name, str) or not name:
         raise ValueError(f"name must be a non-empty str, got {name!r}")
-    cfg, planner = _options.build_configs(config, density, merge, options)
+    cfg, planner = build_tf_configs(
+        config, density, merge, options, door="dlgs.tensorflow.DistributedGradientTape"
+    )
     key = (
         cfg,
         planner.config,

@@ -17,6 +17,7 @@ import horovod.torch as hvd
 import torch
 
 from .._horovod import HorovodSet
+from ..core._checks import check_int
 from ..core.config import SparsityConfig
 from ..core.engine import Engine
 from ..core.profiler import OnlinePlanner
@@ -145,12 +146,12 @@ def check_topology(topology: Any, ranks_per_node: Any) -> None:
         raise ValueError(
             f"topology must be one of {', '.join(map(repr, TOPOLOGIES))}, got {topology!r}"
         )
-    if ranks_per_node is not None and (
-        isinstance(ranks_per_node, bool)
-        or not isinstance(ranks_per_node, int)
-        or ranks_per_node < 2
-    ):
-        raise ValueError(f"ranks_per_node must be an int >= 2 or None, got {ranks_per_node!r}")
+    check_int("ranks_per_node", ranks_per_node, 2, none_ok=True)
+    if ranks_per_node is not None and topology == "flat":
+        raise ValueError(
+            f"ranks_per_node={ranks_per_node!r} applies to topology='hierarchical' or 'auto' "
+            "only; with topology='flat' (the default) leave it unset"
+        )
 
 
 def node_and_cross_sets(ranks_per_node: Optional[int]) -> Tuple[Any, Any]:
@@ -272,7 +273,9 @@ EXIT_BARRIER_SECONDS = 120.0
 def _failing() -> bool:
     """Whether this interpreter is exiting on an uncaught exception (Python
     sets ``sys.last_value`` before it runs the ``atexit`` handlers)."""
-    return getattr(sys, "last_value", None) is not None or getattr(sys, "last_exc", None) is not None
+    return (
+        getattr(sys, "last_value", None) is not None or getattr(sys, "last_exc", None) is not None
+    )
 
 
 def _wait_for_every_rank_at_exit() -> None:

@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Optional, Union
 import horovod.torch as hvd
 import torch
 
-from .._options import build_configs, check_log_every
+from .._options import TWO_LEVEL_REFUSED, build_configs, check_log_every
 from ..core.config import SparsityConfig
 from ..core.engine import CompressionAliases, Engine
 from ._amp import check_scaler
@@ -73,7 +73,14 @@ class Compression(CompressionAliases):
     ):
         check_log_every(log_every)
         check_scaler(scaler)
-        cfg, planner = build_configs(config, density, merge, options)
+        cfg, planner = build_configs(
+            config,
+            density,
+            merge,
+            options,
+            door="dlgs.torch.Compression",
+            refused=TWO_LEVEL_REFUSED,
+        )
         params = named_trainable(named_parameters)
         if not params:
             raise ValueError("named_parameters contains no parameter that requires grad")

@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from .._options import build_configs, check_log_every
+from .._options import TWO_LEVEL_REFUSED, build_configs, check_log_every
 from ..core.config import SparsityConfig
 from ..core.engine import Engine
 from ._amp import check_scaler
@@ -165,7 +165,10 @@ class SparseState:
     ):
         check_log_every(log_every)
         check_scaler(scaler)
-        build_configs(config, density, merge, options)  # every option checked before anything
+        # Every option checked before anything.
+        build_configs(
+            config, density, merge, options, door="the DDP hook", refused=TWO_LEVEL_REFUSED
+        )
         self._kwargs: Dict[str, Any] = dict(
             density=density, config=config, merge=merge, log_every=log_every, **options
         )
