@@ -44,3 +44,12 @@ def test_a_damaged_checkpoint_on_rank_0_ends_every_rank_of_the_two_level_exchang
     proc, ends = _run_fault(tmp_path, "load", "hierarchical")
     assert "NaN" in proc.stdout + proc.stderr or "nan" in proc.stdout + proc.stderr
     assert all(t is not None and t < ENDS_WITHIN_S for t in ends.values()), ends
+
+
+def test_form_a_on_a_process_set_without_the_compressor_told_names_the_argument(tmp_path):
+    """Horovod's test_optimizer_process_sets in form (a), the compressor on the
+    global set: an error naming process_set on the optimizer's ranks, not a
+    collective that the set's outsiders never join."""
+    proc, ends = _run_fault(tmp_path, "form-a-set", np=2)
+    assert "process_set: the optimizer reduces on ranks [0]" in proc.stdout + proc.stderr
+    assert all(t is not None and t < ENDS_WITHIN_S for t in ends.values()), ends

@@ -19,6 +19,7 @@ unchanged (``compress`` returns the gradient itself).
 
 from __future__ import annotations
 
+import gc
 import logging
 from typing import Any, Dict, List, Optional, Union
 
@@ -109,6 +110,7 @@ class Compression(CompressionAliases):
         # Whether the residuals reach a checkpoint: attach()ed to the optimizer,
         # or state_dict() called by the user; else one warning at the first step.
         self._saved_somehow = False
+        self._set_checked = False  # the optimizer's process set is this one's
 
     @property
     def dlgs(self) -> Engine:
@@ -156,16 +158,7 @@ class Compression(CompressionAliases):
             raise TypeError(
                 f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
             )
-        theirs = getattr(optimizer, "process_set", None)
-        mine = self._engine.comm.process_set
-        if theirs is not None and _ranks(theirs) != _ranks(mine):
-            # The optimizer's ranks outside this compressor's set never call
-            # compress(): this compressor's collectives would wait for them forever.
-            raise ValueError(
-                f"process_set: the optimizer reduces on ranks {_ranks(theirs)} but this "
-                f"Compression on ranks {_ranks(mine)}; pass the optimizer's process_set to "
-                "dlgs.torch.Compression(..., process_set=...) too"
-            )
+        self._check_process_set(optimizer)
 
         pending: List[Any] = []
 
@@ -191,7 +184,30 @@ class Compression(CompressionAliases):
         self._saved_somehow = True
         return self
 
+    def _check_process_set(self, optimizer: Any) -> None:
+        """The optimizer's ranks outside this compressor's set never call
+        compress(): this compressor's collectives would wait for them forever.
+        Refused on every rank that builds or steps such a pair, naming the
+        argument to add (issue 42)."""
+        theirs = getattr(optimizer, "process_set", None)
+        mine = self._engine.comm.process_set
+        if theirs is not None and _ranks(theirs) != _ranks(mine):
+            raise ValueError(
+                f"process_set: the optimizer reduces on ranks {_ranks(theirs)} but this "
+                f"Compression on ranks {_ranks(mine)}; pass the optimizer's process_set to "
+                "dlgs.torch.Compression(..., process_set=...) too"
+            )
+        self._set_checked = True
+
     def compress(self, tensor: torch.Tensor):
+        if not self._set_checked:
+            # Not attach()ed: the optimizer that calls us is found once, by
+            # what holds this compressor (Horovod's keeps it as _compression),
+            # so that a process set given to the optimizer alone is an error,
+            # not a collective that the set's outsiders never join.
+            for optimizer in _holders(self):
+                self._check_process_set(optimizer)
+            self._set_checked = True
         if not self._saved_somehow:
             self._saved_somehow = True
             log = logger.warning if self._engine.comm.rank <= 0 else logger.debug
@@ -270,6 +286,25 @@ class Compression(CompressionAliases):
         self._results = None
         self._external = []
         self._left = 0
+
+
+def _holders(compression: Compression) -> List[torch.optim.Optimizer]:
+    """The optimizers that hold ``compression`` as Horovod's optimizer holds its
+    compressor (its ``_compression`` attribute), through the garbage
+    collector's referrers: one scan, at the first step of an un-attached
+    compressor."""
+    found = []
+    for holder in gc.get_referrers(compression):
+        # Python 3.11 keeps an instance's attributes inline (the referrer is
+        # the optimizer) until its __dict__ is asked for (then that dict).
+        owners = [holder]
+        if isinstance(holder, dict):
+            owners = [o for o in gc.get_referrers(holder) if getattr(o, "__dict__", None) is holder]
+        for owner in owners:
+            if isinstance(owner, torch.optim.Optimizer):
+                if getattr(owner, "_compression", None) is compression and owner not in found:
+                    found.append(owner)
+    return found
 
 
 def _ranks(process_set) -> List[int]:

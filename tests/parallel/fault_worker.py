@@ -8,7 +8,9 @@ The shared MLP (mlp_steps.py) trained with form (b) on ``TOPOLOGY``
 - ``step``: rank 1 raises at step 3;
 - ``construct``: rank 0 raises right after the optimizer is built;
 - ``load``: rank 0 loads a damaged checkpoint (NaN residuals and thresholds)
-  in Horovod's resume recipe, which dlgs refuses.
+  in Horovod's resume recipe, which dlgs refuses;
+- ``form-a-set``: Horovod's ``test_optimizer_process_sets`` in form (a): the
+  optimizer on the process set of the even ranks, the compressor not told.
 
 Nothing here catches the fault: the job must end on every rank (the test
 reads when). Each rank writes ``OUT/exit{rank}.json`` with the time its
@@ -66,6 +68,22 @@ def damaged(state):
     return state
 
 
+if fault == "form-a-set":
+    import dlgs.torch
+
+    even = hvd.add_process_set([r for r in range(hvd.size()) if r % 2 == 0])
+    model, _ = model_and_opt(lambda sgd, model: sgd)
+    compression = dlgs.torch.Compression(model.named_parameters(), density=0.05)
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        named_parameters=model.named_parameters(),
+        compression=compression,
+        process_set=even,
+    )
+    with open(f"{out}/fault.json", "w") as f:
+        json.dump({"time": time.time(), "rank": rank}, f)
+    train(model, opt, rank, steps=2)  # rank 0 refuses at its first gradient
+    sys.exit(0)
 if fault == "load":
     model, opt = model_and_opt(dlgs_opts(0.05, **options))
     train(model, opt, rank, steps=3)
