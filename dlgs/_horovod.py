@@ -51,11 +51,34 @@ class HorovodSet:
         self.postscale_factor = postscale_factor
         self.process_set = process_set
         self.compression = compression
-        glob = process_set is hvd.global_process_set
-        self.included = glob or bool(process_set.included())
-        self.size = hvd.size() if glob else process_set.size()
+        self._global = process_set is hvd.global_process_set
+        self.included = self._global or bool(process_set.included())
+        self._world = self._read_world()
+
+    def _read_world(self):
+        hvd = self.hvd
+        if self._global:
+            return hvd.size(), hvd.rank()
         # ProcessSet.rank() raises on a rank outside the set.
-        self.rank = hvd.rank() if glob else (process_set.rank() if self.included else -1)
+        return self.process_set.size(), (self.process_set.rank() if self.included else -1)
+
+    def _live(self):
+        """The set's size and this rank's place, read from Horovod each time:
+        Horovod Elastic's reset (``hvd.shutdown(); hvd.init()``) may change
+        both. Between the shutdown and the init, the last ones read."""
+        try:
+            self._world = self._read_world()
+        except ValueError:  # Horovod not initialised (inside an elastic reset)
+            pass
+        return self._world
+
+    @property
+    def size(self) -> int:
+        return self._live()[0]
+
+    @property
+    def rank(self) -> int:
+        return self._live()[1]
 
     def options(self) -> Dict[str, Any]:
         """What every rank must agree on: op, scaling, compression, process set

@@ -6,9 +6,11 @@ launcher and fails the test."""
 from __future__ import annotations
 
 import json
+import sys
+from typing import Any, Dict, List, Tuple
 
 import pytest
-from conftest import ROOT, horovodrun
+from conftest import HOROVODRUN, ROOT, _launch, horovodrun
 
 #: The goal: every rank ends within this many seconds of the fault.
 ENDS_WITHIN_S = 5.0
@@ -53,3 +55,73 @@ def test_form_a_on_a_process_set_without_the_compressor_told_names_the_argument(
     proc, ends = _run_fault(tmp_path, "form-a-set", np=2)
     assert "process_set: the optimizer reduces on ranks [0]" in proc.stdout + proc.stderr
     assert all(t is not None and t < ENDS_WITHIN_S for t in ends.values()), ends
+
+
+def _elastic(tmp_path, form):
+    """``elastic_worker.py`` under ``horovodrun`` Elastic on Gloo, two one-slot
+    hosts (``localhost`` and ``127.0.0.1``, as Horovod's own elastic tests):
+    the worker on 127.0.0.1 fails once, its host comes back after the
+    blacklist's cool-down. Each step's records, by reset."""
+    out = tmp_path / form
+    out.mkdir()
+    discover = tmp_path / "discover.sh"
+    discover.write_text("#!/bin/bash\necho localhost:1\necho 127.0.0.1:1\n")
+    discover.chmod(0o755)
+    cmd = [
+        HOROVODRUN,
+        "-np",
+        "2",
+        "--min-num-proc",
+        "1",
+        "--max-num-proc",
+        "2",
+        "--host-discovery-script",
+        discover,
+        "--blacklist-cooldown-range",
+        "2",
+        "3",
+        "--gloo",
+        sys.executable,
+        ROOT / "tests" / "parallel" / "elastic_worker.py",
+        out,
+        form,
+    ]
+    _launch([str(c) for c in cmd], timeout=150, cwd=ROOT, extra_path=ROOT / "tests" / "parallel")
+    records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    return sorted(records, key=lambda r: r["time"])
+
+
+def _by_step(records):
+    """Each (world size, batch)'s records by rank: in this schedule a batch
+    runs again only in a world of another size (the one-rank world goes back
+    to the commit before the failure)."""
+    steps: Dict[Tuple[int, int], Dict[int, Any]] = {}
+    for r in records:
+        steps.setdefault((r["size"], r["batch"]), {})[r["rank"]] = r
+    return steps
+
+
+def _worlds(records):
+    """Each world's size and first batch, in time order."""
+    worlds: List[Tuple[int, int]] = []
+    for r in records:
+        if not worlds or worlds[-1][0] != r["size"]:
+            worlds.append((r["size"], r["batch"]))
+    return worlds
+
+
+def test_horovod_elastic_survives_a_failure_and_a_regrow_as_plain_horovod_does(tmp_path):
+    """Issue 42: form (b) under hvd.elastic.run with TorchState, 2 -> 1 -> 2
+    ranks. The same outcome as stock hvd.DistributedOptimizer: the job ends
+    well, each reset resumes from the last commit, the ranks of every world
+    hold the same parameters after every step, and the last batch is reached."""
+    for form in ("horovod", "b"):
+        records = _elastic(tmp_path, form)
+        worlds = _worlds(records)
+        assert [size for size, _ in worlds] == [2, 1, 2], (form, worlds)
+        # The failure hit at batch 14: the survivor goes on from the commit at 12.
+        assert worlds[1][1] == 13, (form, worlds)
+        assert max(r["batch"] for r in records) == 40
+        for (size, batch), ranks in _by_step(records).items():
+            assert len({r["digest"] for r in ranks.values()}) == 1, (form, batch, ranks)
+            assert len(ranks) == size, (form, size, batch, ranks)

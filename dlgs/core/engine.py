@@ -83,6 +83,11 @@ class Engine:
         choose_topology: with ``topology``, time both exchanges' collectives
             for this model first and keep the faster
             (:func:`~dlgs.core.topology.probe_topology`; ``topology="auto"``).
+        elastic: under Horovod Elastic, where no collective may run outside
+            the function ``hvd.elastic.run`` wraps (a worker that joins builds
+            its optimizer while the others synchronise): the ranks' layers and
+            options are checked at every agreement (the first gradient, and
+            the first after every reset) instead of in :meth:`build`.
     """
 
     def __init__(
@@ -101,8 +106,10 @@ class Engine:
         logger: Optional[logging.Logger] = None,
         topology: Optional[Callable[[], Tuple[Any, Any]]] = None,
         choose_topology: bool = False,
+        elastic: bool = False,
     ):
         self.ops = ops
+        self.elastic = elastic
         self._topology = topology
         self._choose_topology = choose_topology
         #: ``topology="auto"``'s measurement (:class:`~dlgs.core.topology.TopologyProbe`).
@@ -158,13 +165,18 @@ class Engine:
         names = [str(n) for n, _, _ in layers]
         order = list(reversed(range(len(layers))))
         ordered = [layers[i] for i in order]
-        if self.comm.included:  # a rank outside the process set takes no part
+        sig = signature(ordered, self.options())
+
+        def check() -> None:
             check_ranks_agree(
-                signature(ordered, self.options()),
+                sig,
                 # A fixed name: one derived from an option (prefix) could itself differ.
                 lambda sig: self.comm.allgather_object(sig, "dlgs.signature"),
                 size=self.comm.size,
             )
+
+        if self.comm.included and not self.elastic:  # a rank outside the set takes no part
+            check()
         numel = [(str(n), math.prod(int(s) for s in shape)) for n, shape, _ in ordered]
         exchange: Any
         two_levels = None
@@ -209,6 +221,8 @@ class Engine:
                 clock=clock,
                 loss_scale=self._loss_scale,
             )
+        if self.elastic:
+            exchange.before_agreement = check
         if self._planner is not None:
             exchange.step_hooks.append(self._planner)
         self._exchange, self.order, self.names, self._like = exchange, order, names, like

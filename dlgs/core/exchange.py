@@ -238,6 +238,12 @@ class SparseExchange:
         # load, never inside load_state_dict (dlgs.core.resume).
         self._sync_pending = True
         self._loaded = False  # loaded a checkpoint since the last agreement
+        # (size, rank) at the last agreement: another at a step's first
+        # gradient (Horovod Elastic's reset) makes every rank agree again.
+        self._world: Optional[Tuple[int, int]] = None
+        #: Called (every rank) at each agreement before it, on more than one
+        #: rank: the ranks' layers and options checked (Horovod Elastic).
+        self.before_agreement: Optional[Callable[[], None]] = None
         #: Keep every layer's state buffers in place: a finished step copies its
         #: new residual (and velocity) over the old one instead of swapping the
         #: two buffers, so a step traced into a graph, which holds the buffers
@@ -581,8 +587,22 @@ class SparseExchange:
             )
         if i in self._submitted:
             raise RuntimeError(f"gradient of {layer.name!r} submitted twice in one step")
-        if self._sync_pending and not self._submitted:
-            self._sync()
+        if not self._submitted:
+            world = (self._agree.size, self._agree.rank)
+            if world != self._world and self._world is not None:
+                # Horovod Elastic reset the job to another size or ranking:
+                # every rank of the new world sees the change (or is new, its
+                # agreement pending) and agrees, then lays out anew for it.
+                logger.info(
+                    "dlgs: the job is now rank %d of %d (was %d of %d)",
+                    *world[::-1],
+                    *self._world[::-1],
+                )
+                # What this rank holds stands as a loaded state would: a
+                # worker that joined (fresh, nothing loaded) takes it.
+                self._sync_pending, self._loaded, self._density = True, True, None
+            if self._sync_pending:
+                self._sync()
         if self._density is None or self.density != self._density:
             self._relayout(grad)
         entered = time.perf_counter()  # never synchronises a device
@@ -1262,8 +1282,11 @@ class SparseExchange:
         self._sync_pending = False
         loaded, self._loaded = self._loaded, False
         agree = self._agree
+        self._world = (agree.size, agree.rank)
         if agree.size <= 1:
             return
+        if self.before_agreement is not None:
+            self.before_agreement()
         part = agree_shared(agree, loaded, self._shared_state(), f"{self.prefix}.sync")
         if part is not None:
             self._apply_shared(part)

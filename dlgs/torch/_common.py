@@ -5,6 +5,7 @@ Horovod's forms (``_engine``) and the DDP hook (``ddp``) build on it."""
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -84,6 +85,8 @@ def build_flat_or_two_level(
         logger=logger,
         topology=topology,
         choose_topology=choose_topology,
+        # Set by horovodrun for hvd.elastic jobs.
+        elastic=os.environ.get("HOROVOD_ELASTIC") == "1",
     )
     device = params[0][1].device if params else torch.device("cpu")
     engine.build(

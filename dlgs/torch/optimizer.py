@@ -158,7 +158,11 @@ class _SparseOverrides:
                         # inf check (plain ``scaler.step(opt)``) reads the
                         # averaged gradients and decides the same on every rank.
                         Variable._execution_engine.queue_callback(self._dlgs_backward_done)
-                self._dlgs.submit(index, _dense_grad(p))
+                try:
+                    self._dlgs.submit(index, _dense_grad(p))
+                except BaseException:
+                    self._dlgs_abort()
+                    raise
                 self._handles[p] = index
 
         return hook
@@ -174,14 +178,21 @@ class _SparseOverrides:
         if self._dlgs_synced:
             return  # completed at the end of backward (with a loss scaler)
         exchange = self._dlgs
-        for i in exchange.pending():
-            p = self._dlgs_params[i]
-            if p.grad is None:
-                # Another rank may have a gradient here (dynamic graphs): take part
-                # with zeros, as Horovod does.
-                p.grad = torch.zeros_like(p)
-            exchange.submit(i, _dense_grad(p))
-        reduced = exchange.wait()
+        try:
+            for i in exchange.pending():
+                p = self._dlgs_params[i]
+                if p.grad is None:
+                    # Another rank may have a gradient here (dynamic graphs): take part
+                    # with zeros, as Horovod does.
+                    p.grad = torch.zeros_like(p)
+                exchange.submit(i, _dense_grad(p))
+            reduced = exchange.wait()
+        except BaseException:
+            # A rank failed (HorovodInternalError) or the step was refused: the
+            # step is dropped, so that Horovod Elastic's restore (a
+            # load_state_dict) and the next step start clean.
+            self._dlgs_abort()
+            raise
         for i, out in reduced.items():
             grad = self._dlgs_params[i].grad
             if grad.is_sparse:
@@ -194,6 +205,15 @@ class _SparseOverrides:
         self._synchronized = True
         self._dlgs_open = False
         self._dlgs_engine.step_done()
+
+    def _dlgs_abort(self) -> None:
+        """Drop the step under way (the exchange's and this optimizer's part)."""
+        self._dlgs.abort_step()
+        for p in self._allreduce_delay:
+            self._allreduce_delay[p] = self.backward_passes_per_step
+        self._handles.clear()
+        self._dlgs_open = False
+        self._dlgs_synced = False
 
     def _dlgs_backward_done(self) -> None:
         self.synchronize()
