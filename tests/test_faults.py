@@ -10,7 +10,7 @@ import sys
 from typing import Any, Dict, List, Tuple
 
 import pytest
-from conftest import HOROVODRUN, ROOT, _launch, horovodrun
+from conftest import HOROVODRUN, ROOT, _launch, horovodrun, load_ranks
 
 #: The goal: every rank ends within this many seconds of the fault.
 ENDS_WITHIN_S = 5.0
@@ -125,3 +125,17 @@ def test_horovod_elastic_survives_a_failure_and_a_regrow_as_plain_horovod_does(t
         for (size, batch), ranks in _by_step(records).items():
             assert len({r["digest"] for r in ranks.values()}) == 1, (form, batch, ranks)
             assert len(ranks) == size, (form, size, batch, ranks)
+
+
+def test_a_load_on_one_rank_after_training_began_goes_on_with_ranks_identical(tmp_path):
+    """Issue 42: rank 1 loads its earlier state at step 5 on every torch
+    transport and form (a); every rank goes on, as under plain Horovod, with
+    the same parameters, the agreed step, and a warning on rank 1 that the
+    step and plan stay."""
+    horovodrun("gloo", 4, [ROOT / "tests" / "parallel" / "load_worker.py", tmp_path], timeout=240)
+    ranks = load_ranks(tmp_path, 4)
+    for case, rec in ranks[0].items():
+        for r in ranks[1:]:
+            assert r[case]["digests"] == rec["digests"], case
+            assert r[case]["step"] == rec["step"], case
+        assert [r[case]["warned"] for r in ranks] == [False, True, False, False], case

@@ -222,7 +222,7 @@ class Engine:
                 loss_scale=self._loss_scale,
             )
         if self.elastic:
-            exchange.before_agreement = check
+            exchange.elastic, exchange.before_agreement = True, check
         if self._planner is not None:
             exchange.step_hooks.append(self._planner)
         self._exchange, self.order, self.names, self._like = exchange, order, names, like

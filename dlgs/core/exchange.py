@@ -241,6 +241,10 @@ class SparseExchange:
         # (size, rank) at the last agreement: another at a step's first
         # gradient (Horovod Elastic's reset) makes every rank agree again.
         self._world: Optional[Tuple[int, int]] = None
+        # A state loaded while training: its shared part, for the next agreement.
+        self._stashed: Optional[Dict[str, Any]] = None
+        #: Under Horovod Elastic (:class:`~dlgs.core.engine.Engine`'s ``elastic``).
+        self.elastic = False
         #: Called (every rank) at each agreement before it, on more than one
         #: rank: the ranks' layers and options checked (Horovod Elastic).
         self.before_agreement: Optional[Callable[[], None]] = None
@@ -601,6 +605,9 @@ class SparseExchange:
                 # What this rank holds stands as a loaded state would: a
                 # worker that joined (fresh, nothing loaded) takes it.
                 self._sync_pending, self._loaded, self._density = True, True, None
+                stashed, self._stashed = self._stashed, None
+                if stashed is not None:  # loaded since the last agreement
+                    self._apply_shared(stashed)
             if self._sync_pending:
                 self._sync()
         if self._density is None or self.density != self._density:
@@ -1237,6 +1244,25 @@ class SparseExchange:
                 "(residuals are kept)",
                 ", ".join(restart),
             )
+        if self.training:
+            # After the ranks agreed and stepped, the others do not know of
+            # this load: an agreement on this rank alone would wait for them
+            # forever (issue 42), and a step or plan in force here alone
+            # would split the ranks' messages. This rank's own layers load now;
+            # the shared part is kept for the next agreement every rank runs
+            # (after Horovod Elastic's reset), else the agreed one stays.
+            self._restore_layers(saved, like, own, restart)
+            self._stashed = state
+            if any(state.get(k) != v for k, v in self._shared_state().items() if k != "hooks"):
+                logger.warning(
+                    "dlgs: a state loaded after training began restores this rank's residuals "
+                    "and thresholds; the step (%s, checkpoint %s), plan and density stay as "
+                    "the ranks agreed (docs/design.md, 'Checkpoints and residuals')",
+                    self.step,
+                    state.get("step"),
+                )
+            self.request_host_step()  # buffers a traced step does not hold
+            return
         self._apply_shared(state)
         self._relayout(like)
         self._restore_layers(saved, like, own, restart)
@@ -1245,6 +1271,14 @@ class SparseExchange:
         # agree with the other loading ranks (a stale file is an error), never
         # be rolled back or forward silently by them.
         self._sync_pending = self._loaded = True
+
+    @property
+    def training(self) -> bool:
+        """The ranks agreed and no agreement is due: a load now is this rank's
+        alone (the others learn nothing of it)."""
+        # Under Horovod Elastic a load is the restore every surviving rank
+        # runs before the reset, after which every rank agrees.
+        return self._world is not None and not self._sync_pending and not self.elastic
 
     def _apply_shared(self, state: Dict[str, Any]) -> None:
         """Put a state's shared part (:func:`dlgs.core.resume.shared`) in
@@ -1280,6 +1314,7 @@ class SparseExchange:
         at the first gradient of a step: one gather of a small record from
         every rank of the process set, the same verdict on every rank."""
         self._sync_pending = False
+        self._stashed = None
         loaded, self._loaded = self._loaded, False
         agree = self._agree
         self._world = (agree.size, agree.rank)
