@@ -63,13 +63,17 @@ class HorovodSet:
         return self.process_set.size(), (self.process_set.rank() if self.included else -1)
 
     def _live(self):
-        """The set's size and this rank's place, read from Horovod each time:
+        """The global set's size and this rank, read from Horovod each time:
         Horovod Elastic's reset (``hvd.shutdown(); hvd.init()``) may change
-        both. Between the shutdown and the init, the last ones read."""
-        try:
-            self._world = self._read_world()
-        except ValueError:  # Horovod not initialised (inside an elastic reset)
-            pass
+        both (between the shutdown and the init, the last ones read). Another
+        set's, as at construction: ``ProcessSet.size()`` asks whichever
+        framework's Horovod library was imported last, and Elastic resets only
+        the global set."""
+        if self._global:
+            try:
+                self._world = self._read_world()
+            except ValueError:  # Horovod not initialised (inside an elastic reset)
+                pass
         return self._world
 
     @property

@@ -192,9 +192,10 @@ def test_check_ranks_agree_gathers_once_and_raises_the_same_error():
 
 
 @parallel
-def test_resuming_from_states_of_different_steps_is_an_error(ranks):
+def test_loads_after_training_began_are_each_ranks_own_and_train_on(ranks):
     recs = value(ranks, "resume_mismatch")
     for r, rec in enumerate(recs):
         assert rec["same_step"] is None, f"rank {r}: {rec['same_step']}"
-        msg = rec["other_step"]
-        assert msg and "step 2 on rank 1 but 4 on rank 0" in msg, f"rank {r}: {msg!r}"
+        assert rec["other_step"] is None, f"rank {r}: {rec['other_step']}"
+    assert recs[0]["step"] == recs[1]["step"] == 6  # the agreed step goes on
+    assert recs[0]["params"] == recs[1]["params"]

@@ -5,6 +5,7 @@ in ``tests/test_parallel.py`` and ``tests/test_amp.py``."""
 
 from __future__ import annotations
 
+import copy
 import math
 
 import numpy as np
@@ -213,18 +214,50 @@ def test_resuming_from_states_of_different_steps_fails_on_every_rank():
                 ex.submit(i, g)
             ex.wait()
             states.append(ex.state_dict())
-        # Loading issues no collective; the ranks find out at the next gradient.
-        ex.load_state_dict(states[(2, 0)[rank]], like=None)
+        # A resume (a fresh exchange): loading issues no collective; the ranks
+        # find out at the next gradient.
+        fresh = exchange(comm)
+        fresh.load_state_dict(states[(2, 0)[rank]], like=None)
         with pytest.raises(RankMismatchError) as info:
-            ex.submit(0, gaussian(rank, 3)[0])
-        ex.load_state_dict(states[2], like=None)  # the same step on both: fine
+            fresh.submit(0, gaussian(rank, 3)[0])
+        fresh = exchange(comm)
+        fresh.load_state_dict(states[2], like=None)  # the same step on both: fine
         for i, g in enumerate(gaussian(rank, 3)):
-            ex.submit(i, g)
-        ex.wait()
+            fresh.submit(i, g)
+        fresh.wait()
         return str(info.value)
 
     msgs = LocalWorld(2).run(body)
     assert msgs[0] == msgs[1] and "step 1 on rank 1 but 3 on rank 0" in msgs[0], msgs
+
+
+def test_a_load_on_one_rank_after_training_began_is_its_own_and_training_goes_on(caplog):
+    """Issue 42: rank 1 alone loads its state of step 0 after step 2; no
+    agreement on one rank (it waited forever), its residuals come back at
+    once, the agreed step stays, and both ranks get the same outputs."""
+
+    def body(rank, comm):
+        ex = exchange(comm)
+        outs, states = [], []
+        for s in range(5):
+            if rank == 1 and s == 3:
+                ex.load_state_dict(states[0], like=None)
+                now = ex.state_dict()["layers"]
+                for name, entry in states[0]["layers"].items():  # restored at once
+                    if entry["residual"] is not None:
+                        assert np.array_equal(now[name]["residual"], entry["residual"])
+            for i, g in enumerate(gaussian(rank, s)):
+                ex.submit(i, g)
+            outs.append([np.array(o) for o in ex.wait().values()])
+            states.append(copy.deepcopy(ex.state_dict()))
+        return ex.step, outs
+
+    with caplog.at_level("WARNING", logger="dlgs"):
+        (step0, outs0), (step1, outs1) = LocalWorld(2).run(body)
+    assert step0 == step1 == 5
+    for a, b in zip(outs0, outs1):
+        assert all(np.array_equal(x, y) for x, y in zip(a, b))
+    assert any("after training began" in r.getMessage() for r in caplog.records)
 
 
 def test_a_collective_one_rank_never_reaches_fails_instead_of_hanging():

@@ -1278,7 +1278,9 @@ class SparseExchange:
         alone (the others learn nothing of it)."""
         # Under Horovod Elastic a load is the restore every surviving rank
         # runs before the reset, after which every rank agrees.
-        return self._world is not None and not self._sync_pending and not self.elastic
+        # On one rank there is no one to tell: a load takes the whole state.
+        world = self._world
+        return world is not None and world[0] > 1 and not self._sync_pending and not self.elastic
 
     def _apply_shared(self, state: Dict[str, Any]) -> None:
         """Put a state's shared part (:func:`dlgs.core.resume.shared`) in
