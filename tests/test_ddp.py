@@ -19,6 +19,7 @@ SCENARIOS = [
     "conservation",
     "unused_parameters",
     "resume",
+    "one_rank_load",
     "pickled_state",
     "amp_nonfinite",
     "error_mid_step",
@@ -82,6 +83,11 @@ def test_resume_from_a_checkpoint_trains_on_identically(ranks):
         assert rec["without_dlgs_state"] != rec["on"], "the comparison can fail"
     a, b = value(ranks, "resume")
     assert a["on"] == b["on"] and a["on_dp"] == b["on_dp"]
+
+
+def test_a_load_on_one_rank_after_training_began_goes_on_with_ranks_identical(ranks):
+    r0, r1 = value(ranks, "one_rank_load")
+    assert r0 == r1 and r0["step"] == 7, (r0, r1)
 
 
 def test_a_pickled_state_binds_again_and_trains_on(ranks):

@@ -42,6 +42,7 @@ SCENARIOS = [
     "fit_identical",
     "resume",
     "resume_recipe",
+    "one_rank_load",
     "mismatch",
     "against_reference",
     "graph_exchange",
@@ -443,6 +444,12 @@ def test_tf_checkpoint_resumes_bit_identically(ranks):
     for r, v in enumerate(value(ranks, "resume")):
         assert v["resumed"] == v["straight"], f"rank {r}: resumed run differs"
         assert v["without_dlgs_state"][-1] != v["straight"][-1], "control: state had no effect"
+
+
+@pytest.mark.parallel
+def test_tf_a_load_on_one_rank_in_the_middle_of_fit_goes_on_with_ranks_identical(ranks):
+    r0, r1 = value(ranks, "one_rank_load")
+    assert r0 == r1 and r0["step"] == 9, (r0, r1)
 
 
 @pytest.mark.parallel

@@ -1261,7 +1261,13 @@ class SparseExchange:
                     self.step,
                     state.get("step"),
                 )
-            self.request_host_step()  # buffers a traced step does not hold
+            # Residuals were restored in place; the controllers' state goes to
+            # the device bank a traced step reads. No host step is asked for:
+            # the ranks take host or device steps together (TensorFlow's graph
+            # budget), and only this rank knows of the load.
+            if self._device_bank is not None and self._device_bank_version == self.layout_version:
+                assert self._bank is not None
+                self._bank.push(self.ops, self._device_bank)
             return
         self._apply_shared(state)
         self._relayout(like)

@@ -282,6 +282,22 @@ def resume():
 
 
 @scenario
+def one_rank_load():
+    """Issue 42: rank 1 alone loads its state of step 1 after step 3; every
+    rank goes on (no agreement on one rank), with the same parameters."""
+    model = ddp(hidden=128)
+    state = hooked(model, density=0.05, min_sparse_size=64, merge="none")
+    opt = sgd(model)
+    digests = train(model, opt, 2)
+    saved = _save(state.state_dict())
+    digests += train(model, opt, 2, start=2)
+    if dist.get_rank() == 1:
+        state.load_state_dict(torch.load(io.BytesIO(saved), weights_only=False))
+    digests += train(model, opt, 3, start=4)
+    return {"digests": digests, "step": state.dlgs.exchange.step}
+
+
+@scenario
 def pickled_state():
     """A pickled state keeps its options and checkpoint; bound to the model
     again, it trains on as the original."""

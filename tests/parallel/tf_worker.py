@@ -629,6 +629,57 @@ def resume_recipe():
     return out
 
 
+class _LoadOnRank1(keras.callbacks.Callback):
+    """Saves dlgs' state after batch ``save`` and loads it on rank 1 alone after
+    batch ``load``: a one-rank load after training began (issue 42)."""
+
+    def __init__(self, opt, save=2, load=5):
+        super().__init__()
+        self.opt, self.save, self.load, self.saved = opt, save, load, None
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == self.save:  # a copy: the state holds the live variables
+            state = self.opt.dlgs.state_dict()
+            self.saved = tf.nest.map_structure(
+                lambda v: np.array(v) if isinstance(v, (tf.Variable, tf.Tensor)) else v, state
+            )
+        if batch == self.load and hvd.rank() == 1:
+            self.opt.dlgs.load_state_dict(self.saved)
+
+
+@scenario
+def one_rank_load():
+    """Rank 1 alone loads its earlier dlgs state in the middle of model.fit
+    (compiled: the exchange in the graph); every rank goes on, identical."""
+    opt = dlgs.tensorflow.keras.DistributedOptimizer(
+        keras.optimizers.SGD(0.05),
+        name="one_rank_load",
+        density=0.05,
+        min_sparse_size=64,
+        merge="none",
+    )
+    model = mlp(4)
+    model.compile(
+        optimizer=opt,
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        jit_compile=False,
+    )
+    rng = np.random.default_rng(77 + hvd.rank())
+    x = rng.standard_normal((16 * 9, 32)).astype("float32")
+    y = rng.integers(0, 10, 16 * 9)
+    digests = _Digests()
+    model.fit(
+        x,
+        y,
+        batch_size=16,
+        epochs=1,
+        shuffle=False,
+        verbose=0,
+        callbacks=[_LoadOnRank1(opt), digests],
+    )
+    return {"digests": digests.digests, "step": opt.dlgs.exchange.step}
+
+
 @scenario
 def mismatch():
     """Different models, or different options, on the ranks: an error on every rank."""
