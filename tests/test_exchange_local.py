@@ -260,6 +260,37 @@ def test_a_load_on_one_rank_after_training_began_is_its_own_and_training_goes_on
     assert any("after training began" in r.getMessage() for r in caplog.records)
 
 
+def test_resync_after_every_rank_loaded_agrees_or_refuses_a_stale_file():
+    """A roll-back of the whole job: every rank loads, then resync() on every
+    rank: the checkpoints' step is in force when they agree, and a stale file
+    on one rank is a RankMismatchError on both."""
+
+    def body(rank, comm):
+        ex = exchange(comm)
+        states = []
+        for s in range(4):
+            for i, g in enumerate(gaussian(rank, s)):
+                ex.submit(i, g)
+            ex.wait()
+            states.append(copy.deepcopy(ex.state_dict()))
+        ex.load_state_dict(states[1], like=None)
+        assert ex.step == 4  # a load alone keeps the agreed step
+        ex.resync()
+        for i, g in enumerate(gaussian(rank, 4)):
+            ex.submit(i, g)
+        ex.wait()
+        rolled_back = ex.step  # 2 (the checkpoint's) + 1
+        ex.load_state_dict(states[(3, 1)[rank]], like=None)
+        ex.resync()
+        with pytest.raises(RankMismatchError) as info:
+            ex.submit(0, gaussian(rank, 5)[0])
+        return rolled_back, str(info.value)
+
+    (b0, m0), (b1, m1) = LocalWorld(2).run(body)
+    assert b0 == b1 == 3
+    assert m0 == m1 and "on rank 1 but" in m0, m0
+
+
 def test_a_collective_one_rank_never_reaches_fails_instead_of_hanging():
     world = LocalWorld(2, timeout=0.5)
 

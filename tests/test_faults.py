@@ -111,11 +111,11 @@ def _worlds(records):
 
 
 def test_horovod_elastic_survives_a_failure_and_a_regrow_as_plain_horovod_does(tmp_path):
-    """Issue 42: form (b) under hvd.elastic.run with TorchState, 2 -> 1 -> 2
+    """Issue 42: forms (b) and (a) under hvd.elastic.run with TorchState, 2 -> 1 -> 2
     ranks. The same outcome as stock hvd.DistributedOptimizer: the job ends
     well, each reset resumes from the last commit, the ranks of every world
     hold the same parameters after every step, and the last batch is reached."""
-    for form in ("horovod", "b"):
+    for form in ("horovod", "b", "a"):
         records = _elastic(tmp_path, form)
         worlds = _worlds(records)
         assert [size for size, _ in worlds] == [2, 1, 2], (form, worlds)

@@ -274,6 +274,18 @@ class Engine:
         its ``profile`` the measured one (``profile.save(path)``)."""
         return self._planner
 
+    def resync(self) -> None:
+        """After every rank loaded a state while training (a roll-back of the
+        whole job), agree on the loaded step, plan and density at the next
+        gradient, as at a resume: equal states take effect, states of
+        different steps (a stale file on one rank) raise
+        :class:`~dlgs.RankMismatchError` on every rank. A collective at the
+        next gradient: call it on **every** rank between the same two steps
+        (a load alone keeps the agreed step and plan, docs/design.md)."""
+        self._settle()
+        if self._exchange is not None:
+            self._exchange.resync()
+
     def reprofile(self) -> None:
         """Profile again and re-plan (the plan in force stays until then).
 

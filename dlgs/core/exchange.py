@@ -1278,6 +1278,19 @@ class SparseExchange:
         # be rolled back or forward silently by them.
         self._sync_pending = self._loaded = True
 
+    def resync(self) -> None:
+        """Agree at the next gradient, every rank (see
+        :meth:`dlgs.core.engine.Engine.resync`): a state loaded since the last
+        agreement takes part as a load, with its step, plan and density."""
+        if self._submitted:
+            raise RuntimeError("resync() in the middle of a step")
+        stashed, self._stashed = self._stashed, None
+        if stashed is not None:
+            self._apply_shared(stashed)
+            self._loaded = True
+        self._sync_pending, self._density = True, None
+        self.request_host_step()  # the agreement, on every rank
+
     @property
     def training(self) -> bool:
         """The ranks agreed and no agreement is due: a load now is this rank's

@@ -169,6 +169,7 @@ class Compression(CompressionAliases):
         def check(opt, state):
             # As the optimizer form: validate dlgs' part before anything loads,
             # apply it after the optimizer's own state has loaded.
+            self._drop_failed_step()
             state, dlgs_state = self._engine.split_checkpoint(state)
             if dlgs_state is not None:
                 pending.append(dlgs_state)
@@ -282,10 +283,20 @@ class Compression(CompressionAliases):
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restore a :meth:`state_dict` between steps. No collective: safe on one
         rank (see :meth:`dlgs.core.SparseExchange.load_state_dict`)."""
+        self._drop_failed_step()
         self._engine.load_state_dict(state)
         self._results = None
         self._external = []
         self._left = 0
+
+    def _drop_failed_step(self) -> None:
+        """Under Horovod Elastic a load inside a step is the restore after a
+        failure (Horovod's optimizer raised from its synchronize, between our
+        compress and decompress calls): that step is dropped. Elsewhere a load
+        inside a step stays an error."""
+        if self._engine.elastic and self._exchange.in_step:
+            self._exchange.abort_step()
+            self._results, self._external, self._left = None, [], 0
 
 
 def _holders(compression: Compression) -> List[torch.optim.Optimizer]:

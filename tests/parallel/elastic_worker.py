@@ -1,7 +1,8 @@
 """Horovod Elastic with a failure and a regrow (tests/test_faults.py):
 ``python elastic_worker.py OUT FORM`` under ``horovodrun`` with a host
 discovery script (``FORM``: ``horovod`` for stock ``hvd.DistributedOptimizer``,
-the reference, or ``b`` for ``dlgs.torch.DistributedOptimizer``).
+the reference, ``b`` for ``dlgs.torch.DistributedOptimizer`` or ``a`` for
+``compression=dlgs.torch.Compression``, attached).
 
 The shared MLP (mlp_steps.py) in ``hvd.elastic.TorchState``, committed every
 4 batches, 24 batches in all. The worker on host 127.0.0.1 raises at batch 14
@@ -41,6 +42,14 @@ model = torch.nn.Sequential(
 sgd = torch.optim.SGD(model.parameters(), lr=0.05)
 if form == "horovod":
     opt = hvd.DistributedOptimizer(sgd, named_parameters=model.named_parameters())
+elif form == "a":
+    compression = dlgs.torch.Compression(
+        model.named_parameters(), density=0.05, merge="none", min_sparse_size=1000
+    )
+    opt = hvd.DistributedOptimizer(
+        sgd, named_parameters=model.named_parameters(), compression=compression
+    )
+    compression.attach(opt)
 else:
     opt = dlgs.torch.DistributedOptimizer(
         sgd,
