@@ -205,15 +205,20 @@ def test_outputs_come_back_in_scaled_units():
         np.testing.assert_allclose(recs[0][0][0][i], expect, rtol=1e-6)
 
 
+def _states_of_steps(ex, rank, steps):
+    """``steps`` steps of ``ex`` on this rank's gradients; a copy of its state after each."""
+    states = []
+    for s in range(steps):
+        for i, g in enumerate(gaussian(rank, s)):
+            ex.submit(i, g)
+        ex.wait()
+        states.append(copy.deepcopy(ex.state_dict()))
+    return states
+
+
 def test_resuming_from_states_of_different_steps_fails_on_every_rank():
     def body(rank, comm):
-        ex = exchange(comm)
-        states = []
-        for s in range(3):
-            for i, g in enumerate(gaussian(rank, s)):
-                ex.submit(i, g)
-            ex.wait()
-            states.append(ex.state_dict())
+        states = _states_of_steps(exchange(comm), rank, 3)
         # A resume (a fresh exchange): loading issues no collective; the ranks
         # find out at the next gradient.
         fresh = exchange(comm)
@@ -267,12 +272,7 @@ def test_resync_after_every_rank_loaded_agrees_or_refuses_a_stale_file():
 
     def body(rank, comm):
         ex = exchange(comm)
-        states = []
-        for s in range(4):
-            for i, g in enumerate(gaussian(rank, s)):
-                ex.submit(i, g)
-            ex.wait()
-            states.append(copy.deepcopy(ex.state_dict()))
+        states = _states_of_steps(ex, rank, 4)
         ex.load_state_dict(states[1], like=None)
         assert ex.step == 4  # a load alone keeps the agreed step
         ex.resync()

@@ -21,7 +21,7 @@ import time
 
 import horovod.torch as hvd
 import torch
-from mlp_steps import digest
+from mlp_steps import digest, mlp
 
 import dlgs.torch
 
@@ -31,14 +31,8 @@ host = os.environ.get("HOROVOD_HOSTNAME", "")
 
 hvd.init()
 torch.set_num_threads(1)
-torch.manual_seed(0)
-model = torch.nn.Sequential(
-    torch.nn.Linear(32, 96),
-    torch.nn.ReLU(),
-    torch.nn.Linear(96, 40),
-    torch.nn.ReLU(),
-    torch.nn.Linear(40, 10),
-)
+# No collective before hvd.elastic.run: a joining worker builds while the others sync.
+model = mlp()
 sgd = torch.optim.SGD(model.parameters(), lr=0.05)
 if form == "horovod":
     opt = hvd.DistributedOptimizer(sgd, named_parameters=model.named_parameters())

@@ -10,16 +10,21 @@ import torch
 import dlgs.torch
 
 
-def model_and_opt(make_opt):
-    """The MLP (the same weights on every rank) and ``make_opt(sgd, model)``."""
+def mlp():
+    """The MLP, the same weights on every rank (no collective)."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(
+    return torch.nn.Sequential(
         torch.nn.Linear(32, 96),
         torch.nn.ReLU(),
         torch.nn.Linear(96, 40),
         torch.nn.ReLU(),
         torch.nn.Linear(40, 10),
     )
+
+
+def model_and_opt(make_opt):
+    """The MLP (the same weights on every rank) and ``make_opt(sgd, model)``."""
+    model = mlp()
     opt = make_opt(torch.optim.SGD(model.parameters(), lr=0.05), model)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     return model, opt
