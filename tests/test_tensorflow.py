@@ -456,6 +456,7 @@ def test_tf_a_load_on_one_rank_in_the_middle_of_fit_goes_on_with_ranks_identical
 def test_tf_rank_disagreement_and_ungrouped_compression_are_errors(ranks):
     for r, v in enumerate(value(ranks, "mismatch")):
         assert v["model"] and "shape" in v["model"], f"rank {r}: {v['model']!r}"
+        assert v["function"] and "shape" in v["function"], f"rank {r}: {v['function']!r}"
         assert v["options"] and "density" in v["options"], f"rank {r}: {v['options']!r}"
         assert v["ungrouped"] and "num_groups=1" in v["ungrouped"], f"rank {r}: {v['ungrouped']!r}"
 

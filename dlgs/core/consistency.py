@@ -44,6 +44,12 @@ _USER_NAMES = {
 class RankMismatchError(ValueError):
     """Ranks were given different models or options."""
 
+    # TensorFlow's autograph re-raises an error from traced code as its own
+    # type only where that type's __init__ is Exception's (else as a
+    # StagingError, which ``except dlgs.RankMismatchError`` would not catch:
+    # issue 42); the message is the only argument either way.
+    __init__ = Exception.__init__
+
 
 def signature(
     layers: Sequence[Tuple[str, Sequence[int], str]], options: Dict[str, Any]

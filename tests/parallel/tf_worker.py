@@ -695,6 +695,23 @@ def mismatch():
         out["model"] = None
     except RankMismatchError as err:
         out["model"] = str(err)
+    # The same inside tf.function: raised as RankMismatchError, not TF's
+    # StagingError (issue 42).
+    model = mlp(6, hidden=64 if hvd.rank() == 0 else 65, broadcast=False)
+
+    @tf.function
+    def traced(x, y):
+        with tf.GradientTape() as t:
+            loss = loss_fn(model, x, y)
+        return dlgs.tensorflow.DistributedGradientTape(t, name="mm.fn").gradient(
+            loss, model.trainable_variables
+        )
+
+    try:
+        traced(tf.constant(x), tf.constant(y))
+        out["function"] = None
+    except RankMismatchError as err:
+        out["function"] = str(err)
     model = mlp(6)
     try:
         dlgs.tensorflow.Compression(
