@@ -114,7 +114,7 @@ def run_one(
         fn(x, y)
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
-    traced = fn._made if how == "graph" else fn  # the tf.function in force
+    traced = fn.traced if how == "graph" else fn  # the tf.function in force
     row: Dict[str, Any] = {
         "method": label,
         "step_ms": 1e3 * statistics.median(times),

@@ -349,12 +349,10 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> None:
     gathered = hvd.allgather_object([vars(t) for t in mine.values()], name="benchmarks.train.times")
     if rank != 0:
         return
-    how = (
-        {
-            "function": "each step one tf.function (dlgs' exchange in the graph where it can be)",
-            "py-function": "each step one tf.function (dlgs' exchange in a tf.py_function)",
-        }.get(args.tf_mode, "eager steps")
-    )
+    how = {
+        "function": "each step one tf.function (dlgs' exchange in the graph where it can be)",
+        "py-function": "each step one tf.function (dlgs' exchange in a tf.py_function)",
+    }.get(args.tf_mode, "eager steps")
     section = write_outputs(
         gathered,
         args,

@@ -159,7 +159,7 @@ def bind_horovod(framework) -> None:
     """
     from horovod.common import process_sets
 
-    process_sets._setup(framework.mpi_ops._basics)
+    process_sets._setup(framework.mpi_ops._basics)  # noqa: SLF001 - Horovod's one handle
 
 
 @pytest.fixture(autouse=True)

@@ -1,20 +1,19 @@
 """The per-job engine (``dlgs/core/engine.py``) with no framework: NumPy arrays,
 ranks as threads (``tests/local_world.py``). What every adapter relies on:
 back-propagation order, the agreement check, deferred state loading, the
-logging cadence, the accessors and their deprecated aliases."""
+logging cadence and the accessors."""
 
 from __future__ import annotations
 
 import copy
 import logging
-import warnings
 
 import numpy as np
 import pytest
 from local_world import OPS, LocalWorld
 
 from dlgs.core import MergeConfig, RankMismatchError, SparseExchange, SparsityConfig
-from dlgs.core.engine import CompressionAliases, Engine, OptimizerAliases
+from dlgs.core.engine import Engine
 from dlgs.core.profiler import OnlinePlanner
 
 # Registration (forward) order, as a framework lists parameters.
@@ -155,16 +154,8 @@ def test_log_every_logs_on_its_cadence(caplog):
     assert {r["name"] for r in rows} == {"w1", "b1", "w2"}
 
 
-def test_reprofile_restarts_the_planner_and_deprecated_aliases_warn():
+def test_reprofile_restarts_the_planner():
     world = LocalWorld(1)
-
-    class Opt(OptimizerAliases):
-        def __init__(self, eng):
-            self.dlgs = eng
-
-    class Comp(CompressionAliases):
-        def __init__(self, eng):
-            self.dlgs = eng
 
     def body(rank, comm):
         planner = OnlinePlanner.from_config(MergeConfig("buckets", profile_steps=1))
@@ -175,23 +166,8 @@ def test_reprofile_restarts_the_planner_and_deprecated_aliases_warn():
         assert planner.profile is not None
         eng.reprofile()
         assert planner.profile is None
-        return Opt(eng), Comp(eng), eng
 
-    ((opt, comp, eng),) = world.run(body)
-    for obj, names in (
-        (opt, ["dlgs_exchange", "dlgs_planner", "dlgs_last_step_finite"]),
-        (comp, ["exchange", "planner", "last_step_finite"]),
-    ):
-        for name in names:
-            with pytest.warns(DeprecationWarning, match=name.split("_")[-1]):
-                value = getattr(obj, name)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                assert value == getattr(eng, name.replace("dlgs_", ""))
-    with pytest.warns(DeprecationWarning, match=r"\.dlgs\.stats\(\)"):
-        assert opt.dlgs_stats() == eng.stats()
-    with pytest.warns(DeprecationWarning, match="reprofile"):
-        comp.reprofile()
+    world.run(body)
 
 
 def test_each_step_hands_its_hooks_a_typed_record():

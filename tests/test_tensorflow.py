@@ -152,11 +152,7 @@ def test_same_name_other_options_is_an_error_and_same_options_continue():
         tapes.append(tape)
     assert tapes[0].dlgs.exchange is tapes[1].dlgs.exchange
     assert tapes[1].dlgs.exchange.step == 2
-    # The dlgs 0.1 names still answer, with a DeprecationWarning.
-    with pytest.warns(DeprecationWarning, match="dlgs_exchange"):
-        assert tapes[1].dlgs_exchange is tapes[1].dlgs.exchange
-    with pytest.warns(DeprecationWarning, match="dlgs_state"):
-        assert tapes[1].dlgs_state is tapes[1].dlgs.trackable
+    assert not hasattr(tapes[1], "dlgs_exchange")  # the dlgs 0.1 names are gone (issue 43)
     with tf.GradientTape() as tape:
         pass
     with pytest.raises(ValueError, match="name="):

@@ -125,11 +125,11 @@ def test_keras_optimizer_wrapping_a_loss_scale_optimizer_is_one():
     opt = dlgs.tensorflow.keras.DistributedOptimizer(inner, density=0.1, name="amp.wrap")
     assert isinstance(opt, keras.optimizers.LossScaleOptimizer)
     assert opt.get_config() == inner.get_config()
-    assert opt._dlgs_engine.extra_options["loss_scaler"] is True
+    assert opt.dlgs.extra_options["loss_scaler"] is True
     plain = dlgs.tensorflow.keras.DistributedOptimizer(keras.optimizers.SGD(0.1), name="amp.p")
-    assert plain._dlgs_engine.extra_options["loss_scaler"] is False
+    assert plain.dlgs.extra_options["loss_scaler"] is False
     # Reads initial_scale until built (what scale_loss() uses), then the live variable.
-    read = opt._dlgs_engine.loss_scale
+    read = opt.dlgs.loss_scale
     assert float(read()) == 2.0**12
     model = _model()
     opt.build(model.trainable_variables)

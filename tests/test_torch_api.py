@@ -116,8 +116,7 @@ def test_generated_class_mirrors_horovod():
     )
     assert ex.wire_bytes() == real
     assert "dlgs" in opt.state_dict()
-    with pytest.warns(DeprecationWarning, match="dlgs_stats"):
-        assert opt.dlgs_stats() == rows  # the dlgs 0.1 name, kept until 0.3
+    assert not hasattr(opt, "dlgs_stats")  # the dlgs 0.1 names are gone (issue 43)
 
 
 def test_log_every_logs_per_layer_statistics(caplog):

@@ -14,8 +14,7 @@ dlgs in a job lives here:
 * checkpoint state, including a state loaded before the exchange exists
   (TensorFlow restores checkpoints before the first step builds it),
 * the one set of accessors every adapter exposes as ``.dlgs``
-  (:class:`Engine`'s public members) with the pre-0.2 names kept as
-  deprecated aliases (:class:`OptimizerAliases`, :class:`CompressionAliases`).
+  (:class:`Engine`'s public members).
 
 The engine holds no framework object except what the adapter hands in (the
 array ops, the collectives, a ``like`` tensor for the device).
@@ -26,7 +25,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-import warnings
 from collections import Counter
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -37,7 +35,7 @@ from .exchange import Collectives, SparseExchange, check_finite_state, log_stats
 from .hierarchical import HierarchicalExchange
 from .topology import TopologyProbe, probe_topology
 
-__all__ = ["CompressionAliases", "Engine", "OptimizerAliases", "check_unique_names"]
+__all__ = ["Engine", "check_unique_names"]
 
 
 def check_unique_names(kind: str, names: Sequence[str]) -> None:
@@ -414,74 +412,3 @@ class Engine:
             self._pending_state = state
             return
         self._exchange.load_state_dict(state, like=self._like)
-
-
-# -- the names of dlgs 0.1, kept for one release --------------------------------------
-
-
-def _deprecated(old: str, new: str) -> None:
-    warnings.warn(
-        f"{old} is deprecated and will be removed in dlgs 0.3: use {new}",
-        DeprecationWarning,
-        stacklevel=3,
-    )
-
-
-class OptimizerAliases:
-    """The dlgs 0.1 ``dlgs_*`` accessors of the optimizers and the tape, now
-    ``.dlgs.*`` (each warns once per call site with :class:`DeprecationWarning`).
-    The class mixing this in defines ``dlgs`` (the :class:`Engine`)."""
-
-    dlgs: Engine
-
-    @property
-    def dlgs_exchange(self):
-        _deprecated("dlgs_exchange", ".dlgs.exchange")
-        return self.dlgs.exchange
-
-    @property
-    def dlgs_planner(self):
-        _deprecated("dlgs_planner", ".dlgs.planner")
-        return self.dlgs.planner
-
-    @property
-    def dlgs_last_step_finite(self) -> bool:
-        _deprecated("dlgs_last_step_finite", ".dlgs.last_step_finite")
-        return self.dlgs.last_step_finite
-
-    def dlgs_stats(self) -> List[Dict[str, Any]]:
-        _deprecated("dlgs_stats()", ".dlgs.stats()")
-        return self.dlgs.stats()
-
-    def dlgs_reprofile(self) -> None:
-        _deprecated("dlgs_reprofile()", ".dlgs.reprofile()")
-        self.dlgs.reprofile()
-
-
-class CompressionAliases:
-    """The dlgs 0.1 accessors of the ``Compression`` classes, now ``.dlgs.*``."""
-
-    dlgs: Engine
-
-    @property
-    def exchange(self):
-        _deprecated("Compression.exchange", "Compression.dlgs.exchange")
-        return self.dlgs.exchange
-
-    @property
-    def planner(self):
-        _deprecated("Compression.planner", "Compression.dlgs.planner")
-        return self.dlgs.planner
-
-    @property
-    def last_step_finite(self) -> bool:
-        _deprecated("Compression.last_step_finite", "Compression.dlgs.last_step_finite")
-        return self.dlgs.last_step_finite
-
-    def stats(self) -> List[Dict[str, Any]]:
-        _deprecated("Compression.stats()", "Compression.dlgs.stats()")
-        return self.dlgs.stats()
-
-    def reprofile(self) -> None:
-        _deprecated("Compression.reprofile()", "Compression.dlgs.reprofile()")
-        self.dlgs.reprofile()

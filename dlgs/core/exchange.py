@@ -310,12 +310,6 @@ class SparseExchange:
         return self._nonfinite.steps
 
     @property
-    def last_step_seconds(self) -> Optional[float]:
-        """Seconds from the first gradient of the last step to the end of its
-        wait() (host clock, no device synchronisation); ``last_step.seconds``."""
-        return self.last_step.seconds if self.last_step is not None else None
-
-    @property
     def last_submit_seconds(self) -> Optional[float]:
         """Host seconds spent inside submit() in the last step: selection,
         packing and starting collectives (on a GPU: launching them)."""

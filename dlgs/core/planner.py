@@ -236,9 +236,6 @@ class Plan:
         object.__setattr__(self, "end", self.groups[-1].end if self.groups else 0.0)
         object.__setattr__(self, "compute_end", self.groups[-1].ready if self.groups else 0.0)
 
-    def member_lists(self) -> List[List[int]]:
-        return [g.members for g in self.groups]
-
     def modes(self) -> List[bool]:
         return [g.sparse for g in self.groups]
 

@@ -453,11 +453,6 @@ def raise_layers(
     return tuple(rungs[lv] for lv in level)
 
 
-def layer_profiles(names: Sequence[str], numels: Sequence[int], backward: Sequence[float]):
-    """Convenience: zip three sequences into :class:`LayerProfile` records."""
-    return tuple(LayerProfile(n, int(m), float(b)) for n, m, b in zip(names, numels, backward))
-
-
 def calibrate(
     profile: Profile,
     config: SparsityConfig,

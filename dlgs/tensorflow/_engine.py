@@ -36,7 +36,7 @@ import tensorflow as tf
 from .. import _options
 from .._horovod import HorovodSet
 from ..core.engine import Engine as CoreEngine
-from ..core.engine import OptimizerAliases, _deprecated, check_unique_names
+from ..core.engine import check_unique_names
 from ._graph import GraphSteps
 from ._ops import OPS, _read
 
@@ -234,11 +234,11 @@ class Engine(CoreEngine):
                 g = tf.convert_to_tensor(g)
             dense.append(g)
         if tf.executing_eagerly():
-            out = self._run(dense)
+            out = self.run_eager(dense)
         else:
 
             def host() -> List[Any]:
-                got = tf.py_function(self._run, dense, Tout=[g.dtype for g in dense])
+                got = tf.py_function(self.run_eager, dense, Tout=[g.dtype for g in dense])
                 got = list(got) if isinstance(got, (list, tuple)) else [got]
                 for o, g in zip(got, dense):
                     o.set_shape(g.shape)
@@ -247,7 +247,7 @@ class Engine(CoreEngine):
             out = self.graph.step(dense, host)
         return [None if m else o for m, o in zip(missing, out)]
 
-    def _run(self, *grads: Any) -> List[tf.Tensor]:
+    def run_eager(self, *grads: Any) -> List[tf.Tensor]:
         """The eager step: submit in backward order, wait, reshape back."""
         if len(grads) == 1 and isinstance(grads[0], (list, tuple)):
             grads = tuple(grads[0])
@@ -367,7 +367,7 @@ def _clock():
     return time.perf_counter  # eager CPU ops complete before they return
 
 
-class DlgsAccessors(OptimizerAliases):
+class DlgsAccessors:
     """What the tape and the Keras optimizer add (both keep their
     :class:`Engine` as ``self._dlgs_engine``)."""
 
@@ -378,9 +378,3 @@ class DlgsAccessors(OptimizerAliases):
         for ``tf.train.Checkpoint(dlgs=obj.dlgs.trackable)``
         (:class:`dlgs.core.engine.Engine`)."""
         return self._dlgs_engine
-
-    @property
-    def dlgs_state(self):
-        """Deprecated: ``.dlgs.trackable``."""
-        _deprecated("dlgs_state", ".dlgs.trackable")
-        return self._dlgs_engine.trackable

@@ -176,8 +176,10 @@ class GraphSteps:
 
         def host_next() -> None:  # a plan, density or timed step asked between steps
             me = ref()
-            if me is not None and me._vars is not None and tf.executing_eagerly():
-                me._vars["budget"].assign(0)
+            # This object, reached through a weak reference.
+            variables = me._vars if me is not None else None  # noqa: SLF001
+            if variables is not None and tf.executing_eagerly():
+                variables["budget"].assign(0)
 
         ex.listeners.append(host_next)
 
@@ -316,7 +318,7 @@ def _keras_model() -> Any:
         import keras
     except ImportError:  # pragma: no cover - keras comes with the TF adapter
         return None
-    frame = sys._getframe(2)
+    frame = sys._getframe(2)  # noqa: SLF001 - a stack walk, to go (issue 43)
     for _ in range(24):
         if frame is None:
             return None
@@ -367,6 +369,11 @@ class _Retraced:
         if self._made is None:
             self._made = tf.function(self._traced, **self._kwargs)
         return self._made(*args, **kw)
+
+    @property
+    def traced(self) -> Any:
+        """The ``tf.function`` in force (None before the first call or after a retrace)."""
+        return self._made
 
     def experimental_get_tracing_count(self) -> int:
         return 0 if self._made is None else self._made.experimental_get_tracing_count()

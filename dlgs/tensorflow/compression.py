@@ -45,7 +45,6 @@ import tensorflow as tf
 
 from .. import _options
 from ..core.config import SparsityConfig
-from ..core.engine import CompressionAliases, _deprecated
 from ._amp import check_scaler, scale_reader
 from ._engine import (
     Engine,
@@ -59,7 +58,7 @@ from ._engine import (
 __all__ = ["Compression"]
 
 
-class Compression(CompressionAliases):
+class Compression:
     """A Horovod TF compressor that exchanges each layer's gradient sparsely.
 
     Use with ``hvd.DistributedGradientTape(tape, compression=..., num_groups=1)``
@@ -217,7 +216,7 @@ class Compression(CompressionAliases):
                     g if g is not None else tf.zeros(s, d)
                     for g, s, d in zip(self._grads, self._shapes, self._dtypes)
                 ]
-                self._results = self._engine._run(*grads)
+                self._results = self._engine.run_eager(*grads)
                 self._grads = [None] * len(self._variables)
             out = self._results[pos]
         # 1 under op=Average, the number of ranks under op=Sum.
@@ -230,12 +229,6 @@ class Compression(CompressionAliases):
         ``reprofile()``, ``last_step_finite``, ``exchange``, and ``trackable``
         for ``tf.train.Checkpoint(dlgs=compression.dlgs.trackable)``."""
         return self._engine
-
-    @property
-    def dlgs_state(self):
-        """Deprecated: ``.dlgs.trackable``."""
-        _deprecated("Compression.dlgs.trackable", "Compression.dlgs.trackable")
-        return self._engine.trackable
 
     def state_dict(self) -> Dict[str, Any]:
         """This rank's residuals, controller states, step and plan, as NumPy."""

@@ -56,7 +56,7 @@ class _SparseApply(DlgsAccessors):
         # makes this the place to refuse being wrapped by one, before a step
         # can hang. Keras passes no reference to the outer optimizer, so look
         # for it among the callers (LossScaleOptimizer.build calls this directly).
-        frame = sys._getframe(1)
+        frame = sys._getframe(1)  # noqa: SLF001 - a stack walk, to go (issue 43)
         for _ in range(4):
             if frame is None:
                 break
@@ -160,7 +160,8 @@ def DistributedOptimizer(
     # plain optimizer, so a saved model loads without dlgs.
     cls = type(base.__name__, (_SparseApply, base), {"__module__": base.__module__})
     wrapped = cls.from_config(optimizer.get_config())
-    wrapped._dlgs_engine = Engine(
+    # The factory initialises the instance it made (as Horovod's does).
+    wrapped._dlgs_engine = Engine(  # noqa: SLF001
         cfg,
         planner,
         comm,

@@ -28,7 +28,6 @@ import tensorflow as tf
 from .. import _options
 from .._horovod import methods_of
 from ..core.config import SparsityConfig
-from ..core.engine import OptimizerAliases
 from ._amp import check_scaler, scale_reader
 from ._engine import (
     DlgsAccessors,
@@ -196,13 +195,14 @@ def DistributedGradientTape(
     if scaler is not None:
         engine.loss_scale = scale_reader(scaler)  # the scaler of this step
     # DlgsAccessors' own members and the deprecated names it inherits.
-    methods = methods_of(OptimizerAliases, DlgsAccessors, _SparseTape)
+    methods = methods_of(DlgsAccessors, _SparseTape)
     cls = type(gradtape.__class__.__name__, (gradtape.__class__,), methods)
     tape = cls.__new__(cls)
     tape.__dict__.update(gradtape.__dict__)  # shares the recorded tape
-    tape._dlgs_engine = engine
-    tape._dlgs_local = set()
-    tape._dlgs_scale_local = bool(scale_local_gradients)
+    # The factory initialises the instance it made (as Horovod's does).
+    tape._dlgs_engine = engine  # noqa: SLF001
+    tape._dlgs_local = set()  # noqa: SLF001
+    tape._dlgs_scale_local = bool(scale_local_gradients)  # noqa: SLF001
     return tape
 
 

@@ -229,7 +229,9 @@ class TorchOps:
     def any_nonfinite(self, xs):
         # The max-norm propagates NaN and cannot overflow (a sum could); NaN < inf
         # is false, so one comparison covers both.
-        norms = torch._foreach_norm([x if x.dim() == 1 else x.reshape(-1) for x in xs], math.inf)
+        # torch's one-kernel norm of a list (torch.linalg has none).
+        flat = [x if x.dim() == 1 else x.reshape(-1) for x in xs]
+        norms = torch._foreach_norm(flat, math.inf)  # noqa: SLF001
         return ~torch.lt(
             torch.stack(norms), _const(math.inf, norms[0].dtype, norms[0].device)
         ).all()

@@ -28,7 +28,7 @@ import torch
 
 from .._options import TWO_LEVEL_REFUSED, build_configs, check_log_every
 from ..core.config import SparsityConfig
-from ..core.engine import CompressionAliases, Engine
+from ..core.engine import Engine
 from ._amp import check_scaler
 from ._engine import HorovodCollectives, build_engine, named_trainable
 
@@ -37,7 +37,7 @@ __all__ = ["Compression"]
 logger = logging.getLogger("dlgs.torch")
 
 
-class Compression(CompressionAliases):
+class Compression:
     """A Horovod compressor that exchanges each layer's gradient sparsely.
 
     Args:

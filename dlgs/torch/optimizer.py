@@ -36,7 +36,7 @@ from .._options import (
     horovod_scales,
 )
 from ..core.config import SparsityConfig
-from ..core.engine import Engine, OptimizerAliases
+from ..core.engine import Engine
 from ._amp import check_scaler
 from ._engine import HorovodCollectives, build_engine, check_topology, named_trainable
 
@@ -157,7 +157,9 @@ class _SparseOverrides:
                         # back-propagation ends, so that the scaler's own
                         # inf check (plain ``scaler.step(opt)``) reads the
                         # averaged gradients and decides the same on every rank.
-                        Variable._execution_engine.queue_callback(self._dlgs_backward_done)
+                        # autograd's end-of-backward callback, as DDP's reducer uses it.
+                        engine = Variable._execution_engine  # noqa: SLF001
+                        engine.queue_callback(self._dlgs_backward_done)
                 try:
                     self._dlgs.submit(index, _dense_grad(p))
                 except BaseException:
@@ -353,7 +355,7 @@ def DistributedOptimizer(
     cfg, planner = build_configs(config, density, merge, options)
     if not cfg.auto and cfg.density == 1.0 and not cfg.warmup:
         topology = "flat"  # every layer dense: Horovod's own allreduce, bit for bit
-    methods = methods_of(OptimizerAliases, _SparseOverrides)
+    methods = methods_of(_SparseOverrides)
     cls = type(
         optimizer.__class__.__name__,
         (optimizer.__class__,),

@@ -347,14 +347,19 @@ def error_mid_step():
     train(model, opt, 1)
     message = ""
     if dist.get_rank() >= 0:  # every rank fails the same step, as on a real bad input
-        index, state._index = state._index, {}  # noqa: SLF001 - provoke the error
+        ex = state.dlgs.exchange
+
+        def refuse(i, grad):  # the exchange refuses a gradient (as on a bad input)
+            raise RuntimeError(f"injected: gradient {i} refused")
+
+        ex.submit = refuse  # shadows the method on this instance only
         try:
             opt.zero_grad()
             x, y = batch(1)
             F.cross_entropy(model(x), y).backward()
         except RuntimeError as err:
             message = str(err)
-        state._index = index  # noqa: SLF001
+        del ex.submit
     return {"message": message, "pending": state.dlgs.exchange.pending() != []}
 
 
