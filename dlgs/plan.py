@@ -69,7 +69,7 @@ __all__ = [
     "write_csv",
 ]
 
-logger = logging.getLogger("dlgs.plan")
+logger = logging.getLogger(__name__)
 
 #: Methods that ``simulate`` predicts, in report order.
 METHODS: Tuple[str, ...] = (

@@ -65,7 +65,7 @@ from .torch._ops import OPS
 
 __all__ = ["TorchComm", "TorchNodeComm", "main", "run_checks"]
 
-logger = logging.getLogger("dlgs.selfcheck")
+logger = logging.getLogger(__name__)
 
 #: Layers of the check model (backward order): two sparse, a small dense, a bias.
 LAYERS = [("w1", 6000), ("b1", 40), ("w2", 3000), ("b2", 10)]

@@ -30,7 +30,12 @@ def test_core_imports_without_any_framework():
                 if name.split(".")[0] in ("torch", "tensorflow", "horovod", "keras"):
                     raise ImportError("blocked: " + name)
         sys.meta_path.insert(0, Block())
+        import importlib, pkgutil
         import dlgs, dlgs.core
+        # Every module of the core, not only those its __init__ imports (issue 43).
+        for mod in pkgutil.walk_packages(dlgs.core.__path__, "dlgs.core."):
+            importlib.import_module(mod.name)
+        import dlgs._options, dlgs._horovod  # the adapters' framework-free helpers
         from dlgs.core import SparsityConfig, GroupLayout, plan_layers
         cfg = SparsityConfig(density=0.01)
         plan_layers([10, 100000], 0.01, cfg)

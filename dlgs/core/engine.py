@@ -122,7 +122,7 @@ class Engine:
         self.extra_options["loss_scaler"] = loss_scale is not None
         self.log_every = log_every
         self._loss_scale = loss_scale
-        self.logger = logger or logging.getLogger("dlgs")
+        self.logger = logger or logging.getLogger(__name__)
         self._exchange: Optional[SparseExchange] = None
         #: Exchange layer index -> position in the list given to :meth:`build`.
         self.order: List[int] = []

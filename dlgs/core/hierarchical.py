@@ -56,7 +56,7 @@ __all__ = [
     "shard_size",
 ]
 
-logger = logging.getLogger("dlgs")
+logger = logging.getLogger(__name__)
 
 #: How a node reduces its buckets: ``"reducescatter"`` (each rank receives
 #: its shard: ``(L-1)/L`` of a bucket per rank on the node's links),

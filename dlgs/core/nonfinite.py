@@ -10,7 +10,7 @@ from typing import Callable, List
 
 __all__ = ["NONFINITE_RUN", "NonFiniteLog"]
 
-logger = logging.getLogger("dlgs.core.exchange")
+logger = logging.getLogger(__name__)
 
 #: Non-finite steps are logged at most once per this many seconds.
 LOG_INTERVAL = 30.0

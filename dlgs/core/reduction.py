@@ -62,7 +62,7 @@ __all__ = [
     "reduction_bytes",
 ]
 
-logger = logging.getLogger("dlgs.core.exchange")
+logger = logging.getLogger(__name__)
 
 #: The smallest positive float32 (a subnormal): ``theta`` is raised to it, so
 #: that a zero sum is never kept.

@@ -42,7 +42,7 @@ __all__ = [
     "shared",
 ]
 
-logger = logging.getLogger("dlgs.core.exchange")
+logger = logging.getLogger(__name__)
 
 #: The keys of an exchange's ``state_dict()`` that every rank must agree on.
 SHARED_KEYS = ("step", "plan", "hooks", "auto_density", "auto_layers", "regions")

@@ -34,7 +34,7 @@ from .wire import plan_layers
 
 __all__ = ["REPEATS", "TopologyProbe", "probe_topology"]
 
-logger = logging.getLogger("dlgs")
+logger = logging.getLogger(__name__)
 
 #: Timed runs of each exchange's collectives (after one untimed run).
 REPEATS = 2

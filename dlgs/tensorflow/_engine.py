@@ -42,7 +42,7 @@ from ._ops import OPS, _read
 
 __all__ = ["DlgsAccessors", "Engine", "HorovodCollectives", "build_tf_configs", "variable_name"]
 
-logger = logging.getLogger("dlgs.tensorflow")
+logger = logging.getLogger(__name__)
 
 
 def variable_name(v: Any) -> str:

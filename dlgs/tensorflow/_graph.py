@@ -41,7 +41,7 @@ from ._ops import _read
 
 __all__ = ["GraphSteps", "function"]
 
-logger = logging.getLogger("dlgs.tensorflow")
+logger = logging.getLogger(__name__)
 
 _LOCAL = threading.local()  # the dlgs.tensorflow.function being traced
 _UNLIMITED = 1 << 62  # a budget of -1 (no limit), as the allreduce's minimum sees it

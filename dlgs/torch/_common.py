@@ -20,7 +20,7 @@ from ._ops import OPS
 
 __all__ = ["build_flat_or_two_level", "named_trainable"]
 
-logger = logging.getLogger("dlgs.torch")
+logger = logging.getLogger(__name__)
 
 
 def named_trainable(

@@ -36,7 +36,7 @@ __all__ = [
 #: Values of ``topology``.
 TOPOLOGIES = ("flat", "hierarchical", "auto")
 
-logger = logging.getLogger("dlgs.torch")
+logger = logging.getLogger(__name__)
 
 # Horovod's allreduce rejects these dtypes (docs/design.md, Horovod facts); they travel as float32.
 _WIRE_UNSUPPORTED = (torch.bfloat16,)

@@ -34,7 +34,7 @@ from ._engine import HorovodCollectives, build_engine, named_trainable
 
 __all__ = ["Compression"]
 
-logger = logging.getLogger("dlgs.torch")
+logger = logging.getLogger(__name__)
 
 
 class Compression:

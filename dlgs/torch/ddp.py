@@ -30,7 +30,7 @@ from ._common import build_flat_or_two_level, named_trainable
 
 __all__ = ["ProcessGroupCollectives", "SparseState", "sparse_hook"]
 
-logger = logging.getLogger("dlgs.torch")
+logger = logging.getLogger(__name__)
 
 
 #: ``all_gather_single`` where PyTorch has it (``all_gather_into_tensor``, its

@@ -42,7 +42,7 @@ from ._engine import HorovodCollectives, build_engine, check_topology, named_tra
 
 __all__ = ["DistributedOptimizer"]
 
-logger = logging.getLogger("dlgs.torch")
+logger = logging.getLogger(__name__)
 
 # Horovod's own warning, word for word (its tests match on it).
 _STEP_AFTER_SYNCHRONIZE = (
