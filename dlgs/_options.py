@@ -34,7 +34,7 @@ __all__ = [
 _TWO_LEVEL = (
     "the two-level exchange runs in dlgs.torch.DistributedOptimizer (Horovod form (b)) only "
     "for now; use it there, or leave the option unset for the flat exchange "
-    "(docs/options.md, the door x feature table)"
+    "(docs/options.md, 'Which door has which feature')"
 )
 #: What the doors other than torch's form (b) refuse, and why.
 TWO_LEVEL_REFUSED = {"topology": _TWO_LEVEL, "ranks_per_node": _TWO_LEVEL}
