@@ -90,6 +90,10 @@ class Collectives(Protocol):
     def allgather_object(self, obj: Any, name: str) -> List[Any]:
         """Every rank's ``obj``, in rank order (picklable Python objects)."""
 
+    def allreduce_min(self, values: Sequence[int], name: str) -> List[int]:
+        """The element-wise minimum of small integers over the set, blocking
+        (TensorFlow's graph steps agree on their budget with it)."""
+
 
 Plan = Sequence[Tuple[Sequence[int], Optional[bool]]]
 

@@ -156,6 +156,22 @@ class HorovodCollectives(HorovodSet):
     def allgather_object(self, obj, name):
         return hvd.allgather_object(obj, name=name, process_set=self.process_set)
 
+    def allreduce_min(self, values, name):
+        """The element-wise minimum of small integers over the set (eager, on
+        the collectives' thread, so it keeps its place among the others)."""
+
+        def run():
+            out = hvd.allreduce(
+                tf.constant(list(values), tf.int64),
+                op=hvd.Min,
+                name=name,
+                ignore_name_scope=True,
+                process_set=self.process_set,
+            )
+            return [int(v) for v in out.numpy()]
+
+        return self._submit(run).result()
+
 
 class Engine(CoreEngine):
     """The core engine over a fixed list of TensorFlow variables.

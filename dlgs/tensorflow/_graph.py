@@ -253,16 +253,8 @@ class GraphSteps:
         comm = engine.comm
         if comm.size <= 1:
             return budget
-        import horovod.tensorflow as hvd
-
         local = _UNLIMITED if budget < 0 else budget
-        out = hvd.allreduce(
-            tf.constant([local], tf.int64),
-            op=hvd.Min,
-            name=f"{ex.prefix}.graph_budget",
-            process_set=comm.process_set,
-        )
-        agreed = int(out.numpy()[0])
+        (agreed,) = comm.allreduce_min([local], f"{ex.prefix}.graph_budget")
         return -1 if agreed >= _UNLIMITED else agreed
 
     def _traced_for(self, version: int) -> bool:
