@@ -492,7 +492,7 @@ class SparseExchange:
         self._group_views = tuple(MessageInfo(g, n) for n, g in enumerate(self._groups))
         self._modes = tuple(i in sparse_layers for i in range(len(self._layers)))
         self._build_unpack(like)
-        self._build_bank(like)
+        self._build_bank()
         biggest = max((plans[i].numel for i in sparse_layers), default=0)
         if biggest and (self._scratch_abs is None or ops.numel(self._scratch_abs) < biggest):
             self._scratch_abs = ops.zeros(biggest, "float32", like)
@@ -515,7 +515,7 @@ class SparseExchange:
             group.position = position
         self._sparse_members = [i for g in sparse for i in g.members]
 
-    def _build_bank(self, like: Any) -> None:
+    def _build_bank(self) -> None:
         """The sparse layers' controller learning state in one bank (their
         values carried over), so a step updates every layer at once."""
         # The transport's member order: the step's count words arrive in it.
@@ -692,7 +692,7 @@ class SparseExchange:
             self._inv_scale,
         )
 
-    def external_scale(self, i: int) -> Any:
+    def external_scale(self) -> Any:
         """The factor (0-d tensor) by which a ``dense_external`` layer's reduced
         tensor must be multiplied to be in the step's scaled units, or None."""
         if self.config.momentum and self._scale is not None:
@@ -1374,7 +1374,7 @@ class SparseExchange:
             own=own,
             restart=bool(restart),
         )
-        self._build_bank(like)
+        self._build_bank()
 
 
 def _plan(layer: LayerRecord) -> LayerPlan:

@@ -254,7 +254,7 @@ class Compression:
             self._engine.step_done()
         _, i, grad = ctx
         if ctx[0] == "dense":
-            factor = self._exchange.external_scale(i)
+            factor = self._exchange.external_scale()
             # With momentum correction the reduced tensor is the layer's send
             # buffer, not its velocity, so p.grad may alias it.
             out = tensor * factor if factor is not None else tensor
