@@ -114,7 +114,7 @@ class MessageRecord:
         self.verified = False
         # sparse: per member, its views of ``chunk`` (GroupLayout.member_views).
         self.member_views: List[MemberViews] = []
-        # sparse: each member's view of the step's receive buffer (_Unpack.dense).
+        # sparse: each member's view of the step's receive buffer (FlatTransport.dense).
         self.outputs: List[Any] = []
         # sparse: the message's position among the layout's sparse ones (the transport's).
         self.position = -1

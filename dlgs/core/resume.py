@@ -1,4 +1,5 @@
-"""Agreeing on a resumed state at a step every rank reaches (pure functions).
+"""Agreeing on a resumed state at a step every rank reaches: the verdict (pure
+functions) and the one gather that feeds it (:func:`agree_shared`).
 
 Horovod's resume recipe loads a checkpoint on rank 0 only and hands it to the
 other ranks with ``hvd.broadcast_parameters`` and
@@ -10,7 +11,9 @@ planner's profile and ``density="auto"``'s choice: everything that names or
 shapes a message) is agreed instead at the first gradient of the next step,
 which every rank reaches: one gather of each rank's :func:`shared` state and
 whether it loaded one (:class:`SyncRecord`), judged here the same way on every
-rank (:func:`resolve`).
+rank (:func:`resolve`). The same agreement runs after a Horovod Elastic reset
+(every rank of the new world) and after ``resync()``; a load after training
+began runs none (the other ranks would not join it: issue 42).
 
 * Every rank holds the same shared state: nothing to do (each rank loaded its
   own file of the same step, or none did).

@@ -11,8 +11,9 @@ wrapper builds, as Horovod does, a class deriving from the user's optimizer
 class whose ``apply`` first exchanges the gradients through the dlgs core and
 then calls the original ``apply``.
 
-Inside ``fit``'s compiled train function the exchange runs through one
-``tf.py_function`` per step (it cannot be traced, docs/tensorflow.md); compile
+Inside ``fit``'s compiled train function the exchange runs as graph ops on
+steps that need no host work, and through one ``tf.py_function`` on those that
+do (profiling, planning, anchors, a new layout; docs/tensorflow.md); compile
 with ``jit_compile=False`` (XLA cannot compile a ``py_function``; Keras only
 picks XLA by itself on GPUs).
 """

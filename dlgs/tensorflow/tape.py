@@ -115,8 +115,9 @@ def DistributedGradientTape(
     densified first); ``groups`` / ``num_groups`` are rejected because dlgs
     packs its own messages.
 
-    Works eagerly and inside ``tf.function``; there the exchange runs eagerly
-    through one ``tf.py_function`` per step (docs/tensorflow.md).
+    Works eagerly and inside ``tf.function``; there the exchange runs as graph
+    ops on steps that need no host work and through one ``tf.py_function`` on
+    the others (docs/tensorflow.md).
 
     Args:
         density: fraction of each sparsified layer sent per step, in (0, 1]
