@@ -104,8 +104,10 @@ def build_configs(
     the reason (a ``ValueError`` naming it, not "unknown option"). An option
     given where it has no effect is an error too, never silently ignored:
     ``reduce_width`` without ``transport="reduce"`` or ``"auto"``."""
-    for key in sorted(set(options) & set(refused or {})):
-        raise ValueError(f"{key}= is not supported by {door}: {(refused or {})[key]}")
+    refused = refused or {}
+    clash = sorted(set(options) & set(refused))
+    if clash:
+        raise ValueError(f"{clash[0]}= is not supported by {door}: {refused[clash[0]]}")
     if "reduce_width" in options and options.get("transport", "allgather") == "allgather":
         raise ValueError(
             f"reduce_width={options['reduce_width']!r} applies to transport='reduce' or "

@@ -302,3 +302,31 @@ def test_reprofile_on_one_rank_reaches_every_rank_with_the_next_drift_vote(calle
     else:
         assert at0 == at1 is not None, (at0, at1)
         assert after0 == after1 > made0
+
+
+def test_elastic_refuses_the_two_level_exchange_and_checks_at_the_agreement():
+    """Under Horovod Elastic (issue 42) the core refuses the two-level exchange
+    (its process sets belong to the world before a reset), and the ranks'
+    layers and options are checked at the first gradient, not in build()."""
+    with pytest.raises(ValueError, match="topology='hierarchical' does not survive"):
+        Engine(
+            OPS,
+            None,
+            SparsityConfig(),
+            None,
+            average=True,
+            prefix="t",
+            topology=lambda: (None, None),
+            elastic=True,
+        )
+    world = LocalWorld(2)
+
+    def body(rank, comm):
+        cfg = SparsityConfig(density=0.05 if rank == 0 else 0.1, min_sparse_size=1024)
+        eng = Engine(OPS, comm, cfg, None, average=True, prefix="t", elastic=True)
+        eng.build(LAYERS)  # no collective here
+        with pytest.raises(RankMismatchError, match="density"):
+            step(eng, rank, 0)
+        return True
+
+    assert world.run(body) == [True, True]

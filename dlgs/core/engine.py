@@ -85,7 +85,9 @@ class Engine:
             the function ``hvd.elastic.run`` wraps (a worker that joins builds
             its optimizer while the others synchronise): the ranks' layers and
             options are checked at every agreement (the first gradient, and
-            the first after every reset) instead of in :meth:`build`.
+            the first after every reset) instead of in :meth:`build`. The
+            two-level exchange is refused there: its node and cross-node
+            process sets belong to the world before a reset.
     """
 
     def __init__(
@@ -106,6 +108,12 @@ class Engine:
         choose_topology: bool = False,
         elastic: bool = False,
     ):
+        if elastic and topology is not None:
+            raise ValueError(
+                "topology='hierarchical' does not survive Horovod Elastic's resets (its process "
+                "sets belong to the world before the reset): use topology='flat' under "
+                "hvd.elastic.run"
+            )
         self.ops = ops
         self.elastic = elastic
         self._topology = topology
@@ -220,7 +228,7 @@ class Engine:
                 loss_scale=self._loss_scale,
             )
         if self.elastic:
-            exchange.elastic, exchange.before_agreement = True, check
+            exchange.elastic_check = check
         if self._planner is not None:
             exchange.step_hooks.append(self._planner)
         self._exchange, self.order, self.names, self._like = exchange, order, names, like

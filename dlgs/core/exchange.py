@@ -247,11 +247,10 @@ class SparseExchange:
         self._world: Optional[Tuple[int, int]] = None
         # A state loaded while training: its shared part, for the next agreement.
         self._stashed: Optional[Dict[str, Any]] = None
-        #: Under Horovod Elastic (:class:`~dlgs.core.engine.Engine`'s ``elastic``).
-        self.elastic = False
-        #: Called (every rank) at each agreement before it, on more than one
-        #: rank: the ranks' layers and options checked (Horovod Elastic).
-        self.before_agreement: Optional[Callable[[], None]] = None
+        #: Under Horovod Elastic (:class:`~dlgs.core.engine.Engine`'s ``elastic``):
+        #: the check that every rank has the same layers and options, run at
+        #: each agreement (every rank) instead of at construction; None elsewhere.
+        self.elastic_check: Optional[Callable[[], None]] = None
         #: Keep every layer's state buffers in place: a finished step copies its
         #: new residual (and velocity) over the old one instead of swapping the
         #: two buffers, so a step traced into a graph, which holds the buffers
@@ -602,10 +601,7 @@ class SparseExchange:
                 )
                 # What this rank holds stands as a loaded state would: a
                 # worker that joined (fresh, nothing loaded) takes it.
-                self._sync_pending, self._loaded, self._density = True, True, None
-                stashed, self._stashed = self._stashed, None
-                if stashed is not None:  # loaded since the last agreement
-                    self._apply_shared(stashed)
+                self._agree_again(holds_state=True)
             if self._sync_pending:
                 self._sync()
         if self._density is None or self.density != self._density:
@@ -1282,12 +1278,18 @@ class SparseExchange:
         agreement takes part as a load, with its step, plan and density."""
         if self._submitted:
             raise RuntimeError("resync() in the middle of a step")
+        self._agree_again(holds_state=False)
+        self.request_host_step()  # the agreement, on every rank
+
+    def _agree_again(self, holds_state: bool) -> None:
+        """Every rank agrees at the next gradient (then lays out anew): a state
+        loaded since the last agreement takes part as a load, with its shared
+        part; ``holds_state``: so does what this rank holds without one."""
         stashed, self._stashed = self._stashed, None
         if stashed is not None:
             self._apply_shared(stashed)
-            self._loaded = True
+        self._loaded = self._loaded or holds_state or stashed is not None
         self._sync_pending, self._density = True, None
-        self.request_host_step()  # the agreement, on every rank
 
     @property
     def training(self) -> bool:
@@ -1297,7 +1299,8 @@ class SparseExchange:
         # runs before the reset, after which every rank agrees.
         # On one rank there is no one to tell: a load takes the whole state.
         world = self._world
-        return world is not None and world[0] > 1 and not self._sync_pending and not self.elastic
+        elastic = self.elastic_check is not None
+        return world is not None and world[0] > 1 and not self._sync_pending and not elastic
 
     def _apply_shared(self, state: Dict[str, Any]) -> None:
         """Put a state's shared part (:func:`dlgs.core.resume.shared`) in
@@ -1339,8 +1342,8 @@ class SparseExchange:
         self._world = (agree.size, agree.rank)
         if agree.size <= 1:
             return
-        if self.before_agreement is not None:
-            self.before_agreement()
+        if self.elastic_check is not None:
+            self.elastic_check()
         part = agree_shared(agree, loaded, self._shared_state(), f"{self.prefix}.sync")
         if part is not None:
             self._apply_shared(part)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import os
 import pickle
 import sys
 import time
@@ -255,14 +254,6 @@ def _two_levels(topology: str, ranks_per_node: Optional[int]):
         topology = "hierarchical" if several else "flat"
     if topology == "flat":
         return None
-    if os.environ.get("HOROVOD_ELASTIC") == "1":
-        # Its node and cross-node process sets belong to the world they were
-        # added in; Horovod Elastic's reset makes another (issue 42).
-        raise ValueError(
-            f"topology={topology!r} does not survive Horovod Elastic's resets (its process "
-            "sets belong to the world before the reset): use topology='flat' under "
-            "hvd.elastic.run"
-        )
 
     def make():
         node, cross = node_and_cross_sets(ranks_per_node)

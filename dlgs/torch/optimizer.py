@@ -201,20 +201,21 @@ class _SparseOverrides:
                 grad.zero_().add_(out.reshape(grad.shape).to(grad.dtype).to_sparse())
             elif out.data_ptr() != grad.data_ptr() or out.dtype != grad.dtype:
                 grad.copy_(out.reshape(grad.shape))
+        self._dlgs_end_step()
+        self._synchronized = True
+        self._dlgs_engine.step_done()
+
+    def _dlgs_end_step(self) -> None:
+        """This optimizer's part of a step, ended (completed or dropped)."""
         for p in self._allreduce_delay:
             self._allreduce_delay[p] = self.backward_passes_per_step
         self._handles.clear()
-        self._synchronized = True
         self._dlgs_open = False
-        self._dlgs_engine.step_done()
 
     def _dlgs_abort(self) -> None:
         """Drop the step under way (the exchange's and this optimizer's part)."""
         self._dlgs.abort_step()
-        for p in self._allreduce_delay:
-            self._allreduce_delay[p] = self.backward_passes_per_step
-        self._handles.clear()
-        self._dlgs_open = False
+        self._dlgs_end_step()
         self._dlgs_synced = False
 
     def _dlgs_backward_done(self) -> None:
