@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, List, Optional, Sequence, Tuple
 
-from dlgs.core.exchange import StepRecord, StepTrace
 from dlgs.core.phases import (
     Broadcast,
     Probe,
@@ -23,6 +22,7 @@ from dlgs.core.phases import (
     Voted,
     decide,
 )
+from dlgs.core.records import StepRecord, StepTrace
 
 
 def settle(

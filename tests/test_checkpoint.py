@@ -18,8 +18,10 @@ import torch.nn.functional as F
 from conftest import bind_horovod
 
 import dlgs.torch
-from dlgs.core.exchange import MAX_MESSAGE_ELEMENTS, LayerPlan, SparseExchange
+from dlgs.core.exchange import SparseExchange
 from dlgs.core.layout import split_oversized
+from dlgs.core.transport import MAX_MESSAGE_ELEMENTS
+from dlgs.core.wire import LayerPlan
 
 
 @pytest.fixture(scope="module", autouse=True)

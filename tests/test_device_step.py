@@ -1,5 +1,5 @@
-"""Steps that run with device operations alone (``SparseExchange.device_ready``,
-``finish_on_device``, ``account_device_steps``): what a step traced into a
+"""Steps that run with device operations alone (``SparseExchange.device`` and
+``account_device_steps``): what a step traced into a
 TensorFlow graph runs (issue 33). In-process ranks on NumPy: a device step
 must equal a host step bit for bit, keep the old residuals when some rank was
 non-finite, and say why a step cannot run on the device."""
@@ -22,14 +22,14 @@ def _grads(rank, step):
 
 def _step(ex, grads, device):
     if device:
-        ex.begin_device_step()
+        ex.device.begin()
     for i in reversed(range(len(SIZES))):
         ex.submit(i, grads[i])
     if not device:
         out = ex.wait()
         return {i: np.array(v, copy=True) for i, v in out.items()}, ex.last_step_finite
     out = ex.wait(finish=False)
-    ok = ex.finish_on_device()
+    ok = ex.device.finish()
     return {i: np.array(v, copy=True) for i, v in out.items()}, bool(ok)
 
 
@@ -53,7 +53,7 @@ def test_device_steps_equal_host_steps_and_are_counted(controller):
         for s in range(6):
             a = _step(host, _grads(rank, s), device=False)
             # The first step lays out and verifies: on the host; then on the device.
-            why = dev.device_ready()
+            why = dev.device.ready()
             b = _step(dev, _grads(rank, s), device=why is None)
             assert (why is None) == (s > 0), why
             seen.append(why)
@@ -102,11 +102,11 @@ def test_what_keeps_a_step_on_the_host_is_named():
 
     def body(rank, comm):
         ex = SparseExchange(OPS, comm, dyn, SIZES)
-        reasons = [ex.device_ready()]
+        reasons = [ex.device.ready()]
         _step(ex, _grads(rank, 0), device=False)
-        reasons.append(ex.device_ready())
-        ex.prepare_device_steps()  # the dynamic controller's state to the device
-        dynamic = ex.device_ready()
+        reasons.append(ex.device.ready())
+        ex.device.prepare()  # the dynamic controller's state to the device
+        dynamic = ex.device.ready()
         top = SparseExchange(
             OPS,
             comm,
@@ -118,11 +118,11 @@ def test_what_keeps_a_step_on_the_host_is_named():
         calls = []
         top.listeners.append(lambda: calls.append(1))
         top.set_groups([[0, 2]])
-        reasons.append(top.device_ready())
+        reasons.append(top.device.ready())
         _step(top, _grads(rank, 1), device=False)  # lays out and verifies the new plan
-        reasons.append(top.device_ready())
+        reasons.append(top.device.ready())
         top.trace_next_step()
-        reasons.append(top.device_ready())
+        reasons.append(top.device.ready())
         every = SparseExchange(
             OPS,
             comm,
@@ -131,8 +131,8 @@ def test_what_keeps_a_step_on_the_host_is_named():
             prefix="e",
         )
         _step(every, _grads(rank, 0), device=False)
-        every.prepare_device_steps()
-        reasons.append(every.device_ready())
+        every.device.prepare()
+        reasons.append(every.device.ready())
         return reasons, len(calls), dynamic
 
     for reasons, calls, dynamic in LocalWorld(2).run(body):
@@ -164,7 +164,7 @@ def test_the_dynamic_controller_learns_on_the_device_as_on_the_host():
         kinds, budget, pending, bad = [], 0, 0, 0
         for s in range(14):
             a = _step(host, grads(rank, s), device=False)
-            if budget != 0 and dev.device_ready() is None:
+            if budget != 0 and dev.device.ready() is None:
                 b = _step(dev, grads(rank, s), device=True)
                 budget -= 1
                 pending += 1
@@ -174,8 +174,8 @@ def test_the_dynamic_controller_learns_on_the_device_as_on_the_host():
                 dev.account_device_steps(pending, bad)
                 pending = bad = 0
                 b = _step(dev, grads(rank, s), device=False)
-                dev.prepare_device_steps()
-                budget = dev.device_budget()
+                dev.device.prepare()
+                budget = dev.device.budget()
                 kinds.append("h")
             assert a[1] == b[1] == (s != 6)
             for i in a[0]:

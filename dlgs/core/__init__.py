@@ -2,11 +2,14 @@
 wire format and cross-rank checks. Imports no torch, TensorFlow or Horovod."""
 
 from .backend import ArrayOps
+from .checkpoint import STATE_VERSION
 from .config import Controller, IndexCoding, MergeConfig, SparsityConfig, ValueDType
 from .consistency import RankMismatchError, describe_mismatch, signature
 from .controller import ThresholdController, make_controller
 from .engine import Engine
-from .exchange import STATE_VERSION, Collectives, SparseExchange, StepRecord, StepTrace, select
+from .exchange import Collectives, SparseExchange
+from .records import StepRecord, StepTrace
+from .selection import select
 from .wire import GroupLayout, LayerPlan, LayoutMismatchError, plan_layers
 
 __all__ = [

@@ -113,7 +113,7 @@ class ThresholdController:
         selected counts, ``k1`` their targets plus one and ``anchors`` the
         factors that layers which anchored this step measured (by position)."""
 
-    # -- steps on the device alone (see SparseExchange.device_ready) ------------
+    # -- steps on the device alone (see dlgs.core.device_steps) ------------
     def steps_before_anchor(self, state: State) -> int:
         """How many steps from now may run without a host decision for this
         layer (the next one that needs the host is an anchor); -1: any."""

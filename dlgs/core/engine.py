@@ -29,11 +29,13 @@ from collections import Counter
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from .backend import ArrayOps
+from .checkpoint import check_finite_state
 from .config import SparsityConfig
 from .consistency import agreed_options, check_ranks_agree, signature
-from .exchange import Collectives, SparseExchange, check_finite_state, log_stats
+from .exchange import Collectives, SparseExchange
 from .hierarchical import HierarchicalExchange
 from .topology import TopologyProbe, probe_topology
+from .views import log_stats
 
 __all__ = ["Engine", "check_unique_names"]
 
@@ -228,7 +230,7 @@ class Engine:
                 loss_scale=self._loss_scale,
             )
         if self.elastic:
-            exchange.elastic_check = check
+            exchange.agreement.elastic_check = check
         if self._planner is not None:
             exchange.step_hooks.append(self._planner)
         self._exchange, self.order, self.names, self._like = exchange, order, names, like

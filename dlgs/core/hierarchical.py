@@ -204,6 +204,9 @@ class HierarchicalExchange:
         self.node_reduce = node_reduce
         self.node_probe: Optional[Dict[str, float]] = None
 
+    #: No step of the two-level exchange runs on the device alone.
+    device = None
+
     def __getattr__(self, name: str) -> Any:
         # What is not two-level reads the exchange between nodes: its layers
         # (this rank's shards, named as the layers), layout, statistics, step,

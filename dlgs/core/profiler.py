@@ -46,7 +46,6 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ._checks import check_int
 from .config import MERGE_STRATEGIES, MergeConfig
-from .exchange import StepRecord
 from .phases import (
     BATCH,
     Action,
@@ -79,6 +78,7 @@ from .phases import (
 )
 from .planner import CostModel, Plan, fit_cost_model
 from .profile import DensityChoice, Profile
+from .records import StepRecord
 
 __all__ = ["OnlinePlanner", "MERGE_STRATEGIES", "guard_verdict"]
 
@@ -88,7 +88,7 @@ logger = logging.getLogger(__name__)
 class OnlinePlanner:
     """Profiles a few steps, then plans and re-plans the exchange's messages.
 
-    A :class:`~dlgs.core.exchange.StepHook` of the exchange.
+    A :class:`~dlgs.core.records.StepHook` of the exchange.
 
     Args:
         strategy: ``dp``, ``none``, ``all``, ``buckets`` or ``greedy``.

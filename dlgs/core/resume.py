@@ -31,12 +31,13 @@ from __future__ import annotations
 
 import logging
 import zlib
-from typing import Any, Dict, List, NamedTuple, Optional, Protocol, Sequence
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Protocol, Sequence, Tuple
 
 from .consistency import RankMismatchError
 
 __all__ = [
     "SHARED_KEYS",
+    "Agreement",
     "Resolution",
     "SyncRecord",
     "agree_shared",
@@ -162,3 +163,76 @@ def agree_shared(
         ", ".join(map(str, verdict.adopters)),
     )
     return part if comm.rank in verdict.adopters else None
+
+
+class Agreement:
+    """When an exchange's ranks agree, and the agreement itself.
+
+    Due after construction, a load, Horovod Elastic's reset to another world
+    and ``resync()``; run by :meth:`run` at the next step's first gradient,
+    which every rank reaches.
+
+    Args:
+        comm: where the ranks agree (the process set; a two-level exchange:
+            every rank of the job).
+        name: the gather's collective name.
+    """
+
+    def __init__(self, comm: _Gather, name: str):
+        self.comm = comm
+        self.name = name
+        #: The next step's first gradient agrees first.
+        self.pending = True
+        #: A state was loaded since the last agreement (it takes part as one).
+        self.loaded = False
+        #: (size, rank) at the last agreement, None before the first.
+        self.world: Optional[Tuple[int, int]] = None
+        #: A state loaded while training: its shared part, for the next agreement.
+        self.stashed: Optional[Dict[str, Any]] = None
+        #: Under Horovod Elastic: the check that every rank has the same
+        #: layers and options, run at each agreement (every rank) instead of
+        #: at construction; None elsewhere.
+        self.elastic_check: Optional[Callable[[], None]] = None
+
+    def world_changed(self) -> Optional[Tuple[int, int, int, int]]:
+        """At a step's first gradient: ``(rank, size, old rank, old size)``
+        when the job is now another world than at the last agreement (Horovod
+        Elastic's reset), else None."""
+        world = (self.comm.size, self.comm.rank)
+        if self.world is None or world == self.world:
+            return None
+        return (world[1], world[0], self.world[1], self.world[0])
+
+    @property
+    def training(self) -> bool:
+        """The ranks agreed and no agreement is due: a load now is this rank's
+        alone (the others learn nothing of it)."""
+        # Under Horovod Elastic a load is the restore every surviving rank
+        # runs before the reset, after which every rank agrees. On one rank
+        # there is no one to tell: a load takes the whole state.
+        world, elastic = self.world, self.elastic_check is not None
+        return world is not None and world[0] > 1 and not self.pending and not elastic
+
+    def due(self, loaded: bool = False, holds_state: bool = False) -> Optional[Dict[str, Any]]:
+        """Agree at the next gradient. ``loaded``: a state was just loaded;
+        ``holds_state``: what this rank holds counts as a loaded state (an
+        Elastic reset: a worker that joined takes it). Returns the state
+        stashed by a load while training, whose shared part the caller puts
+        in force first (it then takes part as a load), or None."""
+        stashed, self.stashed = (None, self.stashed) if loaded else (self.stashed, None)
+        self.loaded = self.loaded or loaded or holds_state or stashed is not None
+        self.pending = True
+        return stashed
+
+    def run(self, mine: Callable[[], Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+        """The agreement: :func:`agree_shared` of ``mine()`` (this rank's
+        shared state), after the Elastic check. Returns the shared state to
+        put in force, or None."""
+        self.pending, self.stashed = False, None
+        loaded, self.loaded = self.loaded, False
+        self.world = (self.comm.size, self.comm.rank)
+        if self.comm.size <= 1:
+            return None
+        if self.elastic_check is not None:
+            self.elastic_check()
+        return agree_shared(self.comm, loaded, mine(), self.name)

@@ -7,7 +7,7 @@ graph as a ``tf.cond`` of two branches:
   threshold and selection, packing, Horovod's graph collectives per planned
   message, unpacking, the residual kept only where the step was finite on
   every rank), traced once through the core's ``ArrayOps`` on TensorFlow ops
-  (``SparseExchange.device_ready`` / ``finish_on_device``). No Python runs
+  (:class:`~dlgs.core.device_steps.DeviceSteps`). No Python runs
   when it executes;
 * the **host** branch: the eager step in one ``tf.py_function``, as before,
   for every step that needs the host (the first steps, profiling and
@@ -91,9 +91,10 @@ class GraphSteps:
         """Why the next step of ``ex`` cannot run on the device (``now=False``:
         why the device branch cannot be traced for the layout in force), or None."""
         engine = self._engine
-        if ex is None or not hasattr(ex, "device_ready"):
+        device = getattr(ex, "device", None)
+        if device is None:
             return "the two-level exchange runs on the host"
-        why = ex.device_ready(now)
+        why = device.ready(now)
         if why is not None:
             return why
         if now and not _planner_idle(engine.planner):
@@ -140,12 +141,12 @@ class GraphSteps:
     def _device(self, grads: List[tf.Tensor]) -> List[tf.Tensor]:
         engine = self._engine
         ex = engine.exchange
-        ex.begin_device_step()
+        ex.device.begin()
         try:
             for i, pos in enumerate(engine.order):
                 ex.submit(i, tf.reshape(tf.cast(grads[pos], tf.float32), [-1]))
             reduced = ex.wait(finish=False)
-            ok = ex.finish_on_device()
+            ok = ex.device.finish()
         except BaseException:
             ex.abort_step()
             raise
@@ -210,7 +211,7 @@ class GraphSteps:
         ex = engine.exchange
         if not self._in_graph:
             return
-        ex.prepare_device_steps()
+        ex.device.prepare()
         traceable = self.reason(ex, now=False) is None
         version = ex.layout_version if traceable else -1
         # Every rank must take the same branch: the smallest budget of all. A
@@ -289,7 +290,7 @@ def _budget(engine: Any, ex: Any) -> int:
     if every:
         # The step that brings ex.step to a multiple of log_every logs: on the host.
         limits.append((step // every + 1) * every - step - 1)
-    anchors = ex.device_budget()
+    anchors = ex.device.budget()
     if anchors >= 0:
         limits.append(anchors)
     planner = engine.planner

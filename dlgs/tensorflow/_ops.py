@@ -14,7 +14,7 @@ tensors for them, as the protocol allows.
 
 Nothing here calls ``.numpy()`` except :meth:`TFOps.to_host` and, eagerly on
 the CPU, the controllers' 0-d results. The same operations trace into a graph
-(a step that runs on the device alone, ``SparseExchange.device_ready``).
+(a step that runs on the device alone, ``DeviceSteps.ready``).
 """
 
 from __future__ import annotations

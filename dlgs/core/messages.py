@@ -1,0 +1,144 @@
+"""The messages of the layout in force, with their buffers.
+
+:func:`dlgs.core.layout.plan_messages` says (purely) which layers travel
+together, dense or sparse; :func:`lay_out` makes that answer real for an
+exchange: every sparse layer's residual (and velocity) buffers, each message's
+send buffer and member views, the transport's receive buffers and the
+controllers' bank. Buffers a layer already has are kept, so a new layout
+carries every residual over.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from .backend import ArrayOps
+from .bank import ControllerBank
+from .config import SparsityConfig
+from .layout import MessageSpec
+from .records import LayerRecord, MessageRecord
+from .selection import FusedSelection
+from .transport import Transport
+from .views import MessageInfo
+from .wire import LayerPlan
+
+__all__ = ["Messages", "bank_of", "lay_out"]
+
+
+class Messages:
+    """One layout's messages (written by :func:`lay_out` only)."""
+
+    __slots__ = ("records", "views", "sparse_members", "offsets", "modes", "bank", "version")
+
+    def __init__(
+        self,
+        records: Sequence[MessageRecord],
+        sparse_members: Sequence[int],
+        offsets: Dict[int, int],
+        modes: Tuple[bool, ...],
+        bank: Optional[ControllerBank],
+        version: int,
+    ):
+        #: The messages, in the order their first layer is ready.
+        self.records: Tuple[MessageRecord, ...] = tuple(records)
+        #: Read-only live views of them, for users.
+        self.views = tuple(MessageInfo(m, n) for n, m in enumerate(self.records))
+        #: Sparse layers in the transport's member order (its flags and count words).
+        self.sparse_members: Tuple[int, ...] = tuple(sparse_members)
+        #: A merged dense message's member: its offset in the message (elements).
+        self.offsets = offsets
+        #: Per layer: sent sparse.
+        self.modes = modes
+        #: The sparse layers' controller state (transport member order), or None.
+        self.bank = bank
+        #: Increases with every layout (a step traced on the device is for one).
+        self.version = version
+
+    def sparse(self, layer: LayerRecord) -> bool:
+        """Whether ``layer`` travels in a sparse message in this layout."""
+        return layer.group >= 0 and self.records[layer.group].sparse
+
+
+def bank_of(
+    ops: ArrayOps, controller: Any, layers: Sequence[LayerRecord], members: Sequence[int]
+) -> Optional[ControllerBank]:
+    """The sparse layers' controller state in one bank, in the transport's
+    member order (the step's count words arrive in it)."""
+    chosen = [layers[i] for i in members]
+    return ControllerBank.of(
+        ops, controller, [la.ctrl for la in chosen], [_k(la.plan) for la in chosen]
+    )
+
+
+def _k(plan: Optional[LayerPlan]) -> int:
+    assert plan is not None  # set by the layout
+    return plan.k
+
+
+def lay_out(
+    ops: ArrayOps,
+    config: SparsityConfig,
+    controller: Any,
+    layers: List[LayerRecord],
+    plans: Sequence[LayerPlan],
+    densities: Sequence[float],
+    specs: Sequence[MessageSpec],
+    transport: Transport,
+    kernels: Optional[FusedSelection],
+    like: Any,
+    version: int,
+) -> Messages:
+    """Allocate what ``specs`` need (buffers a layer has are kept) and lay
+    the transport's receive buffers out for their sparse messages."""
+    for layer in layers:
+        layer.views.clear()
+    sparse_layers = {i for m in specs if m.sparse for i in m.members}
+    for i, (layer, plan) in enumerate(zip(layers, plans)):
+        old = layer.plan
+        layer.plan = plan
+        layer.group = layer.member = -1
+        if i in sparse_layers:
+            if layer.residual is None:
+                layer.residual = ops.zeros(layer.numel + 1, "float32", like)
+            if layer.residual_next is None:
+                layer.residual_next = ops.zeros(layer.numel + 1, "float32", like)
+            if config.momentum and layer.velocity is None:
+                layer.velocity = ops.zeros(layer.numel + 1, "float32", like)
+            if old is None or old.k != plan.k or not layer.ctrl:
+                layer.ctrl = controller.init_state(ops, like, densities[i])
+            if kernels is not None and layer.work is None:
+                layer.work = kernels.workspace(layer.numel, like)
+        else:
+            layer.residual_next = None  # a dense layer flushes its residual
+        if config.momentum and layer.velocity is not None and layer.velocity_next is None:
+            layer.velocity_next = ops.zeros(layer.numel + 1, "float32", like)
+    records: List[MessageRecord] = []
+    offsets: Dict[int, int] = {}
+    for gi, spec in enumerate(specs):
+        members = list(spec.members)
+        message = MessageRecord(members, spec.sparse, spec.name)
+        if spec.sparse:
+            layout = spec.layout
+            assert layout is not None
+            message.layout = layout
+            message.chunk = layout.new_chunk(ops, like)
+            message.member_views = [
+                layout.member_views(ops, message.chunk, m) for m in range(len(members))
+            ]
+        elif len(members) > 1:
+            message.dense = ops.zeros(spec.size, "float32", like)
+        for m, i in enumerate(members):
+            layers[i].group, layers[i].member = gi, m
+            if not spec.sparse:
+                layers[i].ctrl = {}
+                offsets[i] = spec.offsets[m]
+        records.append(message)
+    # The transport's receive buffers; each sparse member's output a view.
+    sparse = [m for m in records if m.sparse]
+    outputs = transport.layout([m.layout for m in sparse], like)  # type: ignore[misc]
+    for position, (message, views) in enumerate(zip(sparse, outputs)):
+        message.outputs, message.position = views, position
+    members = [i for m in sparse for i in m.members]
+    modes = tuple(i in sparse_layers for i in range(len(layers)))
+    bank = bank_of(ops, controller, layers, members)
+    return Messages(records, members, offsets, modes, bank, version)
