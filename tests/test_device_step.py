@@ -1,5 +1,5 @@
 """Steps that run with device operations alone (``SparseExchange.device`` and
-``account_device_steps``): what a step traced into a
+``device.account``): what a step traced into a
 TensorFlow graph runs (issue 33). In-process ranks on NumPy: a device step
 must equal a host step bit for bit, keep the old residuals when some rank was
 non-finite, and say why a step cannot run on the device."""
@@ -48,7 +48,7 @@ def test_device_steps_equal_host_steps_and_are_counted(controller):
     def body(rank, comm):
         host = SparseExchange(OPS, comm, cfg, SIZES, prefix="host")
         dev = SparseExchange(OPS, comm, cfg, SIZES, prefix="dev")
-        dev.stable_buffers = True
+        dev.device.keep_buffers()
         seen = []
         for s in range(6):
             a = _step(host, _grads(rank, s), device=False)
@@ -64,7 +64,7 @@ def test_device_steps_equal_host_steps_and_are_counted(controller):
                     np.testing.assert_array_equal(layer.residual, dev.layers[i].residual)
                 if momentum:  # every layer's velocity, the dense one's too
                     np.testing.assert_array_equal(layer.velocity, dev.layers[i].velocity)
-        dev.account_device_steps(5)
+        dev.device.account(5)
         assert dev.step == host.step == 6
         return seen
 
@@ -76,7 +76,7 @@ def test_a_non_finite_device_step_keeps_the_old_residuals_on_every_rank():
 
     def body(rank, comm):
         ex = SparseExchange(OPS, comm, cfg, SIZES)
-        ex.stable_buffers = True
+        ex.device.keep_buffers()
         _step(ex, _grads(rank, 0), device=False)
         before = {
             i: np.array(la.residual, copy=True)
@@ -90,7 +90,7 @@ def test_a_non_finite_device_step_keeps_the_old_residuals_on_every_rank():
         assert not ok and np.isnan(out[0]).any()
         for i, r in before.items():
             np.testing.assert_array_equal(ex.layers[i].residual, r)
-        ex.account_device_steps(1, nonfinite=1, last_finite=False)
+        ex.device.account(1, nonfinite=1, last_finite=False)
         return ex.step, ex.last_step_finite
 
     for step, finite in LocalWorld(2).run(body):
@@ -160,7 +160,7 @@ def test_the_dynamic_controller_learns_on_the_device_as_on_the_host():
     def body(rank, comm):
         host = SparseExchange(OPS, comm, cfg, SIZES, prefix="host")
         dev = SparseExchange(OPS, comm, cfg, SIZES, prefix="dev")
-        dev.stable_buffers = True
+        dev.device.keep_buffers()
         kinds, budget, pending, bad = [], 0, 0, 0
         for s in range(14):
             a = _step(host, grads(rank, s), device=False)
@@ -171,7 +171,7 @@ def test_the_dynamic_controller_learns_on_the_device_as_on_the_host():
                 bad += not b[1]
                 kinds.append("d")
             else:
-                dev.account_device_steps(pending, bad)
+                dev.device.account(pending, bad)
                 pending = bad = 0
                 b = _step(dev, grads(rank, s), device=False)
                 dev.device.prepare()
@@ -180,7 +180,7 @@ def test_the_dynamic_controller_learns_on_the_device_as_on_the_host():
             assert a[1] == b[1] == (s != 6)
             for i in a[0]:
                 np.testing.assert_array_equal(a[0][i], b[0][i])
-        dev.account_device_steps(pending, bad)
+        dev.device.account(pending, bad)
         for x, y in zip(host.layers, dev.layers):
             assert x.controller_state == y.controller_state, x.name
         assert host.nonfinite_steps == dev.nonfinite_steps == 1

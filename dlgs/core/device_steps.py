@@ -7,13 +7,14 @@ finite on every rank (:func:`dlgs.core.step.verdict`, on the device), and the
 controllers learn from a copy of their bank on the device. The host's side of
 a step (its count, the controllers' bank on the host, the step hooks) does not
 run; the adapter counts such steps and hands them to
-:meth:`~dlgs.core.exchange.SparseExchange.account_device_steps`.
+:meth:`DeviceSteps.account`.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Dict, Optional
 
+from ._checks import check_int
 from .step import verdict
 
 if TYPE_CHECKING:
@@ -78,6 +79,12 @@ class DeviceSteps:
         if any(la.residual is not None and not laid.sparse(la) for la in ex.records):
             return "a dense layer still owes its residual"
         return None
+
+    def keep_buffers(self) -> None:
+        """A step is traced with the layers' state buffers in force: from now
+        on a host step copies its new state into them instead of swapping
+        buffers (one copy per sparse layer per host step)."""
+        self.exchange.sender.stable_buffers = True
 
     def budget(self) -> int:
         """How many steps may run on the device from here before one needs the
@@ -174,6 +181,22 @@ class DeviceSteps:
                 ops.select_(layer.velocity, ok, layer.velocity_next)
         ex.abort_step()  # the step's host bookkeeping, as before it
         return ok
+
+    def account(self, steps: int, nonfinite: int = 0, last_finite: bool = True) -> None:
+        """``steps`` steps ran on the device alone (:meth:`finish`),
+        ``nonfinite`` of them not finite on some rank, the last one finite or
+        not: count them into the exchange (and report the non-finite ones, as
+        a host step would), and pull what the controllers learnt."""
+        check_int("steps", steps, 0)
+        check_int("nonfinite", nonfinite, 0)
+        if nonfinite > steps:
+            raise ValueError(f"nonfinite must be at most steps ({steps}), got {nonfinite}")
+        if not steps:
+            return
+        ex = self.exchange
+        ex.step += steps
+        self.pull(steps - nonfinite)
+        ex.verdicts.device_steps(ex.step - 1, steps, nonfinite, bool(last_finite))
 
     def restore(self) -> None:
         """Put back what :meth:`begin` kept (an aborted or finished device step)."""

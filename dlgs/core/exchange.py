@@ -15,6 +15,23 @@ For a *sparse* layer ``submit`` adds the gradient to the layer's residual
 send buffer, and once every member of the group is in, starts one allgather.
 A *dense* layer (small, or density too high for sparse to pay) is allreduced as
 Horovod would. Nothing on this path reads a device value on the host.
+
+Non-finite gradients: if any rank's gradient of any layer is NaN or infinite
+in a step (or a dense layer's reduced gradient is), every rank (1) returns
+outputs that are non-finite for the same layers (a sparse layer's output gets
+NaN in its first element; dense layers carry Horovod's non-finite average), so
+that a loss scaler skips the step everywhere, and (2) leaves every residual,
+velocity and controller state as if the step had not happened. The verdict
+(:func:`dlgs.core.step.verdict`) costs one host read per step (an 8-byte flag,
+as a loss scaler's own check does).
+
+The exchange coordinates collaborators, each in its module:
+:class:`~dlgs.core.step.StepState` (the step under way),
+:class:`~dlgs.core.sending.LayerSender` (each layer's selection),
+:func:`~dlgs.core.messages.lay_out` (the layout in force), the transport
+(:mod:`dlgs.core.transport`), :class:`~dlgs.core.persist.ExchangeCheckpoints`
+with :class:`~dlgs.core.resume.Agreement`, and
+:class:`~dlgs.core.device_steps.DeviceSteps`.
 """
 
 from __future__ import annotations
@@ -26,21 +43,19 @@ from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tupl
 
 import numpy as np
 
-from . import checkpoint
-from ._checks import check_float, check_int
 from .backend import ArrayOps
-from .checkpoint import STATE_VERSION
 from .config import SparsityConfig
 from .controller import make_controller
 from .device_steps import DeviceSteps
 from .layout import plan_messages
-from .messages import Messages, bank_of, lay_out
+from .messages import Messages, lay_out
 from .nonfinite import NonFiniteLog
-from .records import LayerRecord, MessageRecord, StepHook, StepRecord
+from .persist import ExchangeCheckpoints, SharedState
+from .records import LayerRecord, MessageRecord, StepHook, StepRecord, check_layers
 from .resume import Agreement
 from .sending import LayerSender
-from .step import StepState, verdict
-from .transport import MAX_MESSAGE_ELEMENTS, Transport, make_transport
+from .step import StepState, nonfinite_names, verdict
+from .transport import Transport, make_transport
 from .views import LayerInfo, MessageInfo, layer_stats
 from .wire import LayerPlan, plan_layers
 
@@ -110,22 +125,6 @@ class SparseExchange:
             agreed after construction or a checkpoint load (default ``comm``;
             a two-level exchange passes every rank of the job, so that its
             cross-node sets cannot resume at different steps).
-
-    Non-finite gradients: if any rank's gradient of any layer is NaN or
-    infinite in a step (or a dense layer's reduced gradient is), every rank
-    (1) returns outputs that are non-finite for the same layers (a sparse
-    layer's output gets NaN in its first element; dense layers carry Horovod's
-    non-finite average), so that a loss scaler skips the step everywhere, and
-    (2) leaves every residual, velocity and controller state as if the step had
-    not happened. The verdict costs one host read per step (an 8-byte flag, as
-    a loss scaler's own check does); :attr:`last_step_finite` holds it.
-
-    Collaborators: :class:`~dlgs.core.step.StepState` (the step under way,
-    :attr:`current`), :class:`~dlgs.core.sending.LayerSender` (each layer's
-    selection), :func:`~dlgs.core.messages.lay_out` (the layout in force,
-    :attr:`messages`), the transport, :class:`~dlgs.core.resume.Agreement`
-    (:attr:`agreement`), :mod:`dlgs.core.checkpoint` and
-    :class:`~dlgs.core.device_steps.DeviceSteps` (:attr:`device`).
     """
 
     def __init__(
@@ -142,18 +141,7 @@ class SparseExchange:
         loss_scale: Optional[Callable[[], Any]] = None,
         agree: Optional[Collectives] = None,
     ):
-        names = [name for name, _ in layers]
-        if len(set(names)) != len(names):
-            dups = sorted({n for n in names if names.count(n) > 1})
-            raise ValueError(f"layer names must be unique, duplicates: {dups}")
-        too_big = [(name, int(n)) for name, n in layers if int(n) + 1 > MAX_MESSAGE_ELEMENTS]
-        if too_big:
-            name, n = too_big[0]
-            raise ValueError(
-                f"parameter {name!r} has {n} elements; dlgs indexes a message with int32, "
-                f"so a layer may have at most {MAX_MESSAGE_ELEMENTS - 1} elements (split the "
-                "parameter, or leave it out of named_parameters and reduce it yourself)"
-            )
+        check_layers(layers)
         if loss_scale is not None and not callable(loss_scale):
             raise TypeError(
                 f"loss_scale must be a callable or None, got {type(loss_scale).__name__}"
@@ -169,7 +157,7 @@ class SparseExchange:
         self.loss_scale = loss_scale
         #: Every layer's record (written by the exchange and its collaborators).
         self.records = [LayerRecord(name, int(n)) for name, n in layers]
-        self._index = {name: i for i, name in enumerate(names)}
+        self._index = {layer.name: i for i, layer in enumerate(self.records)}
         self._layer_views = tuple(
             LayerInfo(layer, lambda: self._messages_records(), i)
             for i, layer in enumerate(self.records)
@@ -177,15 +165,10 @@ class SparseExchange:
         #: The layout in force (None before the first gradient).
         self.messages: Optional[Messages] = None
         self._version = 0
-        self._plan: Optional[List[Tuple[List[int], Optional[bool]]]] = None
-        self._wire_bytes: Optional[int] = None  # wire_bytes() of the layout in force
+        #: What every rank holds alike: step, plan, density="auto"'s choice.
+        self.shared = SharedState()
         self._dense_bytes = 4 * sum(layer.numel for layer in self.records)
-        self.step = 0
         self._density: Optional[float] = None  # of the layout in force
-        # density="auto": what the planner chose (None: not yet), and with
-        # auto_layers each layer's (records order), or None.
-        self._auto_density: Optional[float] = None
-        self._auto_layers: Optional[Tuple[float, ...]] = None
         #: How sparse messages travel and come back summed (dlgs.core.transport).
         self.transport: Transport = make_transport(config, ops, comm)
         if config.transport == "auto" and self.transport.name == "flat":
@@ -204,25 +187,20 @@ class SparseExchange:
         #: The last finished step's :class:`StepRecord` (None before the first).
         self.last_step: Optional[StepRecord] = None
         self._trace_next = False
-        self._finite = True
-        self._lazy: List[Any] = []  # dense outputs of a step with nothing to undo
-        self._nonfinite = NonFiniteLog(lambda: self.loss_scale is not None)
+        #: The steps' verdicts: the last one's, the non-finite ones counted.
+        self.verdicts = NonFiniteLog(lambda: self.loss_scale is not None)
         #: What every rank must agree on (step, plan, profile, density) is
         #: agreed at the first gradient after construction and after every
         #: load, never inside load_state_dict (dlgs.core.resume).
         self.agreement = Agreement(agree if agree is not None else comm, f"{prefix}.sync")
-        #: Keep every layer's state buffers in place: a finished step copies its
-        #: new residual (and velocity) over the old one instead of swapping the
-        #: two buffers, so a step traced into a graph, which holds the buffers
-        #: it was traced with, stays valid across host steps (one copy per
-        #: sparse layer per host step).
-        self.stable_buffers = False
         #: Called (no argument) when the next step must run on the host: a plan,
         #: a density or a timed step was asked for, or a state loaded, between
         #: steps (see :class:`~dlgs.core.device_steps.DeviceSteps`).
         self.listeners: List[Callable[[], None]] = []
         #: Steps on the device alone (traced into a graph).
         self.device = DeviceSteps(self)
+        #: Saving, loading and the agreements after them.
+        self.checkpoints = ExchangeCheckpoints(self)
 
     def _messages_records(self) -> Tuple[MessageRecord, ...]:
         return self.messages.records if self.messages is not None else ()
@@ -243,6 +221,15 @@ class SparseExchange:
         return self._index[name]
 
     @property
+    def step(self) -> int:
+        """Steps finished (host and device ones), the same on every rank."""
+        return self.shared.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.shared.step = value
+
+    @property
     def layout_version(self) -> int:
         """Increases whenever the messages are laid out anew (a traced step is
         for one layout)."""
@@ -254,17 +241,17 @@ class SparseExchange:
         (all layers, dense ones included). Reading it after a step with no
         sparse layer and no momentum correction checks that step's dense outputs
         then (read it before ``zero_grad``) and synchronises the device once."""
-        if self._lazy:
-            lazy, self._lazy = self._lazy, []
+        log = self.verdicts
+        if log.lazy:
+            lazy, log.lazy = log.lazy, []
             if not verdict(self.ops, None, lazy, on_device=False)[0]:
-                self._finite = False
-                self._nonfinite.found_late()
-        return self._finite
+                log.found_late()
+        return log.last
 
     @property
     def nonfinite_steps(self) -> int:
         """Steps whose gradients were non-finite somewhere (state left untouched)."""
-        return self._nonfinite.steps
+        return self.verdicts.steps
 
     @property
     def last_submit_seconds(self) -> Optional[float]:
@@ -299,38 +286,27 @@ class SparseExchange:
         """Density in force for the current step; with ``density="auto"``'s
         per-layer choice, the one chosen for every layer, which some layers
         exceed (:attr:`densities`)."""
-        if self._auto_density is not None:
-            return self._auto_density
-        return self.config.density_at(self.step)
+        return self.shared.density(self.config)
 
     @property
     def densities(self) -> Tuple[float, ...]:
-        """Each layer's density in force (:attr:`layers` order): :attr:`density`
-        for every layer, unless ``density="auto"`` chose per-layer densities."""
-        if self._auto_layers is not None:
-            return self._auto_layers
-        return (self.density,) * len(self.records)
+        """Each layer's density in force (:attr:`layers` order)."""
+        return self.shared.densities(self.config, len(self.records))
 
     @property
     def auto_layers(self) -> Optional[Tuple[float, ...]]:
-        """With ``density="auto"``: the per-layer densities in force
-        (:attr:`layers` order), or None when every layer is at :attr:`density`."""
-        return self._auto_layers
+        """With ``density="auto"``: the per-layer densities in force, or None."""
+        return self.shared.auto_layers
 
     def set_density(self, density: float, layers: Optional[Sequence[float]] = None) -> None:
         """With ``density="auto"``: the density chosen (by the planner, the
         same on every rank), in force from the next step's layout; ``layers``:
         each layer's own (:attr:`layers` order), or None for ``density`` in
         every layer."""
-        if not self.config.auto:
-            raise RuntimeError("set_density() needs density='auto' (the density is fixed)")
         self._between_steps("set_density()")
-        check_float("density", density, low=0, high=1, low_open=True)
-        each = None if layers is None else checkpoint.layer_densities(layers, len(self.records))
-        if (float(density), each) != (self._auto_density, self._auto_layers):
-            self._density = None  # lay out again at the next step
+        if self.shared.choose_density(self.config, density, layers, len(self.records)):
+            self.relayout_next()
             self.request_host_step()
-        self._auto_density, self._auto_layers = float(density), each
 
     def trace_next_step(self) -> None:
         """Time the next step layer by layer (:class:`StepTrace` in its
@@ -346,17 +322,8 @@ class SparseExchange:
         rule. Takes effect at the next step; every rank must set the same plan.
         ``None`` restores layer-wise sending."""
         self._between_steps("set_plan()")
-        if plan is not None:
-            flat = [i for members, _ in plan for i in members]
-            if len(set(flat)) != len(flat) or any(not 0 <= i < len(self.records) for i in flat):
-                raise ValueError(
-                    f"a plan must list distinct layer indices in [0, {len(self.records)}), "
-                    f"got {plan!r}"
-                )
-            self._plan = [(list(members), sparse) for members, sparse in plan]
-        else:
-            self._plan = None
-        self._density = None
+        self.shared.set_plan(plan, len(self.records))
+        self.relayout_next()
         self.request_host_step()
 
     def set_groups(self, groups: Optional[Sequence[Sequence[int]]]) -> None:
@@ -371,6 +338,10 @@ class SparseExchange:
     def layer_plans(self) -> List[LayerPlan]:
         return plan_layers([layer.numel for layer in self.records], self.densities, self.config)
 
+    def relayout_next(self) -> None:
+        """Lay the messages out anew at the next gradient."""
+        self._density = None
+
     def _between_steps(self, what: str) -> None:
         if self.current.submitted:
             raise RuntimeError(f"{what} in the middle of a step")
@@ -383,7 +354,7 @@ class SparseExchange:
             listener()
 
     # -- layout ----------------------------------------------------------------
-    def _relayout(self, like: Any) -> None:
+    def relayout(self, like: Any) -> None:
         """Lay the messages out for the density in force (buffers carried over)."""
         density = self._density = self.density
         self.like = like
@@ -394,12 +365,12 @@ class SparseExchange:
             # applies in this very layout (the exchange writes its own plan).
             groups = on_density(self, density) if on_density is not None else None
             if groups is not None:
-                self._plan = [(list(members), sparse) for members, sparse in groups]
+                self.shared.plan = [(list(members), sparse) for members, sparse in groups]
         plans = self.layer_plans()
         specs = plan_messages(
             plans,
             [layer.name for layer in self.records],
-            self._plan,
+            self.shared.plan,
             self.prefix,
             self.config.value_dtype,
             self.config.index_coding,
@@ -420,7 +391,6 @@ class SparseExchange:
             like,
             self._version,
         )
-        self._wire_bytes = None
         logger.debug(
             "dlgs layout at step %d: density %g, %d layers in %d messages (%d sparse)",
             self.step,
@@ -449,9 +419,9 @@ class SparseExchange:
         if i in step.submitted:
             raise RuntimeError(f"gradient of {layer.name!r} submitted twice in one step")
         if not step.submitted:
-            self._before_step()
+            self.checkpoints.before_step()
         if self.layout_due:
-            self._relayout(grad)
+            self.relayout(grad)
         laid = self.messages
         assert laid is not None
         entered = time.perf_counter()  # never synchronises a device
@@ -494,22 +464,6 @@ class SparseExchange:
             trace.done[i] = self.clock()
         step.submit_seconds += time.perf_counter() - entered
         return result
-
-    def _before_step(self) -> None:
-        """At a step's first gradient: the agreement where one is due (and a
-        new one where Horovod Elastic reset the job to another world)."""
-        changed = self.agreement.world_changed()
-        if changed is not None:
-            # Every rank of the new world sees the change (or is new, its
-            # agreement pending) and agrees, then lays out anew for it.
-            logger.info("dlgs: the job is now rank %d of %d (was %d of %d)", *changed)
-            # What this rank holds stands as a loaded state would: a worker
-            # that joined (fresh, nothing loaded) takes it.
-            self._agree_again(holds_state=True)
-        if self.agreement.pending:
-            part = self.agreement.run(self._shared_state)
-            if part is not None:
-                self._apply_shared(part)
 
     def external_scale(self) -> Any:
         """The factor (0-d tensor) by which a ``dense_external`` layer's reduced
@@ -596,7 +550,6 @@ class SparseExchange:
         assert laid is not None
         theirs = [t for _, t in external] if verdicts is None else list(verdicts)
         dense = list(step.dense_out.values()) + theirs
-        self._lazy = []
         words = None  # the step's count words, read with the verdict
         tracks = bool(self.config.momentum) or any(
             m.sparse or any(self.records[i].flush for i in m.members) for m in laid.records
@@ -608,7 +561,7 @@ class SparseExchange:
             # Nothing to undo (every layer dense, no momentum correction): the
             # dense outputs are checked only if asked (last_step_finite), so a
             # dense step costs neither a pass over them nor a host sync.
-            self._lazy, finite = dense, True
+            finite = True
         if finite and laid.bank is not None:
             # The controllers learn from this rank's count words (read with
             # the verdict; an anchor step adds one read), on the host.
@@ -617,24 +570,12 @@ class SparseExchange:
             )
             laid.bank.update(self.ops, own)
         for i in sorted(step.submitted):
-            layer = self.records[i]
-            sparse = laid.sparse(layer)
-            if finite:
-                if sparse:
-                    self._keep_next(layer, "residual")
-                elif layer.flush:
-                    layer.residual = layer.residual_next = None
-                if layer.velocity_next is not None:
-                    self._keep_next(layer, "velocity")
-            elif sparse and layer.ctrl_prev is not None:
-                # In place: the bank holds this dict.
-                layer.ctrl.clear()
-                layer.ctrl.update(layer.ctrl_prev)
+            self.sender.settle(self.records[i], laid.sparse(self.records[i]), finite)
         if not finite:
-            self._nonfinite.nonfinite(self.step, lambda: self._nonfinite_names(external))
+            self.verdicts.nonfinite(self.step, lambda: nonfinite_names(self, external))
         else:
-            self._nonfinite.finite()
-        self._finite = finite
+            self.verdicts.finite()
+            self.verdicts.lazy = [] if tracks else dense
         start, submit, trace = step.started, step.submit_seconds, step.trace
         if trace is not None:
             trace.waited = self.clock()
@@ -652,15 +593,6 @@ class SparseExchange:
             hook(self, record)
         return finite
 
-    def _keep_next(self, layer: LayerRecord, kind: str) -> None:
-        """The step's new ``residual`` / ``velocity`` (in ``*_next``) in force."""
-        new = getattr(layer, f"{kind}_next")
-        if self.stable_buffers:
-            self.ops.copy_(getattr(layer, kind), new)
-        else:
-            setattr(layer, f"{kind}_next", getattr(layer, kind))
-            setattr(layer, kind, new)
-
     def abort_step(self) -> None:
         """Drop the step under way, so that the next one starts clean: how
         every step ends (:meth:`finish` after keeping what it keeps, a step on
@@ -673,69 +605,17 @@ class SparseExchange:
             layer.ctrl_prev, layer.flush = None, False
         self.current.drop()
 
-    def account_device_steps(
-        self, steps: int, nonfinite: int = 0, last_finite: bool = True
-    ) -> None:
-        """``steps`` steps ran on the device alone (``device.finish()``),
-        ``nonfinite`` of them not finite on some rank, the last one finite or
-        not: count them (and report the non-finite ones, as a host step would)."""
-        check_int("steps", steps, 0)
-        check_int("nonfinite", nonfinite, 0)
-        if nonfinite > steps:
-            raise ValueError(f"nonfinite must be at most steps ({steps}), got {nonfinite}")
-        if not steps:
-            return
-        self.step += steps
-        self.device.pull(steps - nonfinite)
-        self._lazy = []  # the last step's verdict is this one
-        self._finite = bool(last_finite)
-        self._nonfinite.device_steps(self.step - 1, steps, nonfinite, bool(last_finite))
-
-    def _nonfinite_names(self, external: Sequence[Tuple[int, Any]]) -> List[str]:
-        """The layers whose reduced gradient is non-finite this step: each
-        member of a merged dense message checked on its own."""
-        ops, laid = self.ops, self.messages
-        assert laid is not None
-        names = []
-        flags = self.transport.bad
-        if laid.sparse_members and flags is not None:
-            bad = ops.to_host(flags)
-            names += [self.records[i].name for i, b in zip(laid.sparse_members, bad) if b]
-        parts = []
-        for first, t in self.current.dense_out.items():
-            members = laid.records[self.records[first].group].members
-            flat = ops.reshape(t, (-1,))
-            for j in members:
-                part = (
-                    t
-                    if len(members) == 1
-                    else ops.narrow(flat, 0, laid.offsets[j], self.records[j].numel)
-                )
-                parts.append((j, part))
-        for i, t in parts + list(external):
-            if ops.to_host(ops.any_nonfinite([t])):
-                names.append(self.records[i].name)
-        return names
-
     # -- statistics and checkpoints -------------------------------------------
     def message_bytes(self, message: Any) -> int:
-        """Bytes this rank contributes to ``message`` (a :class:`MessageInfo`,
-        or the exchange's own record) per step."""
-        if isinstance(message, MessageInfo):
-            message = self._messages_records()[message.index]
-        if message.sparse:
-            assert message.layout is not None
-            return self.transport.message_bytes(message.layout)
-        return 4 * sum(self.records[i].numel for i in message.members)
+        """Bytes this rank contributes to ``message`` (a :class:`MessageInfo`) per step."""
+        assert self.messages is not None
+        return self.messages.wire_bytes[message.index]
 
     def wire_bytes(self) -> int:
         """Bytes this rank contributes per step under the layout in force, over
         all its messages (sparse ones at capacity, with their fingerprint
-        word; dense layers as float32, before any Horovod compression). No
-        device read; computed once per layout."""
-        if self._wire_bytes is None:
-            self._wire_bytes = sum(self.message_bytes(m) for m in self._messages_records())
-        return self._wire_bytes
+        word; dense layers as float32, before any Horovod compression)."""
+        return sum(self.messages.wire_bytes) if self.messages is not None else 0
 
     def dense_bytes(self) -> int:
         """Bytes per step of a dense float32 exchange of every layer (what
@@ -749,33 +629,11 @@ class SparseExchange:
         return layer_stats(self)
 
     def state_dict(self) -> Dict[str, Any]:
-        """This rank's residuals, velocities and controller states, with the step.
-
-        Residuals are rank-local (each rank holds the gradient it has not sent
-        yet); the dict is tagged with rank and world size so that
-        :meth:`load_state_dict` restores them only where they belong.
-        """
-        return {
-            "version": STATE_VERSION,
-            **self._shared_state(),
-            "rank": self.comm.rank,
-            "size": self.comm.size,
-            "config": self.config.to_dict(),
-            "layers": checkpoint.layer_states(self.ops, self.records),
-        }
-
-    def _shared_state(self) -> Dict[str, Any]:
-        """What every rank must hold alike (:data:`dlgs.core.resume.SHARED_KEYS`)."""
-        return {
-            "step": self.step,
-            "plan": self._plan,
-            "hooks": {
-                _hook_key(h): h.state_dict() for h in self.step_hooks if hasattr(h, "state_dict")
-            },
-            "auto_density": self._auto_density,
-            "auto_layers": None if self._auto_layers is None else list(self._auto_layers),
-            "regions": self.transport.state(),
-        }
+        """This rank's residuals, velocities and controller states, with the
+        step, plan and density every rank holds alike; tagged with rank and
+        world size, since residuals are rank-local (each rank holds the
+        gradient it has not sent yet)."""
+        return self.checkpoints.save()
 
     def load_state_dict(self, state: Dict[str, Any], like: Any) -> None:
         """Restore a :meth:`state_dict`, validating everything before changing
@@ -794,127 +652,17 @@ class SparseExchange:
         set to zero; a changed controller, ``threshold``, density or warm-up
         restarts the thresholds.
         """
-        own, restart = self.check_state_dict(state)
-        if not own:
-            logger.warning(
-                "dlgs state was saved by rank %s of %s, this is rank %d of %d: residuals "
-                "reset to zero (save one state per rank to resume exactly)",
-                state.get("rank"),
-                state.get("size"),
-                self.comm.rank,
-                self.comm.size,
-            )
-        if restart:
-            logger.warning(
-                "dlgs options changed since the checkpoint (%s): thresholds start afresh "
-                "(residuals are kept)",
-                ", ".join(restart),
-            )
-        if self.agreement.training:
-            # After the ranks agreed and stepped, the others do not know of
-            # this load: an agreement on this rank alone would wait for them
-            # forever (issue 42). This rank's own layers load now; the shared
-            # part is kept for the next agreement every rank runs (after
-            # Horovod Elastic's reset), else the agreed one stays.
-            self._restore_layers(state["layers"], like, own, restart)
-            self.agreement.stashed = state
-            if any(state.get(k) != v for k, v in self._shared_state().items() if k != "hooks"):
-                logger.warning(
-                    "dlgs: a state loaded after training began restores this rank's residuals "
-                    "and thresholds; the step (%s, checkpoint %s), plan and density stay as "
-                    "the ranks agreed (docs/design.md, 'Checkpoints and residuals')",
-                    self.step,
-                    state.get("step"),
-                )
-            # No host step is asked for: the ranks take host or device steps
-            # together (TensorFlow's graph budget), and only this rank knows
-            # of the load; a traced step's bank takes the loaded thresholds.
-            self.device.push()
-            return
-        self._apply_shared(state)
-        self._relayout(like)
-        self._restore_layers(state["layers"], like, own, restart)
-        self.request_host_step()  # the agreement, and buffers a traced step does not hold
-        # Any load counts, even of the state in force: a rank that loads must
-        # agree with the other loading ranks (a stale file is an error), never
-        # be rolled back or forward silently by them.
-        self.agreement.due(loaded=True)
+        self.checkpoints.load(state, like)
+
+    def check_state_dict(self, state: Any) -> Tuple[bool, List[str]]:
+        """Validate a :meth:`state_dict` without changing anything: whether it
+        is this rank's own, and the options whose change restarts the thresholds."""
+        return self.checkpoints.check(state)
 
     def resync(self) -> None:
         """Agree at the next gradient, every rank (see
         :meth:`dlgs.core.engine.Engine.resync`): a state loaded since the last
         agreement takes part as a load, with its step, plan and density."""
         self._between_steps("resync()")
-        self._agree_again(holds_state=False)
+        self.checkpoints.agree_again(holds_state=False)
         self.request_host_step()  # the agreement, on every rank
-
-    def _agree_again(self, holds_state: bool) -> None:
-        stashed = self.agreement.due(holds_state=holds_state)
-        if stashed is not None:
-            self._apply_shared(stashed)
-        self._density = None
-
-    def _apply_shared(self, state: Dict[str, Any]) -> None:
-        """Put a state's shared part (:func:`dlgs.core.resume.shared`) in
-        force: step, plan, ``density="auto"``'s choice and the step hooks'
-        states (the planner re-plans from its profile). Laid out anew at the
-        next gradient; on an error nothing is changed."""
-        auto_layers = state.get("auto_layers")
-        if auto_layers is not None:
-            auto_layers = checkpoint.layer_densities(auto_layers, len(self.records))
-        plan = state.get("plan")
-        old = (self.step, self._plan, self._auto_density, self._auto_layers)
-        self.step = state["step"]
-        self._plan = [(list(m), s) for m, s in plan] if plan is not None else None
-        # The density the planner chose stays in force (before the planner
-        # re-plans from its saved profile at it).
-        self._auto_density = state.get("auto_density") if self.config.auto else None
-        # With auto_layers turned off since, one density for every layer.
-        per_layer = self.config.auto and self.config.auto_layers
-        self._auto_layers = auto_layers if per_layer else None
-        try:
-            self.transport.load_state(state.get("regions"))
-            for hook in self.step_hooks:
-                if hasattr(hook, "load_state_dict"):
-                    hook.load_state_dict((state.get("hooks") or {}).get(_hook_key(hook), {}), self)
-        except Exception:
-            self.step, self._plan, self._auto_density, self._auto_layers = old
-            self.transport.load_state(None)
-            raise
-        self._density = None
-
-    def check_state_dict(self, state: Any) -> Tuple[bool, List[str]]:
-        """Validate a :meth:`state_dict` for this exchange without changing
-        anything (what :meth:`load_state_dict` checks first). Returns whether
-        it is this rank's own state and the options whose change restarts the
-        thresholds."""
-        self._between_steps("load_state_dict()")
-        return checkpoint.validate(
-            self.ops,
-            state,
-            [(layer.name, layer.numel) for layer in self.records],
-            self.config,
-            self.comm.rank,
-            self.comm.size,
-        )
-
-    def _restore_layers(self, saved: Dict[str, Any], like: Any, own: bool, restart: List[str]):
-        laid = self.messages
-        sparse = [laid is not None and laid.sparse(la) for la in self.records]
-        checkpoint.restore_layers(
-            self.ops,
-            self.controller,
-            self.records,
-            sparse,
-            self.densities,
-            saved,
-            like,
-            own=own,
-            restart=bool(restart),
-        )
-        if laid is not None:
-            laid.bank = bank_of(self.ops, self.controller, self.records, laid.sparse_members)
-
-
-def _hook_key(hook: Any) -> str:
-    return getattr(hook, "state_key", type(hook).__name__)

@@ -28,7 +28,16 @@ __all__ = ["Messages", "bank_of", "lay_out"]
 class Messages:
     """One layout's messages (written by :func:`lay_out` only)."""
 
-    __slots__ = ("records", "views", "sparse_members", "offsets", "modes", "bank", "version")
+    __slots__ = (
+        "records",
+        "views",
+        "sparse_members",
+        "offsets",
+        "modes",
+        "bank",
+        "version",
+        "wire_bytes",
+    )
 
     def __init__(
         self,
@@ -38,6 +47,7 @@ class Messages:
         modes: Tuple[bool, ...],
         bank: Optional[ControllerBank],
         version: int,
+        wire_bytes: Sequence[int],
     ):
         #: The messages, in the order their first layer is ready.
         self.records: Tuple[MessageRecord, ...] = tuple(records)
@@ -53,6 +63,9 @@ class Messages:
         self.bank = bank
         #: Increases with every layout (a step traced on the device is for one).
         self.version = version
+        #: Per message: the bytes this rank puts into its collectives per step
+        #: (sparse at capacity, with the fingerprint word; dense as float32).
+        self.wire_bytes: Tuple[int, ...] = tuple(wire_bytes)
 
     def sparse(self, layer: LayerRecord) -> bool:
         """Whether ``layer`` travels in a sparse message in this layout."""
@@ -141,4 +154,10 @@ def lay_out(
     members = [i for m in sparse for i in m.members]
     modes = tuple(i in sparse_layers for i in range(len(layers)))
     bank = bank_of(ops, controller, layers, members)
-    return Messages(records, members, offsets, modes, bank, version)
+    sizes = [
+        transport.message_bytes(m.layout)
+        if m.layout is not None
+        else 4 * sum(layers[i].numel for i in m.members)
+        for m in records
+    ]
+    return Messages(records, members, offsets, modes, bank, version, sizes)

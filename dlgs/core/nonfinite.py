@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Callable, List
+from typing import Any, Callable, List
 
 __all__ = ["NONFINITE_RUN", "NonFiniteLog"]
 
@@ -37,15 +37,21 @@ class NonFiniteLog:
         self.run = 0
         self._logged = -math.inf  # time of the last report
         self._unlogged = 0
+        #: The last step was finite on every rank.
+        self.last = True
+        #: A step with nothing to undo: its dense outputs, checked only when
+        #: asked (``last_step_finite``).
+        self.lazy: List[Any] = []
 
     def found_late(self) -> None:
         """A step found non-finite after it ended (it kept no state to undo):
         counted, not reported."""
         self.steps += 1
+        self.last = False
 
     def finite(self) -> None:
         """A finite step: the run ends."""
-        self.run = 0
+        self.run, self.last, self.lazy = 0, True, []
 
     def device_steps(self, step: int, steps: int, nonfinite: int, last_finite: bool) -> None:
         """``steps`` steps up to ``step`` ran on the device alone, ``nonfinite``
@@ -58,6 +64,7 @@ class NonFiniteLog:
             self.nonfinite(step, lambda: [f"{nonfinite} of the last {steps} steps"])
         if last_finite:
             self.run = 0
+        self.last, self.lazy = bool(last_finite), []
 
     def nonfinite(self, step: int, names: Callable[[], List[str]]) -> None:
         """A non-finite step: count it, and report it (naming the layers that
@@ -67,6 +74,7 @@ class NonFiniteLog:
         self.steps += 1
         self.run += 1
         self._unlogged += 1
+        self.last, self.lazy = False, []
         run, scaled = self.run, self._scaled()
         # A scaler that starts high overflows for a while by design (from 2^30,
         # about 15 halvings): twice the run before it is called one.

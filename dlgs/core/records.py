@@ -8,15 +8,33 @@ Only the exchange writes the records; everyone else reads them through
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Protocol, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Protocol, Sequence, Tuple
 
 from .backend import ArrayOps
+from .transport import MAX_MESSAGE_ELEMENTS
 from .wire import GroupLayout, LayerPlan, MemberViews
 
 if TYPE_CHECKING:
     from .exchange import SparseExchange
 
-__all__ = ["LayerRecord", "MessageRecord", "StepHook", "StepRecord", "StepTrace"]
+__all__ = ["check_layers", "LayerRecord", "MessageRecord", "StepHook", "StepRecord", "StepTrace"]
+
+
+def check_layers(layers: Sequence[Tuple[str, int]]) -> None:
+    """``(name, numel)`` of an exchange's layers: unique names, each small
+    enough to be indexed in a message with int32."""
+    names = [name for name, _ in layers]
+    if len(set(names)) != len(names):
+        dups = sorted({n for n in names if names.count(n) > 1})
+        raise ValueError(f"layer names must be unique, duplicates: {dups}")
+    too_big = [(name, int(n)) for name, n in layers if int(n) + 1 > MAX_MESSAGE_ELEMENTS]
+    if too_big:
+        name, n = too_big[0]
+        raise ValueError(
+            f"parameter {name!r} has {n} elements; dlgs indexes a message with int32, "
+            f"so a layer may have at most {MAX_MESSAGE_ELEMENTS - 1} elements (split the "
+            "parameter, or leave it out of named_parameters and reduce it yourself)"
+        )
 
 
 class LayerRecord:

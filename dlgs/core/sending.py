@@ -36,6 +36,12 @@ class LayerSender:
         self.kernels_chosen = False
         self.scratch_abs: Any = None
         self.scratch_mask: Any = None
+        #: Keep every layer's state buffers in place: a finished step copies its
+        #: new residual (and velocity) over the old one instead of swapping the
+        #: two buffers, so a step traced into a graph, which holds the buffers
+        #: it was traced with, stays valid across host steps (one copy per
+        #: sparse layer per host step).
+        self.stable_buffers = False
 
     def prepare(self, biggest: int, like: Any) -> None:
         """Kernels chosen once; scratch for a sparse layer of ``biggest``
@@ -48,6 +54,30 @@ class LayerSender:
         if biggest and (self.scratch_abs is None or self.ops.numel(self.scratch_abs) < biggest):
             self.scratch_abs = self.ops.zeros(biggest, "float32", like)
             self.scratch_mask = self.ops.zeros(biggest, "bool", like)
+
+    def settle(self, layer: LayerRecord, sparse: bool, finite: bool) -> None:
+        """After the step's verdict: a finite step's new residual (a sparse
+        layer's) and velocity in force, or a dense layer's flushed residual
+        dropped; a non-finite step's controller state put back."""
+        if finite:
+            if sparse:
+                self._keep_next(layer, "residual")
+            elif layer.flush:
+                layer.residual = layer.residual_next = None
+            if layer.velocity_next is not None:
+                self._keep_next(layer, "velocity")
+        elif sparse and layer.ctrl_prev is not None:
+            # In place: the bank holds this dict.
+            layer.ctrl.clear()
+            layer.ctrl.update(layer.ctrl_prev)
+
+    def _keep_next(self, layer: LayerRecord, kind: str) -> None:
+        new = getattr(layer, f"{kind}_next")
+        if self.stable_buffers:
+            self.ops.copy_(getattr(layer, kind), new)
+        else:
+            setattr(layer, f"{kind}_next", getattr(layer, kind))
+            setattr(layer, kind, new)
 
     def velocity(self, layer: LayerRecord, grad: Any, step: StepState) -> Any:
         """``u' = m u + g / scale`` into the layer's spare velocity buffer."""

@@ -12,14 +12,17 @@ the device alike.
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from .backend import ArrayOps
 from .records import StepTrace
 
-__all__ = ["StepState", "verdict"]
+if TYPE_CHECKING:
+    from .exchange import SparseExchange
+
+__all__ = ["StepState", "nonfinite_names", "verdict"]
 
 
 class StepState:
@@ -92,3 +95,29 @@ def verdict(
     flag = ops.cast(ops.reshape(dense_flag, (1,)), "int32")
     host = np.asarray(ops.to_host(ops.concat([flag, counts]))).reshape(-1)
     return bool(host[0] == 0 and host[1:].min() >= 0), host[1:]
+
+
+def nonfinite_names(ex: "SparseExchange", external: Sequence[Tuple[int, Any]]) -> List[str]:
+    """The layers whose reduced gradient is non-finite in ``ex``'s step under
+    way (before its end): each member of a merged dense message checked on
+    its own; ``external``: ``(layer index, tensor)`` the caller reduced. One
+    host read per layer: for reports only."""
+    ops, laid, records = ex.ops, ex.messages, ex.records
+    assert laid is not None
+    names = []
+    bad = ex.transport.bad
+    if laid.sparse_members and bad is not None:
+        flags = ops.to_host(bad)
+        names += [records[i].name for i, b in zip(laid.sparse_members, flags) if b]
+    parts = list(external)
+    for first, t in ex.current.dense_out.items():
+        members = laid.records[records[first].group].members
+        if len(members) == 1:
+            parts.append((first, t))
+            continue
+        flat = ops.reshape(t, (-1,))
+        parts += [(j, ops.narrow(flat, 0, laid.offsets[j], records[j].numel)) for j in members]
+    for i, t in parts:
+        if ops.to_host(ops.any_nonfinite([t])):
+            names.append(records[i].name)
+    return names

@@ -18,7 +18,7 @@ Which branch runs is read from variables the host sets after each host step
 (every rank computes the same values from agreed state, so every rank takes
 the same branch): the layout version the graph was traced for, and how many
 steps may run on the device before the host needs one. Steps that ran on the
-device are counted into the exchange (``account_device_steps``) at the next
+device are counted into the exchange (``device.account``) at the next
 host step or accessor.
 
 A graph is for one layout: after a new plan the device branch is stale and
@@ -135,7 +135,7 @@ class GraphSteps:
             version,
             len(ex.groups),
         )
-        ex.stable_buffers = True
+        ex.device.keep_buffers()
         return tf.cond(use, lambda: self._device(grads), host)
 
     def _device(self, grads: List[tf.Tensor]) -> List[tf.Tensor]:
@@ -196,7 +196,7 @@ class GraphSteps:
         self._pulling = True
         try:
             bad = int(v["bad"].numpy())
-            self._engine.exchange.account_device_steps(n, bad, bool(v["last_ok"].numpy()))
+            self._engine.exchange.device.account(n, bad, bool(v["last_ok"].numpy()))
             self.device_steps += n
             v["steps"].assign(0)
             v["bad"].assign(0)
