@@ -24,10 +24,10 @@ pass (back-propagation costs about two forward passes).
 
 * ``catalog:MODEL``: dlgs's built-in structures (``resnet50``, ``vgg16``,
   ``bert-base``, ``ptb-lstm``) with their compute model at ``--emulate-flops``
-  FLOP/s per worker (:func:`dlgs.core.catalog.catalog_profile`);
+  FLOP/s per worker (:func:`dlgs.catalog.catalog_profile`);
 * ``measured``: the benchmark's ``--model`` measured on this machine (rank 0,
   a few steps without communication, one torch thread);
-* a path to a saved dlgs :class:`~dlgs.core.profile.Profile` JSON (e.g. one
+* a path to a saved dlgs :class:`~dlgs.core.planning.profile.Profile` JSON (e.g. one
   measured on a GPU with ``planner.profile.to_dict()``), replayed as it is;
 
 each divided by ``--emulate-speed`` (a device that many times faster).
@@ -61,9 +61,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from dlgs.core.catalog import DEFAULT_COMPUTE_FLOPS, catalog_model, catalog_profile
-from dlgs.core.catalog import MODELS as CATALOG
-from dlgs.core.profile import LayerProfile, Profile
+from dlgs.catalog import DEFAULT_COMPUTE_FLOPS, catalog_model, catalog_profile
+from dlgs.catalog import MODELS as CATALOG
+from dlgs.core.planning.profile import LayerProfile, Profile
 
 __all__ = [
     "STUDENT_T_DF",

@@ -8,7 +8,7 @@ Run inside the two-level local cluster, whose nodes see their link as
     python -m benchmarks.cluster --nodes 2 --ranks-per-node 2 --bandwidth none -- \\
         python -m benchmarks.link_bytes --model resnet50 --out bench-results/link-bytes
 
-The model is a catalog model's parameter tensors (``dlgs.core.catalog``) and
+The model is a catalog model's parameter tensors (``dlgs.catalog``) and
 a synthetic backward (each step's gradients random, per rank): bytes do not
 depend on compute. Each method runs ``--steps`` steps per round after its own
 warm-up step; local rank 0 of every node reads the link's counters (both
@@ -40,7 +40,7 @@ import torch
 
 import dlgs.torch
 from benchmarks.cluster import link_bytes
-from dlgs.core.catalog import MODELS, catalog_model
+from dlgs.catalog import MODELS, catalog_model
 
 logger = logging.getLogger("benchmarks.link_bytes")
 

@@ -1,4 +1,4 @@
-"""Time the merge planner (:func:`dlgs.core.planner.plan_dp`) on synthetic models.
+"""Time the merge planner (:func:`dlgs.core.planning.dp.plan_dp`) on synthetic models.
 
 The issue's goal: planning 1,000 layers takes at most 100 ms. This times the
 real planner (numpy-vectorised Pareto DP) and, since a capped Pareto front makes
@@ -12,8 +12,8 @@ catalog models: backward ``2 * (2 * REUSE * n) / compute_flops`` with
 ``REUSE`` = 3,200 multiply-accumulates per parameter and step (100 uses per
 sample, batch 32; the catalog's models range from 35 for the PTB LSTM to 160
 for ResNet-50), sparsify and pack from 800 GB/s memory
-(:func:`dlgs.core.catalog.sparsify_cost`, :func:`~dlgs.core.catalog.pack_cost`),
-ring collectives from :mod:`dlgs.core.netmodel`; density 0.01.
+(:func:`dlgs.catalog.sparsify_cost`, :func:`~dlgs.catalog.pack_cost`),
+ring collectives from :mod:`dlgs.core.planning.netmodel`; density 0.01.
 
 For every ``L``, ``max_group`` and ``max_front`` the planner runs ``--repeats`` times (median
 reported) after one small warm-up call. A configuration whose first run takes
@@ -44,9 +44,9 @@ from pathlib import Path
 
 import numpy as np
 
-from dlgs.core.catalog import DEFAULT_COMPUTE_FLOPS, pack_cost, sparsify_cost
-from dlgs.core.netmodel import allgather_cost, allreduce_cost
-from dlgs.core.planner import LayerCost, PlanSpec, plan_dp
+from dlgs.catalog import DEFAULT_COMPUTE_FLOPS, pack_cost, sparsify_cost
+from dlgs.core.planning.dp import LayerCost, PlanSpec, plan_dp
+from dlgs.core.planning.netmodel import allgather_cost, allreduce_cost
 
 __all__ = ["Result", "main", "parse_args", "run", "synthetic_spec", "write_csv", "format_markdown"]
 
@@ -146,7 +146,7 @@ def _layers(text: str) -> list[int]:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
     p = argparse.ArgumentParser(
-        prog="python -m benchmarks.planner", description="Time dlgs.core.planner.plan_dp."
+        prog="python -m benchmarks.planner", description="Time dlgs.core.planning.dp.plan_dp."
     )
     p.add_argument(
         "--layers",
@@ -298,7 +298,7 @@ def format_markdown(
 ) -> str:
     """``planner.md``: goal, table, command and environment."""
     lines = [
-        "# Merge planner speed (`dlgs.core.planner.plan_dp`)",
+        "# Merge planner speed (`dlgs.core.planning.dp.plan_dp`)",
         "",
         f"Generated {time.strftime('%Y-%m-%d %H:%M:%S')} by `benchmarks/planner.py` in "
         f"{elapsed:.0f} s. Command:",

@@ -23,10 +23,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from dlgs.core.catalog import DEFAULT_COMPUTE_FLOPS
+from dlgs.catalog import DEFAULT_COMPUTE_FLOPS
 from dlgs.core.config import IndexCoding
-from dlgs.core.planner import plan_strategy
-from dlgs.core.profile import build_spec
+from dlgs.core.planning.dp import plan_strategy
+from dlgs.core.planning.profile import build_spec
 
 __all__ = [
     "FRAMEWORKS",
@@ -758,7 +758,7 @@ def settle_steps(profile_steps: int, auto: bool = False) -> int:
     """Steps before a merging method's plan is final and in force: one skipped,
     ``profile_steps`` profiled, the plan's first step (buffers re-laid),
     ``profile_steps`` timed under it for the refined plan, and that plan's
-    first step (see ``dlgs.core.profiler.OnlinePlanner``). With ``auto``
+    first step (see ``dlgs.core.planning.online.OnlinePlanner``). With ``auto``
     (``density="auto"``), room for the chosen density to be measured slower
     and the earlier one timed again: ``profile_steps`` and a first step more."""
     return 2 * profile_steps + 3 + (profile_steps + 1 if auto else 0)
@@ -806,7 +806,7 @@ def run_rounds(
 
 def guard_verdict(planner: Any) -> str:
     """``"kept"`` or ``"layer-wise"``: the dp guard's verdict on ``planner``'s
-    first plan (``dlgs.core.profiler.OnlinePlanner``); ``""`` if none ran."""
+    first plan (``dlgs.core.planning.online.OnlinePlanner``); ``""`` if none ran."""
     result = planner.guard_result
     return "" if result is None else "kept" if result["kept"] else "layer-wise"
 

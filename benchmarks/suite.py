@@ -45,8 +45,8 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from dlgs.core.catalog import MODELS as CATALOG
-from dlgs.core.catalog import catalog_model
+from dlgs.catalog import MODELS as CATALOG
+from dlgs.catalog import catalog_model
 
 from .report import (
     FRAMEWORKS,

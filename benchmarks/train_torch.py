@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import dlgs.torch
-from dlgs.core.catalog import DEFAULT_COMPUTE_FLOPS
+from dlgs.catalog import DEFAULT_COMPUTE_FLOPS
 
 from . import ddp_methods
 from .emulate import EmulatedNet, Emulation, emulation_from, measure_layers

@@ -21,9 +21,9 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from dlgs.catalog import MODELS as CATALOG
+from dlgs.catalog import catalog_model
 from dlgs.core import GroupLayout, SparsityConfig, plan_layers
-from dlgs.core.catalog import MODELS as CATALOG
-from dlgs.core.catalog import catalog_model
 
 from .report import write_csv
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Dict
 
-from .core.consistency import horovod_options
+from .core.state.consistency import horovod_options
 
 __all__ = ["HorovodSet", "methods_of"]
 

@@ -14,7 +14,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 
 from .core._checks import check_float, check_int
 from .core.config import MergeConfig, SparsityConfig
-from .core.profiler import OnlinePlanner
+from .core.planning.online import OnlinePlanner
 
 __all__ = [
     "build_config",

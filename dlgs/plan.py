@@ -1,10 +1,10 @@
 """Predict merge plans and iteration times without a cluster: ``python -m dlgs.plan``.
 
 Two commands, both pure functions of the planner's model
-(:mod:`dlgs.core.planner`); nothing here measures anything:
+(:mod:`dlgs.core.planning.dp`); nothing here measures anything:
 
 * ``show`` prints the plan of one model on one assumed cluster (one row per
-  message, :meth:`~dlgs.core.planner.Plan.describe`), its predicted end and
+  message, :meth:`~dlgs.core.planning.dp.Plan.describe`), its predicted end and
   the predicted end of plain dense allreduce, layer by layer and fused::
 
       python -m dlgs.plan show --model resnet50 --workers 8 --bandwidth 10gbit --density 0.01
@@ -16,9 +16,9 @@ Two commands, both pure functions of the planner's model
       python -m dlgs.plan simulate --models resnet50,vgg16,bert-base,ptb-lstm \\
           --density 0.01 --out benchmarks/results/plan-sim
 
-Model inputs come from :mod:`dlgs.core.catalog` (built-in models with an
-approximate compute model) and :mod:`dlgs.core.netmodel` (ring collectives),
-or from a saved :class:`~dlgs.core.profile.Profile` (``--profile``: measured
+Model inputs come from :mod:`dlgs.catalog` (built-in models with an
+approximate compute model) and :mod:`dlgs.core.planning.netmodel` (ring collectives),
+or from a saved :class:`~dlgs.core.planning.profile.Profile` (``--profile``: measured
 per-layer backward times and fitted collectives). The predicted iteration is
 back-propagation plus the communication that does not overlap it (the plan's
 end); the forward pass and the optimizer step are left out, which would add
@@ -40,19 +40,24 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from dlgs.core.catalog import (
+from dlgs.catalog import (
     DEFAULT_COMPUTE_FLOPS,
     DEFAULT_KERNEL_S,
-    DEFAULT_LATENCY_S,
     DEFAULT_MEM_BW,
     MODELS,
     catalog_model,
     catalog_profile,
 )
 from dlgs.core.config import IndexCoding, SparsityConfig
-from dlgs.core.netmodel import TwoLevels, allgather_cost, allreduce_cost, reduction_cost
-from dlgs.core.planner import STRATEGIES, CostModel, Plan, PlanSpec, plan_strategy, simulate
-from dlgs.core.profile import Profile, build_spec, choose_density
+from dlgs.core.planning.dp import STRATEGIES, CostModel, Plan, PlanSpec, plan_strategy, simulate
+from dlgs.core.planning.netmodel import (
+    DEFAULT_LATENCY_S,
+    TwoLevels,
+    allgather_cost,
+    allreduce_cost,
+    reduction_cost,
+)
+from dlgs.core.planning.profile import Profile, build_spec, choose_density
 from dlgs.core.wire import plan_layers
 
 __all__ = [
@@ -474,7 +479,7 @@ def two_level_profile(
 ) -> Optional[Profile]:
     """``profile`` as the two-level exchange sees it on nodes of ``local``
     ranks (None unless ``workers`` is at least 2 such nodes): sparse messages
-    cost :meth:`~dlgs.core.netmodel.TwoLevels.sparse_cost`, selection
+    cost :meth:`~dlgs.core.planning.netmodel.TwoLevels.sparse_cost`, selection
     ``local`` times less (each rank selects a shard); dense ones, and the
     compute, are as flat."""
     if workers % local or workers // local < 2:
@@ -509,12 +514,12 @@ def plan_methods(
       ``Compression.fp16``: half the bytes);
     * ``dlgs-layerwise``: each layer its own message, sparse where the
       per-layer rule (``min_sparse_size``, sparse smaller than dense) says so;
-    * ``dp-dlgs``: :func:`~dlgs.core.planner.plan_dp` with the same
+    * ``dp-dlgs``: :func:`~dlgs.core.planning.dp.plan_dp` with the same
       eligibility rule as training (a layer the rule sends dense is never put
       in a sparse message);
     * ``dp-dlgs-reduce``: the same DP where each sparse message travels by
       allgather or by the sparse reduction (``reduction``, its cost model:
-      :func:`~dlgs.core.netmodel.reduction_cost`), whichever is faster
+      :func:`~dlgs.core.planning.netmodel.reduction_cost`), whichever is faster
       (``transport="auto"``).
     """
     n = len(spec.layers)
@@ -706,7 +711,7 @@ def simulate_grid(
         profiles: ``(model, workers, bandwidth_bps) -> Profile``.
         models, workers, bandwidths: the grid.
         config: sparsity options; its ``density`` is the one planned for.
-        max_group, max_front: passed to :func:`~dlgs.core.planner.plan_dp`.
+        max_group, max_front: passed to :func:`~dlgs.core.planning.dp.plan_dp`.
         two_level: ``(profile, workers, bandwidth_bps) -> profile`` of the two-level exchange
             (:func:`two_level_profile`), or None where it does not apply: adds
             the method ``dp-dlgs-hier``.
@@ -792,7 +797,7 @@ def _markdown(
         f"- DP: `max_group={args.max_group}`, `max_front={args.max_front}`; planning time per "
         "model (all methods, whole grid): "
         + ", ".join(f"{m} {s:.1f} s" for m, s in seconds.items()),
-        "- every number is a prediction of the planner's model (`dlgs.core.planner.simulate`), "
+        "- every number is a prediction of the planner's model (`dlgs.core.planning.dp.simulate`), "
         "not a measurement; the iteration is back-propagation plus unhidden communication "
         "(forward pass and optimizer step left out)",
         "- `dense`: every layer allreduced alone (Horovod without fusion); `dense-fused`: one "
@@ -825,8 +830,8 @@ def _markdown(
         "",
         "`dp-dlgs-reduce`: the same DP where each sparse message travels by allgather or by the "
         'sparse reduction by regions (`transport="reduce"`, width '
-        f"{args.reduce_width:g}; `dlgs.core.netmodel.reduction_cost`), whichever the model "
-        "finds faster. Each cell: its speed-up over dp-dlgs / over dense-fused-fp16 (one "
+        f"{args.reduce_width:g}; `dlgs.core.planning.netmodel.reduction_cost`), whichever the "
+        "model finds faster. Each cell: its speed-up over dp-dlgs / over dense-fused-fp16 (one "
         "allreduce of float16 gradients, Horovod's `Compression.fp16`) (sparse messages "
         "reduced / sparse messages).",
         "",
@@ -861,7 +866,7 @@ def _markdown(
             '`dp-dlgs-hier`: `topology="hierarchical"` (a dense reduce-scatter and allgather '
             f"inside each node on {format_bandwidth(args.intra_bandwidth)} links, the sparse "
             "exchange of each rank's shard between nodes over the bandwidths above; "
-            "`dlgs.core.netmodel.TwoLevels`), planned by the same DP. Each cell: "
+            "`dlgs.core.planning.netmodel.TwoLevels`), planned by the same DP. Each cell: "
             "its speed-up over flat dp-dlgs / over dense-fused / over dense-fused-fp16 (one "
             "allreduce of float16 gradients, Horovod's `Compression.fp16`, on the flat ring).",
             "",
@@ -1003,8 +1008,8 @@ def _simulate(args: argparse.Namespace, command: str) -> int:
         models = list(dict.fromkeys((args.model or []) + (args.models or [])))
         models = models or list(MODELS)
         source = (
-            "built-in catalog (`dlgs.core.catalog`: approximate compute model) and ring "
-            "collectives (`dlgs.core.netmodel`)"
+            "built-in catalog (`dlgs.catalog`: approximate compute model) and ring "
+            "collectives (`dlgs.core.planning.netmodel`)"
         )
 
         def profiles(model: str, p: int, bps: float) -> Profile:

@@ -1,7 +1,7 @@
 """``python -m dlgs.selfcheck``: dlgs' engine on one device, with torch and nothing else.
 
 No Horovod and no network: an in-process world of 2 to 64 ranks (threads of
-this process, :class:`dlgs.core.inprocess.InProcessWorld`) runs the real
+this process, :class:`dlgs.inprocess.InProcessWorld`) runs the real
 exchange (selection, packing, every index coding and value dtype, unpacking,
 residuals, controllers, momentum correction, loss scaling, non-finite
 handling) on the device, its collectives done in-process. It checks, and
@@ -60,7 +60,7 @@ import numpy as np
 import torch
 
 from .core import SparseExchange, SparsityConfig
-from .core.inprocess import InProcessWorld, sent_values
+from .inprocess import InProcessWorld, sent_values
 from .torch._ops import OPS
 
 __all__ = ["TorchComm", "TorchNodeComm", "main", "run_checks"]
@@ -82,7 +82,7 @@ def _config(**opts: Any) -> SparsityConfig:
 
 
 class TorchComm:
-    """:class:`~dlgs.core.exchange.Collectives` on an :class:`InProcessWorld`,
+    """:class:`~dlgs.core.exchange.exchange.Collectives` on an :class:`InProcessWorld`,
     with torch tensors: gathers concatenate the ranks' chunks in rank order;
     reductions sum in float64, in rank order, then average."""
 
@@ -125,7 +125,7 @@ class TorchComm:
 
 
 class TorchNodeComm:
-    """:class:`~dlgs.core.hierarchical.NodeCollectives` on an
+    """:class:`~dlgs.core.transport.hierarchical.NodeCollectives` on an
     :class:`InProcessWorld` of one node's ranks: the reduce-scatter averages in
     float64, in rank order; every rank gets its block of the same result."""
 

@@ -1,7 +1,7 @@
 """The core's exchange with no framework: NumPy arrays and P ranks as threads.
 
 :class:`NumpyOps` implements :class:`dlgs.core.backend.ArrayOps` on NumPy, and
-:class:`LocalWorld` gives each rank a :class:`~dlgs.core.exchange.Collectives`
+:class:`LocalWorld` gives each rank a :class:`~dlgs.core.exchange.exchange.Collectives`
 whose collectives meet in one process (each rank runs in its own thread, as
 each runs in its own process under horovodrun). A collective that not every
 rank reaches fails after a timeout instead of hanging, naming who is missing,
@@ -16,8 +16,8 @@ from typing import Any, Callable, Dict, List, Sequence
 
 import numpy as np
 
-from dlgs.core.controller import NUMPY_MATH
-from dlgs.core.inprocess import InProcessWorld, sent_values
+from dlgs.core.selection.controller import NUMPY_MATH
+from dlgs.inprocess import InProcessWorld, sent_values
 
 _DT = {
     "float64": np.float64,
@@ -240,7 +240,7 @@ OPS = NumpyOps()
 
 
 class LocalWorld(InProcessWorld):
-    """``size`` ranks in one process (:class:`dlgs.core.inprocess.InProcessWorld`);
+    """``size`` ranks in one process (:class:`dlgs.inprocess.InProcessWorld`);
     :meth:`run` runs ``fn(rank, comm)`` on each, in threads.
 
     Args:
@@ -262,7 +262,7 @@ class LocalWorld(InProcessWorld):
 
 
 class LocalComm:
-    """One rank's :class:`~dlgs.core.exchange.Collectives` in a :class:`LocalWorld`."""
+    """One rank's :class:`~dlgs.core.exchange.exchange.Collectives` in a :class:`LocalWorld`."""
 
     def __init__(self, world: LocalWorld, rank: int):
         self.world = world
@@ -302,7 +302,7 @@ def run_steps(
     record: Callable[[int, Any, Dict[int, Any]], Any] = lambda r, ex, out: None,
 ) -> List[List[Any]]:
     """Build an exchange per rank with ``make(rank, comm)`` and run ``steps``
-    steps (:meth:`dlgs.core.inprocess.InProcessWorld.run_steps`). Returns each
+    steps (:meth:`dlgs.inprocess.InProcessWorld.run_steps`). Returns each
     rank's records."""
     return world.run_steps(lambda rank: make(rank, world.comm(rank)), grads, steps, record)
 

@@ -1,4 +1,4 @@
-"""Driving the planner's decisions (:mod:`dlgs.core.phases`) without ranks.
+"""Driving the planner's decisions (:mod:`dlgs.core.planning.phases`) without ranks.
 
 :func:`settle` plays the driver's part with one rank: a broadcast returns
 the value itself (rank 0's), a probe the models given, a vote the words
@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, List, Optional, Sequence, Tuple
 
-from dlgs.core.phases import (
+from dlgs.core.exchange.records import StepRecord, StepTrace
+from dlgs.core.planning.phases import (
     Broadcast,
     Probe,
     Probed,
@@ -22,7 +23,6 @@ from dlgs.core.phases import (
     Voted,
     decide,
 )
-from dlgs.core.records import StepRecord, StepTrace
 
 
 def settle(

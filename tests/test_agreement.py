@@ -16,7 +16,8 @@ import pytest
 from conftest import run_scenarios, value
 
 from dlgs.core.config import SparsityConfig
-from dlgs.core.consistency import (
+from dlgs.core.planning.online import OnlinePlanner
+from dlgs.core.state.consistency import (
     RankMismatchError,
     agreed_options,
     canonical,
@@ -25,7 +26,6 @@ from dlgs.core.consistency import (
     horovod_options,
     signature,
 )
-from dlgs.core.profiler import OnlinePlanner
 
 parallel = pytest.mark.parallel
 

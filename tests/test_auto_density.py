@@ -13,9 +13,11 @@ from local_world import OPS, LocalWorld, assert_conserved, run_steps, sent_and_r
 from phase_steps import settle, snapshot, traced, untraced
 
 from dlgs._options import build_configs
+from dlgs.catalog import catalog_profile
 from dlgs.core import RankMismatchError, SparseExchange, SparsityConfig
-from dlgs.core.catalog import catalog_profile
-from dlgs.core.phases import (
+from dlgs.core.planning.dp import CostModel, simulate
+from dlgs.core.planning.online import OnlinePlanner
+from dlgs.core.planning.phases import (
     AutoCheck,
     Broadcast,
     Log,
@@ -25,8 +27,7 @@ from dlgs.core.phases import (
     SetPlan,
     Stepped,
 )
-from dlgs.core.planner import CostModel, simulate
-from dlgs.core.profile import (
+from dlgs.core.planning.profile import (
     AUTO_LADDER,
     LayerProfile,
     Profile,
@@ -36,7 +37,6 @@ from dlgs.core.profile import (
     plan_at,
     raise_layers,
 )
-from dlgs.core.profiler import OnlinePlanner
 
 SIZES = [("w1", 262144), ("b1", 256), ("w2", 65536), ("b2", 10)]  # backward order
 

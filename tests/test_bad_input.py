@@ -18,7 +18,7 @@ from conftest import bind_horovod, tf_single_thread
 
 import dlgs
 import dlgs.torch
-from dlgs.core.profiler import OnlinePlanner
+from dlgs.core.planning.online import OnlinePlanner
 
 NAN, INF = float("nan"), float("inf")
 FLOAT_IN_UNIT = "a finite float in (0, 1]"

@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from conftest import bind_horovod
 
 import dlgs.torch
-from dlgs.core.exchange import SparseExchange
-from dlgs.core.layout import split_oversized
-from dlgs.core.transport import MAX_MESSAGE_ELEMENTS
+from dlgs.core.exchange.exchange import SparseExchange
+from dlgs.core.planning.layout import split_oversized
+from dlgs.core.transport.flat import MAX_MESSAGE_ELEMENTS
 from dlgs.core.wire import LayerPlan
 
 

@@ -18,9 +18,9 @@ from benchmarks.emulate import (
     measure_layers,
     student_t,
 )
-from dlgs.core.catalog import catalog_model
-from dlgs.core.planner import CostModel
-from dlgs.core.profile import LayerProfile, Profile
+from dlgs.catalog import catalog_model
+from dlgs.core.planning.dp import CostModel
+from dlgs.core.planning.profile import LayerProfile, Profile
 
 
 def _emulation(backward=(0.004, 0.002, 0.006), numel=(300, 2000, 50)):

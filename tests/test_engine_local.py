@@ -14,7 +14,7 @@ from local_world import OPS, LocalWorld
 
 from dlgs.core import MergeConfig, RankMismatchError, SparseExchange, SparsityConfig
 from dlgs.core.engine import Engine
-from dlgs.core.profiler import OnlinePlanner
+from dlgs.core.planning.online import OnlinePlanner
 
 # Registration (forward) order, as a framework lists parameters.
 LAYERS = [("w1", (64, 64), "float32"), ("b1", (64,), "float32"), ("w2", (32, 64), "float32")]

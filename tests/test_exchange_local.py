@@ -14,7 +14,7 @@ from local_world import OPS, LocalWorld, run_steps, sent_values
 from reference import Reference
 
 from dlgs.core import RankMismatchError, SparseExchange, SparsityConfig
-from dlgs.core import controller as controller_module
+from dlgs.core.selection import controller as controller_module
 
 SIZES = [("w1", 4096), ("b1", 64), ("w2", 2048), ("b2", 10)]  # backward order
 SPARSE = {0, 2}
@@ -442,8 +442,8 @@ def test_dense_only_steps_report_nonfinite_when_asked():
 
 
 def _profile():
-    from dlgs.core.planner import CostModel
-    from dlgs.core.profile import LayerProfile, Profile
+    from dlgs.core.planning.dp import CostModel
+    from dlgs.core.planning.profile import LayerProfile, Profile
 
     layers = tuple(LayerProfile(name, n, 1e-4) for name, n in SIZES)
     slow = CostModel(5e-3, 1e-9)  # latency-bound: merging pays
@@ -451,7 +451,7 @@ def _profile():
 
 
 def test_planner_replans_at_a_warmup_boundary_on_every_rank_and_round_trips():
-    from dlgs.core.profiler import OnlinePlanner
+    from dlgs.core.planning.online import OnlinePlanner
 
     def body(rank, comm):
         cfg = SparsityConfig(density=0.05, min_sparse_size=1024, warmup=(0.2,), warmup_steps=3)

@@ -1,4 +1,4 @@
-"""The two-level exchange (dlgs/core/hierarchical.py) on 2 nodes of 2 ranks,
+"""The two-level exchange (dlgs/core/transport/hierarchical.py) on 2 nodes of 2 ranks,
 as threads of this process: each node's ranks meet in one in-process world,
 each local rank's ranks across the nodes in another (the collectives a
 multi-node Horovod job would run on its node and cross process sets)."""
@@ -11,11 +11,11 @@ import torch
 from conftest import ROOT, horovodrun, load_ranks
 
 from dlgs.core import SparsityConfig
-from dlgs.core.hierarchical import HierarchicalExchange, shard_size
-from dlgs.core.inprocess import InProcessWorld, sent_values
-from dlgs.core.layout import plan_messages
-from dlgs.core.topology import probe_topology
+from dlgs.core.planning.layout import plan_messages
+from dlgs.core.transport.hierarchical import HierarchicalExchange, shard_size
+from dlgs.core.transport.topology import probe_topology
 from dlgs.core.wire import plan_layers
+from dlgs.inprocess import InProcessWorld, sent_values
 from dlgs.selfcheck import TorchComm, TorchNodeComm
 from dlgs.torch._ops import OPS
 
@@ -286,7 +286,7 @@ def test_a_hierarchical_checkpoint_in_a_flat_exchange_says_where_it_came_from():
     """Issue 42: not 'version must be 1, got None', but what the state is and what to do."""
     cfg = SparsityConfig(density=0.02, min_sparse_size=1000)
     state = HierarchicalExchange(OPS, _SoloNode(LOCAL), _Solo(NODES), cfg, LAYERS).state_dict()
-    from dlgs.core.exchange import SparseExchange
+    from dlgs.core.exchange.exchange import SparseExchange
 
     flat = SparseExchange(OPS, _Solo(P), cfg, LAYERS)
     with pytest.raises(ValueError, match="saved with topology='hierarchical'.*without its 'dlgs'"):

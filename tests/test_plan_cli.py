@@ -14,11 +14,11 @@ from dataclasses import replace
 
 import pytest
 
-from dlgs.core.catalog import DEFAULT_LATENCY_S, MODELS, catalog_model, catalog_profile
+from dlgs.catalog import MODELS, catalog_model, catalog_profile
 from dlgs.core.config import SparsityConfig
-from dlgs.core.netmodel import TwoLevels, allgather_cost, allreduce_cost
-from dlgs.core.planner import plan_dp, plan_strategy, simulate
-from dlgs.core.profile import Profile, build_spec, choose_density
+from dlgs.core.planning.dp import plan_dp, plan_strategy, simulate
+from dlgs.core.planning.netmodel import DEFAULT_LATENCY_S, TwoLevels, allgather_cost, allreduce_cost
+from dlgs.core.planning.profile import Profile, build_spec, choose_density
 from dlgs.plan import CSV_FIELDS, METHODS, format_bandwidth, main, parse_bandwidth
 
 # Parameter counts of the reference implementations (torchvision ResNet-50 and
@@ -41,7 +41,7 @@ def test_modules_import_without_frameworks():
                 if top in ("torch", "tensorflow", "horovod", "keras", "matplotlib"):
                     raise ImportError("blocked: " + name)
         sys.meta_path.insert(0, Block())
-        import dlgs.core.catalog, dlgs.core.netmodel, dlgs.plan
+        import dlgs.catalog, dlgs.core.planning.netmodel, dlgs.plan
         print("ok")
         """
     )

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from dlgs.core.planner import (
+from dlgs.core.planning.dp import (
     CostModel,
     LayerCost,
     PlanSpec,
@@ -296,11 +296,11 @@ def test_the_dp_sends_large_sparse_messages_by_reduction_where_it_is_faster():
     faster; at 64 workers ResNet-50's large messages go by reduction and the
     plan ends no later than the allgather-only one. transport="reduce" prices
     every sparse message as a reduction."""
-    from dlgs.core.catalog import catalog_profile
+    from dlgs.catalog import catalog_profile
     from dlgs.core.config import SparsityConfig
-    from dlgs.core.netmodel import reduction_cost
-    from dlgs.core.planner import plan_dp
-    from dlgs.core.profile import build_spec
+    from dlgs.core.planning.dp import plan_dp
+    from dlgs.core.planning.netmodel import reduction_cost
+    from dlgs.core.planning.profile import build_spec
 
     profile = catalog_profile("resnet50", world_size=64, bandwidth_bps=10e9)
     flat, eligible = build_spec(profile, SparsityConfig(), 0.01)

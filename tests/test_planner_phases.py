@@ -1,4 +1,4 @@
-"""The online planner's decisions (:mod:`dlgs.core.phases`), driven phase by
+"""The online planner's decisions (:mod:`dlgs.core.planning.phases`), driven phase by
 phase without ranks or an exchange: the state they return and the actions
 they ask for (issue 32). The driver that carries them out over real ranks is
 covered by the planner's other tests (test_profiling_cost, test_parallel)."""
@@ -11,7 +11,8 @@ import pytest
 from phase_steps import settle, snapshot, traced, untraced
 
 from dlgs.core import SparsityConfig
-from dlgs.core.phases import (
+from dlgs.core.planning.dp import CostModel
+from dlgs.core.planning.phases import (
     Broadcast,
     DensityChanged,
     Ledger,
@@ -32,8 +33,7 @@ from dlgs.core.phases import (
     probe_ladder,
     saved,
 )
-from dlgs.core.planner import CostModel
-from dlgs.core.profile import Profile
+from dlgs.core.planning.profile import Profile
 
 SIZES = [("w1", 262144), ("b1", 256), ("w2", 65536), ("b2", 10)]
 N = len(SIZES)

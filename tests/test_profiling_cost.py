@@ -1,4 +1,4 @@
-"""Profiling pays for itself (``dlgs/core/profiler.py``), with no framework:
+"""Profiling pays for itself (``dlgs/core/planning/online.py``), with no framework:
 the planner's byte ledger and probe sizes on ranks as threads
 (``tests/local_world.py``), and the guard's statistic."""
 
@@ -9,8 +9,8 @@ import pytest
 from local_world import OPS, LocalWorld
 
 from dlgs.core import SparseExchange, SparsityConfig
-from dlgs.core.phases import probe_ladder
-from dlgs.core.profiler import OnlinePlanner, guard_verdict
+from dlgs.core.planning.online import OnlinePlanner, guard_verdict
+from dlgs.core.planning.phases import probe_ladder
 
 # Backward order; 82,186 elements, 328,744 dense bytes per step.
 SIZES = [("w1", 65536), ("b1", 256), ("w2", 16384), ("b2", 10)]
@@ -151,8 +151,8 @@ def test_the_profile_measures_the_latency_of_a_collective_in_a_batch():
 
 
 def _profile(alpha=5e-3, batched=1e-3):
-    from dlgs.core.planner import CostModel
-    from dlgs.core.profile import LayerProfile, Profile
+    from dlgs.core.planning.dp import CostModel
+    from dlgs.core.planning.profile import LayerProfile, Profile
 
     layers = tuple(LayerProfile(f"l{i}", n, 2e-3) for i, n in enumerate([65536, 256, 16384, 10]))
     return Profile(
@@ -166,8 +166,8 @@ def _profile(alpha=5e-3, batched=1e-3):
 
 
 def _layerwise_end(profile, modes):
-    from dlgs.core.planner import simulate
-    from dlgs.core.profile import build_spec
+    from dlgs.core.planning.dp import simulate
+    from dlgs.core.planning.profile import build_spec
 
     spec = build_spec(profile, SparsityConfig(density=0.01, min_sparse_size=1024), 0.01)[0]
     return simulate(spec, [(i, i, m) for i, m in enumerate(modes)]).end
@@ -177,7 +177,7 @@ MODES = [True, False, True, False]
 
 
 def test_calibration_scales_latency_to_reproduce_the_profiled_steps():
-    from dlgs.core.profile import calibrate
+    from dlgs.core.planning.profile import calibrate
 
     # Without a batched latency the predicted end is continuous in the scale,
     # so the fit is exact (with one, a message that stops joining a batch makes
@@ -194,7 +194,7 @@ def test_calibration_scales_latency_to_reproduce_the_profiled_steps():
 
 @pytest.mark.parametrize("factor", [1.01, 1.6])
 def test_calibration_leaves_a_prediction_that_is_right_or_too_fast_alone(factor):
-    from dlgs.core.profile import calibrate
+    from dlgs.core.planning.profile import calibrate
 
     raw = _profile()
     cfg = SparsityConfig(density=0.01, min_sparse_size=1024)
@@ -203,7 +203,7 @@ def test_calibration_leaves_a_prediction_that_is_right_or_too_fast_alone(factor)
 
 
 def test_calibration_cannot_scale_latency_below_its_floor():
-    from dlgs.core.profile import calibrate
+    from dlgs.core.planning.profile import calibrate
 
     raw = _profile()
     cfg = SparsityConfig(density=0.01, min_sparse_size=1024)
@@ -213,7 +213,7 @@ def test_calibration_cannot_scale_latency_below_its_floor():
 
 
 def test_contention_is_the_slowdown_per_extra_byte():
-    from dlgs.core.profile import contention
+    from dlgs.core.planning.profile import contention
 
     # 10 ms slower while sending 1 MB more: 10 ns per byte.
     assert contention(0.100, 50_000, 0.110, 1_050_000) == pytest.approx(1e-8)

@@ -1,4 +1,4 @@
-"""The sparse allreduce by regions (dlgs/core/reduction.py) on 2, 3 and 4
+"""The sparse allreduce by regions (dlgs/core/transport/reduction.py) on 2, 3 and 4
 thread-ranks: exact where every rank's entries and the union fit, error
 feedback conserved per rank where they do not, the same bits on every rank,
 non-finite ranks seen everywhere, and the region bounds."""
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from dlgs.core.inprocess import InProcessWorld
-from dlgs.core.reduction import SparseReduction, balanced_bounds, even_bounds
+from dlgs.core.transport.reduction import SparseReduction, balanced_bounds, even_bounds
+from dlgs.inprocess import InProcessWorld
 from dlgs.torch._ops import OPS
 
 SIZE = 1000
@@ -191,8 +191,8 @@ def test_an_entry_one_rank_could_not_send_is_returned_even_where_another_rank_ke
 
 # -- wire formats: 16-bit values, compact offsets ---------------------------------------
 
-from dlgs.core.blocks import BlockFormat, block_words, even_width  # noqa: E402
-from dlgs.core.reduction import reduction_bytes  # noqa: E402
+from dlgs.core.transport.blocks import BlockFormat, block_words, even_width  # noqa: E402
+from dlgs.core.transport.reduction import reduction_bytes  # noqa: E402
 
 #: Over three 65,536-element boundaries: compact offsets carry block counts.
 LARGE = 200_000
@@ -289,8 +289,8 @@ def test_what_sixteen_bits_round_off_stays_in_the_residuals(value_dtype):
 # -- the exchange with transport="reduce" (in-process ranks) ---------------------------
 
 from dlgs.core import SparsityConfig  # noqa: E402
-from dlgs.core.exchange import SparseExchange  # noqa: E402
-from dlgs.core.inprocess import sent_values  # noqa: E402
+from dlgs.core.exchange.exchange import SparseExchange  # noqa: E402
+from dlgs.inprocess import sent_values  # noqa: E402
 from dlgs.selfcheck import TorchComm  # noqa: E402
 
 LAYERS = [("w1", 6000), ("b1", 40), ("w2", 3001), ("w3", 2500)]
@@ -612,7 +612,7 @@ def test_wire_bytes_count_the_reductions_blocks():
 
 # -- transport="auto": each message by allgather or by the reduction ----------------------
 
-from dlgs.core.routing import default_route  # noqa: E402
+from dlgs.core.transport.routing import default_route  # noqa: E402
 from dlgs.core.wire import GroupLayout  # noqa: E402
 
 
@@ -674,7 +674,7 @@ def test_without_a_plan_large_messages_from_three_ranks_are_reduced():
 
 
 def test_transport_auto_without_an_alltoall_is_the_allgather():
-    from dlgs.core.transport import FlatTransport, make_transport
+    from dlgs.core.transport.flat import FlatTransport, make_transport
 
     class NoAllToAll:
         rank, size = 0, 4

@@ -13,7 +13,7 @@ import pytest
 from local_world import OPS, LocalWorld
 
 from dlgs.core import RankMismatchError, SparseExchange, SparsityConfig
-from dlgs.core.resume import SyncRecord, resolve, shared
+from dlgs.core.state.resume import SyncRecord, resolve, shared
 
 SIZES = [("w1", 4096), ("b1", 64), ("w2", 2048), ("b2", 10)]  # backward order
 SPARSE = (0, 2)

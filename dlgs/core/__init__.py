@@ -2,14 +2,14 @@
 wire format and cross-rank checks. Imports no torch, TensorFlow or Horovod."""
 
 from .backend import ArrayOps
-from .checkpoint import STATE_VERSION
 from .config import Controller, IndexCoding, MergeConfig, SparsityConfig, ValueDType
-from .consistency import RankMismatchError, describe_mismatch, signature
-from .controller import ThresholdController, make_controller
 from .engine import Engine
-from .exchange import Collectives, SparseExchange
-from .records import StepRecord, StepTrace
-from .selection import select
+from .exchange.exchange import Collectives, SparseExchange
+from .exchange.records import StepRecord, StepTrace
+from .selection.controller import ThresholdController, make_controller
+from .selection.select import select
+from .state.checkpoint import STATE_VERSION
+from .state.consistency import RankMismatchError, describe_mismatch, signature
 from .wire import GroupLayout, LayerPlan, LayoutMismatchError, plan_layers
 
 __all__ = [

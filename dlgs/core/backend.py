@@ -146,7 +146,7 @@ class ArrayOps(Protocol):
         only ever receives zeros. The result must be bit-identical on every rank
         given identical inputs (no atomics racing on one slot across rows)."""
 
-    # -- the sparse reduction by regions (dlgs.core.reduction) --------------
+    # -- the sparse reduction by regions (dlgs.core.transport.reduction) --------------
     def region_slots(self, idx: T, bounds: T, width: int) -> Tuple[T, T]:
         """For ascending indices ``idx`` (padded with values ``>= bounds[-1]``)
         and region bounds ``b_0 < ... < b_R`` (a 1-D integer vector): each
@@ -224,7 +224,7 @@ class ArrayOps(Protocol):
         1-element float64, divided in float64): the dynamic controller's
         threshold from its factor on the device. An adapter whose steps may run
         on the device alone also gives ``vector_math``, the float64 operations
-        of ``dlgs.core.controller.NumpyMath`` on its tensors."""
+        of ``dlgs.core.selection.controller.NumpyMath`` on its tensors."""
 
     def none_true(self, flags: Sequence[T]) -> T:
         """0-d bool: no element of any bool tensor in ``flags`` is true."""
@@ -264,7 +264,7 @@ class ArrayOps(Protocol):
 
     # -- fused kernels --------------------------------------------------------
     def fused_selection(self, like: T, mode: str) -> Any:
-        """A :class:`dlgs.core.selection.FusedSelection` for tensors like
+        """A :class:`dlgs.core.selection.select.FusedSelection` for tensors like
         ``like``, or None for the operations above. ``mode`` is
         ``SparsityConfig.kernels``: "torch" is always None, "auto" a fused
         one where the framework has one for that device, "triton" one or a

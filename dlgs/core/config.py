@@ -89,7 +89,7 @@ class SparsityConfig:
             residual; DGC reports 0.001 without accuracy loss on ImageNet and
             PTB once warm-up is used. ``1.0`` sends every layer dense (exactly
             Horovod's allreduce). Start at 0.01. ``"auto"``: the merge planner
-            picks it from its profile (:func:`dlgs.core.profile.choose_density`):
+            picks it from its profile (:func:`dlgs.core.planning.profile.choose_density`):
             the highest density, between ``density_floor`` and dense,
             predicted to end within ``auto_slack`` of back-propagation after
             the fastest; with ``refine`` the steps under it are timed and it
@@ -109,7 +109,7 @@ class SparsityConfig:
             (more accuracy) at the price of a slower step.
         auto_layers: ``density="auto"`` only: also raise single layers above
             the chosen density where their extra bytes are predicted to fit
-            in the same bound (:func:`dlgs.core.profile.raise_layers`);
+            in the same bound (:func:`dlgs.core.planning.profile.raise_layers`);
             usually the layers whose gradients are ready early, which have
             the rest of back-propagation to hide behind. More of the gradient
             sent for the same predicted step time; False: one density for
@@ -182,7 +182,7 @@ class SparsityConfig:
         transport: How sparse messages travel. ``"allgather"`` (default):
             every rank gathers every rank's selection, ``(P - 1) k`` values
             received per rank. ``"reduce"``: a sparse reduction by regions
-            (:mod:`dlgs.core.reduction`): each rank sends the entries of each
+            (:mod:`dlgs.core.transport.reduction`): each rank sends the entries of each
             of ``P`` regions to its owner, the owners sum them and every rank
             gathers the sums, about ``2 reduce_width k`` entries sent and
             as many received per rank whatever ``P`` is, in the message's
@@ -191,7 +191,7 @@ class SparsityConfig:
             rank's residual. Two collectives per message instead of one;
             PyTorch only so far, without momentum correction. ``"auto"``:
             each sparse message by whichever of the two is predicted faster
-            (:mod:`dlgs.core.routing`): the merge planner's choice where it
+            (:mod:`dlgs.core.transport.routing`): the merge planner's choice where it
             planned (from the measured allgather), else a rule on the
             message's bytes (the reduction for large messages from three
             ranks on); the allgather alone without an alltoall

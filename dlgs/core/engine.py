@@ -4,10 +4,10 @@ An adapter (``dlgs.torch``, ``dlgs.tensorflow``) knows its framework's
 parameters, gradient hooks and Horovod module; everything else about running
 dlgs in a job lives here:
 
-* building the :class:`~dlgs.core.exchange.SparseExchange` over the layers in
+* building the :class:`~dlgs.core.exchange.exchange.SparseExchange` over the layers in
   back-propagation order (the reverse of registration order),
 * the rank-agreement check over a fingerprint of every option that shapes the
-  exchange (:func:`~dlgs.core.consistency.agreed_options`, so an option added
+  exchange (:func:`~dlgs.core.state.consistency.agreed_options`, so an option added
   later is checked without anyone remembering to),
 * attaching the merge planner as the exchange's step hook,
 * the logging cadence (``log_every``),
@@ -29,13 +29,13 @@ from collections import Counter
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from .backend import ArrayOps
-from .checkpoint import check_finite_state
 from .config import SparsityConfig
-from .consistency import agreed_options, check_ranks_agree, signature
-from .exchange import Collectives, SparseExchange
-from .hierarchical import HierarchicalExchange
-from .topology import TopologyProbe, probe_topology
-from .views import log_stats
+from .exchange.exchange import Collectives, SparseExchange
+from .exchange.views import log_stats
+from .state.checkpoint import check_finite_state
+from .state.consistency import agreed_options, check_ranks_agree, signature
+from .transport.hierarchical import HierarchicalExchange
+from .transport.topology import TopologyProbe, probe_topology
 
 __all__ = ["Engine", "check_unique_names"]
 
@@ -64,7 +64,7 @@ class Engine:
         comm: the collectives on Horovod's process set; ``included`` False
             means this rank is outside the set and takes no part.
         config: the sparsification options.
-        planner: the merge planner (an :class:`~dlgs.core.profiler.OnlinePlanner`),
+        planner: the merge planner (an :class:`~dlgs.core.planning.online.OnlinePlanner`),
             attached as the exchange's step hook; None for none.
         average: average (``op=Average``) or sum over ranks.
         prefix: prefix of the Horovod tensor names (distinct per engine).
@@ -76,13 +76,13 @@ class Engine:
         loss_scale: the loss scaler's reader (see :class:`SparseExchange`).
         logger: where statistics are logged (the adapter's logger).
         topology: None for the flat exchange; for the two-level one
-            (:class:`~dlgs.core.hierarchical.HierarchicalExchange`), a function
+            (:class:`~dlgs.core.transport.hierarchical.HierarchicalExchange`), a function
             returning ``(node, cross)`` collectives, called by :meth:`build`
             after every rank was checked to agree (making them may be a
             collective, such as adding Horovod process sets).
         choose_topology: with ``topology``, time both exchanges' collectives
             for this model first and keep the faster
-            (:func:`~dlgs.core.topology.probe_topology`; ``topology="auto"``).
+            (:func:`~dlgs.core.transport.topology.probe_topology`; ``topology="auto"``).
         elastic: under Horovod Elastic, where no collective may run outside
             the function ``hvd.elastic.run`` wraps (a worker that joins builds
             its optimizer while the others synchronise): the ranks' layers and
@@ -120,7 +120,7 @@ class Engine:
         self.elastic = elastic
         self._topology = topology
         self._choose_topology = choose_topology
-        #: ``topology="auto"``'s measurement (:class:`~dlgs.core.topology.TopologyProbe`).
+        #: ``topology="auto"``'s measurement (:class:`~dlgs.core.transport.topology.TopologyProbe`).
         self.topology_probe: Optional[TopologyProbe] = None
         self.comm = comm
         self.config = config
@@ -270,14 +270,14 @@ class Engine:
 
     @property
     def exchange(self) -> Optional[SparseExchange]:
-        """The core :class:`~dlgs.core.exchange.SparseExchange` (per-layer plans
+        """The core :class:`~dlgs.core.exchange.exchange.SparseExchange` (per-layer plans
         and state); None before the first step where the adapter builds lazily."""
         self._settle()
         return self._exchange
 
     @property
     def planner(self) -> Any:
-        """The :class:`~dlgs.core.profiler.OnlinePlanner`: its ``plan`` is the
+        """The :class:`~dlgs.core.planning.online.OnlinePlanner`: its ``plan`` is the
         merge plan in force with its predicted times (None before the first),
         its ``profile`` the measured one (``profile.save(path)``)."""
         return self._planner
@@ -303,7 +303,7 @@ class Engine:
         from the same step. With ``drift_window=0`` or ``merge="none"`` it
         takes effect at once and is then a collective: call it on every rank
         between the same two steps
-        (:meth:`~dlgs.core.profiler.OnlinePlanner.request_restart`)."""
+        (:meth:`~dlgs.core.planning.online.OnlinePlanner.request_restart`)."""
         if self._planner is not None and self._planner.request_restart(self.comm.size):
             if self._exchange is not None:  # every rank restarted: it profiles at once
                 self._exchange.request_host_step()

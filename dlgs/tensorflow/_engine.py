@@ -1,7 +1,7 @@
 """Glue between TensorFlow variables, Horovod's TF collectives and the core.
 
-:class:`Engine` owns one :class:`~dlgs.core.exchange.SparseExchange` (and its
-:class:`~dlgs.core.profiler.OnlinePlanner`) over a fixed list of variables, and
+:class:`Engine` owns one :class:`~dlgs.core.exchange.exchange.SparseExchange` (and its
+:class:`~dlgs.core.planning.online.OnlinePlanner`) over a fixed list of variables, and
 exchanges a list of gradients for them, the way ``dlgs/torch/_engine.py`` and
 the torch optimizer drive the same core:
 
@@ -85,7 +85,7 @@ def _shape(v: Any) -> Tuple[int, ...]:
 
 
 class HorovodCollectives(HorovodSet):
-    """:class:`dlgs.core.exchange.Collectives` on ``horovod.tensorflow`` (eager),
+    """:class:`dlgs.core.exchange.exchange.Collectives` on ``horovod.tensorflow`` (eager),
     on ``process_set`` (see :class:`dlgs._horovod.HorovodSet`).
 
     Horovod's TF ops have no asynchronous Python API; each collective is run

@@ -7,7 +7,7 @@ graph as a ``tf.cond`` of two branches:
   threshold and selection, packing, Horovod's graph collectives per planned
   message, unpacking, the residual kept only where the step was finite on
   every rank), traced once through the core's ``ArrayOps`` on TensorFlow ops
-  (:class:`~dlgs.core.device_steps.DeviceSteps`). No Python runs
+  (:class:`~dlgs.core.exchange.device.DeviceSteps`). No Python runs
   when it executes;
 * the **host** branch: the eager step in one ``tf.py_function``, as before,
   for every step that needs the host (the first steps, profiling and

@@ -172,7 +172,7 @@ def _vec(x: Any, dtype: tf.DType) -> tf.Tensor:
 
 
 class _TFMath:
-    """The controllers' float64 vector math (``dlgs.core.controller.NumpyMath``)
+    """The controllers' float64 vector math (``dlgs.core.selection.controller.NumpyMath``)
     in TensorFlow ops: what a step traced into a graph learns with."""
 
     log = staticmethod(tf.math.log)

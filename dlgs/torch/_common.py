@@ -14,7 +14,7 @@ import torch
 from .._options import warn_float64
 from ..core.config import SparsityConfig
 from ..core.engine import Engine, check_unique_names
-from ..core.profiler import OnlinePlanner
+from ..core.planning.online import OnlinePlanner
 from ._amp import scale_reader
 from ._ops import OPS
 

@@ -20,7 +20,7 @@ from .._horovod import HorovodSet
 from ..core._checks import check_int
 from ..core.config import SparsityConfig
 from ..core.engine import Engine
-from ..core.profiler import OnlinePlanner
+from ..core.planning.online import OnlinePlanner
 from ._common import build_flat_or_two_level, named_trainable
 
 __all__ = [
@@ -42,7 +42,7 @@ _WIRE_UNSUPPORTED = (torch.bfloat16,)
 
 
 class HorovodCollectives(HorovodSet):
-    """:class:`dlgs.core.exchange.Collectives` on ``horovod.torch``, on
+    """:class:`dlgs.core.exchange.exchange.Collectives` on ``horovod.torch``, on
     ``process_set`` (see :class:`dlgs._horovod.HorovodSet`), including the
     object collectives (Horovod 0.28.1's torch ``allgather_object`` has no
     ``process_set``, so :meth:`allgather_object` is built from two allgathers).
@@ -114,7 +114,7 @@ class _AllToAll:
 
 
 class HorovodNodeCollectives:
-    """:class:`dlgs.core.hierarchical.NodeCollectives` on ``horovod.torch``:
+    """:class:`dlgs.core.transport.hierarchical.NodeCollectives` on ``horovod.torch``:
     the reduce-scatter (average) and allgather among one node's ranks."""
 
     def __init__(self, process_set):

@@ -1,6 +1,6 @@
 """A layer's selection and packing in three Triton kernels (issue 30).
 
-The torch path (:mod:`dlgs.torch._ops`, driven by ``dlgs.core.exchange``)
+The torch path (:mod:`dlgs.torch._ops`, driven by ``dlgs.core.exchange.exchange``)
 issues about 18 kernels per sparse layer per step: add, abs, sum, compare,
 count, ``nonzero_static``, gather, index coding, count word, residual clear.
 Here the same work is three kernels (plus the controller's own: the sum of the
@@ -226,7 +226,7 @@ _VALUE = {torch.float32: F32, torch.float16: F16, torch.bfloat16: BF16}
 
 
 class TritonSelection:
-    """:class:`dlgs.core.selection.FusedSelection` with the kernels above."""
+    """:class:`dlgs.core.selection.select.FusedSelection` with the kernels above."""
 
     name = "triton"
 

@@ -48,7 +48,7 @@ class _Work:
 
 
 class ProcessGroupCollectives:
-    """:class:`dlgs.core.exchange.Collectives` on a ``torch.distributed``
+    """:class:`dlgs.core.exchange.exchange.Collectives` on a ``torch.distributed``
     process group (Gloo on CPU, NCCL on GPU). Dense allreduces average (a
     division by the group's size, then a sum: what DDP itself computes).
     ``torch.distributed`` matches collectives by the order they are issued,

@@ -23,9 +23,9 @@ from worker import digest, flat_params, mlp, train  # noqa: E402
 
 import dlgs.torch  # noqa: E402
 from dlgs.core import RankMismatchError  # noqa: E402
-from dlgs.core.planner import CostModel  # noqa: E402
-from dlgs.core.profile import LayerProfile, Profile  # noqa: E402
-from dlgs.core.profiler import OnlinePlanner  # noqa: E402
+from dlgs.core.planning.dp import CostModel  # noqa: E402
+from dlgs.core.planning.online import OnlinePlanner  # noqa: E402
+from dlgs.core.planning.profile import LayerProfile, Profile  # noqa: E402
 from dlgs.torch._engine import HorovodCollectives, build_engine  # noqa: E402
 
 # A hang prints every thread's stack and exits, well before the test's timeout.

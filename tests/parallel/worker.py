@@ -23,8 +23,8 @@ from torch_common import conservation_error, digest, mlp, own_sent, sparse_grads
 
 import dlgs.torch
 from dlgs.core import RankMismatchError, plan_layers
-from dlgs.core.planner import CostModel
-from dlgs.core.profile import LayerProfile, Profile
+from dlgs.core.planning.dp import CostModel
+from dlgs.core.planning.profile import LayerProfile, Profile
 
 torch.set_num_threads(1)
 

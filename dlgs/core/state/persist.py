@@ -4,7 +4,7 @@
 the merge plan, ``density="auto"``'s choice); :class:`ExchangeCheckpoints`
 saves and loads an exchange's state (its shared part and this rank's layers:
 residuals, velocities, thresholds) and runs the agreement of
-:mod:`dlgs.core.resume` at the first gradient after construction, a load,
+:mod:`dlgs.core.state.resume` at the first gradient after construction, a load,
 Horovod Elastic's reset or ``resync()``. Saving and loading issue no
 collective: Horovod's recipes call them on one rank.
 """
@@ -14,14 +14,14 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
+from .._checks import check_float
+from ..config import SparsityConfig
+from ..exchange.messages import bank_of
 from . import checkpoint
-from ._checks import check_float
 from .checkpoint import STATE_VERSION
-from .config import SparsityConfig
-from .messages import bank_of
 
 if TYPE_CHECKING:
-    from .exchange import SparseExchange
+    from ..exchange.exchange import SparseExchange
 
 __all__ = ["ExchangeCheckpoints", "SharedState"]
 
@@ -86,13 +86,13 @@ class SharedState:
 
 class ExchangeCheckpoints:
     """Saving, loading and agreeing for one exchange (its
-    :attr:`~dlgs.core.exchange.SparseExchange.checkpoints`)."""
+    :attr:`~dlgs.core.exchange.exchange.SparseExchange.checkpoints`)."""
 
     def __init__(self, exchange: "SparseExchange"):
         self.exchange = exchange
 
     def shared(self) -> Dict[str, Any]:
-        """What every rank must hold alike (:data:`dlgs.core.resume.SHARED_KEYS`)."""
+        """What every rank must hold alike (:data:`dlgs.core.state.resume.SHARED_KEYS`)."""
         ex = self.exchange
         s = ex.shared
         return {
@@ -210,7 +210,7 @@ class ExchangeCheckpoints:
                 self.apply_shared(part)
 
     def apply_shared(self, state: Dict[str, Any]) -> None:
-        """Put a state's shared part (:func:`dlgs.core.resume.shared`) in
+        """Put a state's shared part (:func:`dlgs.core.state.resume.shared`) in
         force: step, plan, ``density="auto"``'s choice and the step hooks'
         states (the planner re-plans from its profile). Laid out anew at the
         next gradient; on an error nothing is changed."""

@@ -1,12 +1,12 @@
 """``transport="auto"``: each sparse message by allgather or by the sparse
 reduction, whichever is predicted faster (issue 32).
 
-A :class:`RoutingTransport` holds a :class:`~dlgs.core.transport.FlatTransport`
-and a :class:`~dlgs.core.reduction.ReducingTransport` and hands each message
+A :class:`RoutingTransport` holds a :class:`~dlgs.core.transport.flat.FlatTransport`
+and a :class:`~dlgs.core.transport.reduction.ReducingTransport` and hands each message
 to one of them. A message's route is the plan's where the merge planner chose
 it (``GroupLayout.transport``, set from the DP's per-message choice, which
 priced both with the job's measured allgather), else the rule
-:func:`~dlgs.core.planner.sparse_transport` on the message's flat chunk bytes
+:func:`~dlgs.core.planning.dp.sparse_transport` on the message's flat chunk bytes
 with a default link model (:data:`DEFAULT_LINK`: ring collectives at 10
 Gbit/s and the catalog's ring-step latency): the reduction for large messages
 from three ranks on, the allgather for small ones and two ranks. Every input
@@ -26,11 +26,10 @@ from typing import Any, List, Sequence, Tuple
 
 import numpy as np
 
-from .backend import ArrayOps
-from .catalog import DEFAULT_LATENCY_S
-from .netmodel import allgather_cost, reduction_cost
-from .planner import sparse_transport
-from .wire import GroupLayout
+from ..backend import ArrayOps
+from ..planning.dp import sparse_transport
+from ..planning.netmodel import DEFAULT_LATENCY_S, allgather_cost, reduction_cost
+from ..wire import GroupLayout
 
 __all__ = ["DEFAULT_LINK_BPS", "RoutingTransport", "default_route"]
 
@@ -48,7 +47,7 @@ def default_route(layout: GroupLayout, parts: int, width: float) -> str:
 
 
 class RoutingTransport:
-    """A :class:`~dlgs.core.transport.Transport` that sends each sparse
+    """A :class:`~dlgs.core.transport.flat.Transport` that sends each sparse
     message through ``flat`` or ``reducing`` (see the module's docstring)."""
 
     name = "auto"

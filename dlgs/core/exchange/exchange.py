@@ -22,16 +22,16 @@ outputs that are non-finite for the same layers (a sparse layer's output gets
 NaN in its first element; dense layers carry Horovod's non-finite average), so
 that a loss scaler skips the step everywhere, and (2) leaves every residual,
 velocity and controller state as if the step had not happened. The verdict
-(:func:`dlgs.core.step.verdict`) costs one host read per step (an 8-byte flag,
+(:func:`dlgs.core.exchange.step.verdict`) costs one host read per step (an 8-byte flag,
 as a loss scaler's own check does).
 
 The exchange coordinates collaborators, each in its module:
-:class:`~dlgs.core.step.StepState` (the step under way),
-:class:`~dlgs.core.sending.LayerSender` (each layer's selection),
-:func:`~dlgs.core.messages.lay_out` (the layout in force), the transport
-(:mod:`dlgs.core.transport`), :class:`~dlgs.core.persist.ExchangeCheckpoints`
-with :class:`~dlgs.core.resume.Agreement`, and
-:class:`~dlgs.core.device_steps.DeviceSteps`.
+:class:`~dlgs.core.exchange.step.StepState` (the step under way),
+:class:`~dlgs.core.exchange.sending.LayerSender` (each layer's selection),
+:func:`~dlgs.core.exchange.messages.lay_out` (the layout in force), the transport
+(:mod:`dlgs.core.transport.flat`), :class:`~dlgs.core.state.persist.ExchangeCheckpoints`
+with :class:`~dlgs.core.state.resume.Agreement`, and
+:class:`~dlgs.core.exchange.device.DeviceSteps`.
 """
 
 from __future__ import annotations
@@ -43,21 +43,21 @@ from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tupl
 
 import numpy as np
 
-from .backend import ArrayOps
-from .config import SparsityConfig
-from .controller import make_controller
-from .device_steps import DeviceSteps
-from .layout import plan_messages
+from ..backend import ArrayOps
+from ..config import SparsityConfig
+from ..planning.layout import plan_messages
+from ..selection.controller import make_controller
+from ..state.persist import ExchangeCheckpoints, SharedState
+from ..state.resume import Agreement
+from ..transport.flat import Transport, make_transport
+from ..wire import LayerPlan, plan_layers
+from .device import DeviceSteps
 from .messages import Messages, lay_out
 from .nonfinite import NonFiniteLog
-from .persist import ExchangeCheckpoints, SharedState
 from .records import LayerRecord, MessageRecord, StepHook, StepRecord, check_layers
-from .resume import Agreement
 from .sending import LayerSender
 from .step import StepState, nonfinite_names, verdict
-from .transport import Transport, make_transport
 from .views import LayerInfo, MessageInfo, layer_stats
-from .wire import LayerPlan, plan_layers
 
 __all__ = ["Collectives", "SparseExchange"]
 
@@ -169,7 +169,7 @@ class SparseExchange:
         self.shared = SharedState()
         self._dense_bytes = 4 * sum(layer.numel for layer in self.records)
         self._density: Optional[float] = None  # of the layout in force
-        #: How sparse messages travel and come back summed (dlgs.core.transport).
+        #: How sparse messages travel and come back summed (dlgs.core.transport.flat).
         self.transport: Transport = make_transport(config, ops, comm)
         if config.transport == "auto" and self.transport.name == "flat":
             # No alltoall here (TensorFlow): the planner must not price a reduction.
@@ -191,11 +191,11 @@ class SparseExchange:
         self.verdicts = NonFiniteLog(lambda: self.loss_scale is not None)
         #: What every rank must agree on (step, plan, profile, density) is
         #: agreed at the first gradient after construction and after every
-        #: load, never inside load_state_dict (dlgs.core.resume).
+        #: load, never inside load_state_dict (dlgs.core.state.resume).
         self.agreement = Agreement(agree if agree is not None else comm, f"{prefix}.sync")
         #: Called (no argument) when the next step must run on the host: a plan,
         #: a density or a timed step was asked for, or a state loaded, between
-        #: steps (see :class:`~dlgs.core.device_steps.DeviceSteps`).
+        #: steps (see :class:`~dlgs.core.exchange.device.DeviceSteps`).
         self.listeners: List[Callable[[], None]] = []
         #: Steps on the device alone (traced into a graph).
         self.device = DeviceSteps(self)
@@ -625,7 +625,7 @@ class SparseExchange:
 
     def stats(self) -> List[Dict[str, Any]]:
         """Per-layer numbers of the last step (synchronises; not for the hot
-        path): see :func:`dlgs.core.views.layer_stats`."""
+        path): see :func:`dlgs.core.exchange.views.layer_stats`."""
         return layer_stats(self)
 
     def state_dict(self) -> Dict[str, Any]:
@@ -641,7 +641,7 @@ class SparseExchange:
         safe on one rank (Horovod's resume recipe). What every rank must agree
         on (the step, the merge plan, the planner's profile, ``density="auto"``'s
         choice) is agreed at the first gradient of the next step, which every
-        rank reaches (:mod:`dlgs.core.resume`); after training began a load is
+        rank reaches (:mod:`dlgs.core.state.resume`); after training began a load is
         this rank's alone (docs/design.md, 'Checkpoints and residuals').
 
         Errors (nothing is changed): another state version, other parameter

@@ -23,7 +23,7 @@ began runs none (the other ranks would not join it: issue 42).
   in a fresh job, and their thresholds restart from the density; the parameters
   and the wrapped optimizer's state come from Horovod's broadcasts.
 * Ranks that loaded disagree, or no rank loaded and yet they differ: a
-  :class:`~dlgs.core.consistency.RankMismatchError` on every rank, never a
+  :class:`~dlgs.core.state.consistency.RankMismatchError` on every rank, never a
   hang.
 """
 
@@ -139,7 +139,7 @@ def agree_shared(
     """The agreement at the first gradient after construction or a load: one
     gather of every rank's :class:`SyncRecord` (``loaded``, its :func:`shared`
     state ``mine``) on ``comm``, judged alike on every rank by
-    :func:`resolve` (a :class:`~dlgs.core.consistency.RankMismatchError`
+    :func:`resolve` (a :class:`~dlgs.core.state.consistency.RankMismatchError`
     where ranks that loaded disagree). Returns the shared state this rank must
     put in force, or None (logged on rank 0 when some rank adopts one)."""
     if comm.size <= 1:

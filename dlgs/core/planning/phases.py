@@ -12,7 +12,7 @@ density change (:class:`DensityChanged`) and a checkpoint (:class:`Loaded`).
 An action that asks for a result (:class:`Probe`, :class:`Broadcast`,
 :class:`ReadVote`) is always the last of its list; the state then says what
 its result continues (``state.pending``), and the driver
-(:class:`~dlgs.core.profiler.OnlinePlanner`) calls :func:`decide` again with
+(:class:`~dlgs.core.planning.online.OnlinePlanner`) calls :func:`decide` again with
 it. Nothing here issues a collective, reads a clock, logs or writes into the
 exchange: every rank that holds the same state and sees the same results
 decides the same, and tests drive every phase without ranks.
@@ -41,7 +41,8 @@ import statistics
 from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, NamedTuple, Optional, Protocol, Sequence, Tuple, Union
 
-from .planner import CostModel, Plan, fit_cost_model
+from ..exchange.records import StepRecord, StepTrace
+from .dp import CostModel, Plan, fit_cost_model
 from .profile import (
     DensityChoice,
     LayerProfile,
@@ -53,7 +54,6 @@ from .profile import (
     plan_at,
     rescale,
 )
-from .records import StepRecord, StepTrace
 
 __all__ = [
     "Action",
@@ -110,7 +110,7 @@ BATCH = 4
 @dataclass(frozen=True)
 class PlannerOptions:
     """The planner's options that its decisions read (see
-    :class:`~dlgs.core.profiler.OnlinePlanner`, which validates them)."""
+    :class:`~dlgs.core.planning.online.OnlinePlanner`, which validates them)."""
 
     strategy: str = "dp"
     profile_steps: int = 8
@@ -868,7 +868,7 @@ def _auto_judged(
 def _fit_link(d: _Decision, measured: float) -> None:
     """The choice that sent more measured slower than the profile predicted
     it: the link is slower than the probes saw
-    (:func:`~dlgs.core.profile.fit_link`), and the plans made from here on
+    (:func:`~dlgs.core.planning.profile.fit_link`), and the plans made from here on
     know it. From rank 0's median, so every rank fits the same."""
     s = d.state
     assert s.profile is not None and s.plan is not None

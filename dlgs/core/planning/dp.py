@@ -74,7 +74,7 @@ class CostModel:
     queued when a cycle starts, once, then runs them one after another, or
     fused), in seconds; ``None`` (the default) when unknown, which charges
     every collective ``alpha``. Measured by probing several collectives at
-    once (:class:`~dlgs.core.profiler.OnlinePlanner`).
+    once (:class:`~dlgs.core.planning.online.OnlinePlanner`).
     """
 
     alpha: float
@@ -117,7 +117,7 @@ def sparse_transport(allgather: CostModel, reduction: Optional[CostModel], nbyte
     """``"reduce"`` where a sparse message of ``nbytes`` (flat chunk bytes
     from one rank) is predicted faster by the reduction than by the
     allgather, else ``"allgather"``: the one rule the planner and
-    ``transport="auto"`` (:mod:`dlgs.core.routing`) choose by."""
+    ``transport="auto"`` (:mod:`dlgs.core.transport.routing`) choose by."""
     if reduction is not None and reduction(nbytes) < allgather(nbytes):
         return "reduce"
     return "allgather"
@@ -162,7 +162,7 @@ class PlanSpec:
     contention: float = 0.0
     #: The sparse reduction by regions (``transport="reduce"``), as a
     #: function of the same bytes ``allgather`` takes (a message's flat chunk
-    #: from one rank; :func:`~dlgs.core.netmodel.reduction_cost`), or None: a
+    #: from one rank; :func:`~dlgs.core.planning.netmodel.reduction_cost`), or None: a
     #: sparse message then always travels by allgather. Where set, each
     #: sparse message takes whichever of the two the model finds faster.
     reduction: Optional[CostModel] = None

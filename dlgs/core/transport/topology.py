@@ -9,7 +9,7 @@ once, merged into one message per kind (so that both sides pay one latency):
 
 * flat: an allgather over every rank of the sparse layers' chunks at the
   steady density, and an allreduce over every rank of the dense layers;
-* two levels (:mod:`dlgs.core.hierarchical`): the node's reduce-scatter of
+* two levels (:mod:`dlgs.core.transport.hierarchical`): the node's reduce-scatter of
   every layer's padded shards, the allgather between nodes of the shards'
   chunks (an allreduce of the dense shards), and the node's allgather of the
   shards.
@@ -28,9 +28,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Sequence
 
-from .backend import ArrayOps
-from .config import SparsityConfig
-from .wire import plan_layers
+from ..backend import ArrayOps
+from ..config import SparsityConfig
+from ..wire import plan_layers
 
 __all__ = ["REPEATS", "TopologyProbe", "probe_topology"]
 
@@ -87,7 +87,7 @@ def probe_topology(
     layers of ``sizes`` (see the module). ``world``, ``cross``: collectives
     with ``allgather_async``, ``allreduce_async``, ``synchronize`` (and
     ``world.allgather_object``); ``node``: a
-    :class:`~dlgs.core.hierarchical.NodeCollectives`. Collectives on every
+    :class:`~dlgs.core.transport.hierarchical.NodeCollectives`. Collectives on every
     rank of the job, in the same order."""
     local = node.size
     shards = [max(1, -(-int(n) // local)) for n in sizes]

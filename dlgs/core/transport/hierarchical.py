@@ -14,7 +14,7 @@ per layer of ``n`` elements:
    default): one reduce-scatter per bucket, started as soon as its last layer
    is in, as Horovod's tensor fusion would for an allreduce;
 2. **between nodes**, the flat exchange of the shards
-   (:class:`~dlgs.core.exchange.SparseExchange` over the cross set: the ranks
+   (:class:`~dlgs.core.exchange.exchange.SparseExchange` over the cross set: the ranks
    of local rank ``l`` on every node): each rank keeps the error-feedback
    residual of its shard, selects the shard's share of ``k`` (``density``
    applies per shard), and allgathers it sparse with its ``N - 1`` peers, so
@@ -44,9 +44,9 @@ import math
 import time
 from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
-from .backend import ArrayOps
-from .config import SparsityConfig
-from .exchange import Collectives, SparseExchange
+from ..backend import ArrayOps
+from ..config import SparsityConfig
+from ..exchange.exchange import Collectives, SparseExchange
 
 __all__ = [
     "NODE_BUCKET_ELEMENTS",
@@ -112,7 +112,7 @@ class HierarchicalExchange:
         ops: the framework's array operations.
         node: collectives among this node's ranks (:class:`NodeCollectives`).
         cross: collectives among the ranks of this local rank on every node
-            (the flat exchange's, :class:`~dlgs.core.exchange.Collectives`).
+            (the flat exchange's, :class:`~dlgs.core.exchange.exchange.Collectives`).
         world: collectives on every rank of the job, where the step, plan and
             density are agreed after a checkpoint load (one small gather at
             the first gradient after construction or a load); None: ``cross``.

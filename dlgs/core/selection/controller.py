@@ -32,8 +32,8 @@ from typing import Any, Dict, Tuple
 
 import numpy as np
 
-from .backend import ArrayOps
-from .config import Controller, SparsityConfig
+from ..backend import ArrayOps
+from ..config import Controller, SparsityConfig
 
 __all__ = ["ThresholdController", "make_controller"]
 
@@ -113,7 +113,7 @@ class ThresholdController:
         selected counts, ``k1`` their targets plus one and ``anchors`` the
         factors that layers which anchored this step measured (by position)."""
 
-    # -- steps on the device alone (see dlgs.core.device_steps) ------------
+    # -- steps on the device alone (see dlgs.core.exchange.device) ------------
     def steps_before_anchor(self, state: State) -> int:
         """How many steps from now may run without a host decision for this
         layer (the next one that needs the host is an anchor); -1: any."""

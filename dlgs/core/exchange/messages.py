@@ -1,6 +1,6 @@
 """The messages of the layout in force, with their buffers.
 
-:func:`dlgs.core.layout.plan_messages` says (purely) which layers travel
+:func:`dlgs.core.planning.layout.plan_messages` says (purely) which layers travel
 together, dense or sparse; :func:`lay_out` makes that answer real for an
 exchange: every sparse layer's residual (and velocity) buffers, each message's
 send buffer and member views, the transport's receive buffers and the
@@ -12,15 +12,15 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from .backend import ArrayOps
-from .bank import ControllerBank
-from .config import SparsityConfig
-from .layout import MessageSpec
+from ..backend import ArrayOps
+from ..config import SparsityConfig
+from ..planning.layout import MessageSpec
+from ..selection.bank import ControllerBank
+from ..selection.select import FusedSelection
+from ..transport.flat import Transport
+from ..wire import LayerPlan
 from .records import LayerRecord, MessageRecord
-from .selection import FusedSelection
-from .transport import Transport
 from .views import MessageInfo
-from .wire import LayerPlan
 
 __all__ = ["Messages", "bank_of", "lay_out"]
 

@@ -100,7 +100,7 @@ def agreed_options(
 
     Args:
         config: the :class:`~dlgs.core.config.SparsityConfig` (``to_dict()``).
-        planner: the :class:`~dlgs.core.profiler.OnlinePlanner` (``options()``),
+        planner: the :class:`~dlgs.core.planning.online.OnlinePlanner` (``options()``),
             or None.
         collectives: the adapter's collectives; their ``options()`` (op,
             scaling, compression, process set) if they have that method.

@@ -32,7 +32,7 @@ forward: one product for the input's gradient, one for the weight's).
 Parameter-free work (activations, pooling, attention scores, the LSTM's
 gates) is ignored, and every layer is assumed to run at the same rate, so the
 times are only as good as the planning they feed: measured per-layer times
-(a :class:`~dlgs.core.profile.Profile` from the online profiler) replace them
+(a :class:`~dlgs.core.planning.profile.Profile` from the online profiler) replace them
 whenever a job can run.
 """
 
@@ -41,9 +41,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
-from .netmodel import allgather_cost, allreduce_cost, check_network
-from .planner import CostModel
-from .profile import LayerProfile, Profile
+from .core.planning.dp import CostModel
+from .core.planning.netmodel import (
+    DEFAULT_LATENCY_S,
+    allgather_cost,
+    allreduce_cost,
+    check_network,
+)
+from .core.planning.profile import LayerProfile, Profile
 
 __all__ = [
     "CatalogLayer",
@@ -51,7 +56,6 @@ __all__ = [
     "MODELS",
     "DEFAULT_COMPUTE_FLOPS",
     "DEFAULT_MEM_BW",
-    "DEFAULT_LATENCY_S",
     "DEFAULT_KERNEL_S",
     "catalog_model",
     "catalog_profile",
@@ -64,8 +68,6 @@ __all__ = [
 DEFAULT_COMPUTE_FLOPS = 10e12
 #: Sustained memory bandwidth of one worker in bytes/s (V100 HBM2: 900 GB/s peak).
 DEFAULT_MEM_BW = 800e9
-#: Latency of one ring step in seconds (TCP over Ethernet, with software overhead).
-DEFAULT_LATENCY_S = 50e-6
 #: Fixed cost of one device kernel in seconds (launch and tail).
 DEFAULT_KERNEL_S = 5e-6
 
@@ -275,7 +277,7 @@ def catalog_profile(
     """A predicted :class:`Profile` of a built-in model on an assumed cluster.
 
     Backward times come from the compute model in this module's docstring,
-    the collectives from the ring models of :mod:`dlgs.core.netmodel`, the
+    the collectives from the ring models of :mod:`dlgs.core.planning.netmodel`, the
     sparsify and pack costs from ``mem_bw`` (:func:`sparsify_cost`,
     :func:`pack_cost`). Every number is a model, not a measurement.
 

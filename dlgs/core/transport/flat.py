@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from typing import Any, List, Protocol, Sequence
 
-from .backend import ArrayOps
-from .config import SparsityConfig, ValueDType
-from .wire import DevicePart, GroupLayout, UnpackPlan, unpack
+from ..backend import ArrayOps
+from ..config import SparsityConfig, ValueDType
+from ..wire import DevicePart, GroupLayout, UnpackPlan, unpack
 
 __all__ = ["FlatTransport", "Transport", "MAX_MESSAGE_ELEMENTS"]
 
@@ -171,9 +171,9 @@ class FlatTransport:
 def make_transport(config: SparsityConfig, ops: ArrayOps, comm: Any) -> Transport:
     """The transport of ``config.transport``: ``"allgather"``
     (:class:`FlatTransport`), ``"reduce"``
-    (:class:`~dlgs.core.reduction.ReducingTransport`, which needs the
+    (:class:`~dlgs.core.transport.reduction.ReducingTransport`, which needs the
     collectives' ``alltoall_async``) or ``"auto"``
-    (:class:`~dlgs.core.routing.RoutingTransport`: each message by either;
+    (:class:`~dlgs.core.transport.routing.RoutingTransport`: each message by either;
     the allgather alone where the collectives have no alltoall), in
     ``config``'s wire formats."""
     kind = config.transport

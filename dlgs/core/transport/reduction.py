@@ -35,7 +35,7 @@ from the sum (:class:`ReducingTransport`). The bounds are part of the state
 every rank shares, so a resumed run goes on with them.
 
 Values travel in the message's value dtype in both phases and offsets as 16
-bits with block counts where smaller (:mod:`dlgs.core.blocks`); what rounding
+bits with block counts where smaller (:mod:`dlgs.core.transport.blocks`); what rounding
 takes stays in a residual (a sender's values in its own, an owner's sums in
 the owner's), so error feedback still loses nothing.
 """
@@ -48,10 +48,10 @@ from typing import Any, List, Sequence, Tuple
 
 import numpy as np
 
-from .backend import ArrayOps
+from ..backend import ArrayOps
+from ..config import IndexCoding, ValueDType
+from ..wire import FLOAT16_MAX, DevicePart, UnpackPlan
 from .blocks import BlockFormat, block_words, compact_offsets, even_width
-from .config import IndexCoding, ValueDType
-from .wire import FLOAT16_MAX, DevicePart, UnpackPlan
 
 __all__ = [
     "ReducingTransport",
@@ -148,7 +148,7 @@ class SparseReduction:
             what rounding takes goes back into a residual: a sender's into
             its own (:meth:`return_unkept`), an owner's rounding of its sums
             into the owner's.
-        coding: the offsets' coding (:func:`~dlgs.core.blocks.compact_offsets`):
+        coding: the offsets' coding (:func:`~dlgs.core.transport.blocks.compact_offsets`):
             ``int32``, or 16-bit with block counts where smaller.
 
     Widths are rounded up to even where a part is 16-bit. Per step:
@@ -357,7 +357,7 @@ def _none(ops: ArrayOps, flags: Any) -> Any:
 
 
 class ReducingTransport:
-    """A :class:`~dlgs.core.transport.Transport` that reduces each sparse
+    """A :class:`~dlgs.core.transport.flat.Transport` that reduces each sparse
     message by regions (:class:`SparseReduction`) instead of allgathering it.
 
     :meth:`start` decodes this rank's own chunk (the exchange packed it as for

@@ -1,6 +1,6 @@
 """Fixed-size blocks of ``(offset, value)`` entries, the reduction's wire format.
 
-:class:`~dlgs.core.reduction.SparseReduction` moves ``rows`` blocks per
+:class:`~dlgs.core.transport.reduction.SparseReduction` moves ``rows`` blocks per
 collective (one per region owner, or one per rank): each of ``width`` entries
 with an offset in ``[0, limit]`` (ascending within a block, padded at the end
 with the largest) and a value, plus one int32 word (a count or a flag). A
@@ -24,8 +24,8 @@ from __future__ import annotations
 
 from typing import Any, Tuple
 
-from .backend import ArrayOps
-from .config import IndexCoding, ValueDType
+from ..backend import ArrayOps
+from ..config import IndexCoding, ValueDType
 
 __all__ = ["BlockFormat", "block_words", "compact_offsets", "even_width"]
 

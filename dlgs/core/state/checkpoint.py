@@ -2,10 +2,10 @@
 before anything changes, and the conversions a load needs.
 
 Functions of the saved state, the model's layers and the options (and, to
-save or restore them, the exchange's :class:`~dlgs.core.records.LayerRecord`
+save or restore them, the exchange's :class:`~dlgs.core.exchange.records.LayerRecord`
 s); the exchange (:meth:`SparseExchange.state_dict` / ``load_state_dict``)
 decides what to restore. No collective here: a load is local to its rank
-(:mod:`dlgs.core.resume` agrees across ranks at the next gradient).
+(:mod:`dlgs.core.state.resume` agrees across ranks at the next gradient).
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING, Any, Dict, List, Sequence, Tuple
 
 import numpy as np
 
-from ._checks import check_float
-from .backend import ArrayOps
-from .config import SparsityConfig
+from .._checks import check_float
+from ..backend import ArrayOps
+from ..config import SparsityConfig
 
 if TYPE_CHECKING:
-    from .controller import ThresholdController
-    from .records import LayerRecord
+    from ..exchange.records import LayerRecord
+    from ..selection.controller import ThresholdController
 
 __all__ = [
     "STATE_VERSION",

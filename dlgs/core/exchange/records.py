@@ -1,8 +1,8 @@
-"""The mutable records a :class:`~dlgs.core.exchange.SparseExchange` keeps per
+"""The mutable records a :class:`~dlgs.core.exchange.exchange.SparseExchange` keeps per
 layer and per message, and what a finished step hands its step hooks.
 
 Only the exchange writes the records; everyone else reads them through
-:mod:`dlgs.core.views`.
+:mod:`dlgs.core.exchange.views`.
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Protocol, Sequence, Tuple
 
-from .backend import ArrayOps
-from .transport import MAX_MESSAGE_ELEMENTS
-from .wire import GroupLayout, LayerPlan, MemberViews
+from ..backend import ArrayOps
+from ..transport.flat import MAX_MESSAGE_ELEMENTS
+from ..wire import GroupLayout, LayerPlan, MemberViews
 
 if TYPE_CHECKING:
     from .exchange import SparseExchange
@@ -41,9 +41,9 @@ class LayerRecord:
     """Mutable per-layer state: residual, optional velocity, controller state.
 
     Residual and velocity are double-buffered: a step writes its new state into
-    the ``*_next`` buffers and :meth:`~dlgs.core.exchange.SparseExchange.finish` swaps them in only
-    if the step was finite on every rank, so a skipped step is undone exactly
-    and at no cost (no copy, no extra pass).
+    the ``*_next`` buffers and the exchange's ``finish()`` swaps them in only if
+    the step was finite on every rank, so a skipped step is undone exactly and
+    at no cost (no copy, no extra pass).
     """
 
     __slots__ = (
@@ -141,7 +141,7 @@ class MessageRecord:
 @dataclass
 class StepTrace:
     """Host times (``clock()``, after the device finished) of one timed step
-    (:meth:`~dlgs.core.exchange.SparseExchange.trace_next_step`)."""
+    (:meth:`~dlgs.core.exchange.exchange.SparseExchange.trace_next_step`)."""
 
     #: Layer index -> when its gradient was submitted.
     arrive: Dict[int, float] = field(default_factory=dict)
@@ -161,7 +161,7 @@ class StepTrace:
 @dataclass(frozen=True)
 class StepRecord:
     """What a finished step hands its step hooks (and leaves in
-    :attr:`~dlgs.core.exchange.SparseExchange.last_step`)."""
+    :attr:`~dlgs.core.exchange.exchange.SparseExchange.last_step`)."""
 
     #: The step's index (``exchange.step`` was this during it).
     step: int
@@ -176,7 +176,7 @@ class StepRecord:
 
 
 class StepHook(Protocol):
-    """What :attr:`~dlgs.core.exchange.SparseExchange.step_hooks` hold (e.g. the online planner).
+    """What an exchange's ``step_hooks`` hold (e.g. the online planner).
 
     Called with the exchange and the step's :class:`StepRecord` after every
     step. Optional members: ``on_density(ex, density)`` returning a plan for a

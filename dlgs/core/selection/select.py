@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional, Protocol, Tuple
 
-from .backend import ArrayOps
+from ..backend import ArrayOps
+from ..wire import GroupLayout, MemberViews
 from .controller import ThresholdController
-from .wire import GroupLayout, MemberViews
 
 __all__ = ["FusedSelection", "select", "select_and_pack", "select_with_total"]
 

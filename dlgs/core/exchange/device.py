@@ -3,7 +3,7 @@
 
 Such a step submits and waits as a host step does, then ends with
 :meth:`DeviceSteps.finish`: every layer keeps its new state where the step was
-finite on every rank (:func:`dlgs.core.step.verdict`, on the device), and the
+finite on every rank (:func:`dlgs.core.exchange.step.verdict`, on the device), and the
 controllers learn from a copy of their bank on the device. The host's side of
 a step (its count, the controllers' bank on the host, the step hooks) does not
 run; the adapter counts such steps and hands them to
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Dict, Optional
 
-from ._checks import check_int
+from .._checks import check_int
 from .step import verdict
 
 if TYPE_CHECKING:

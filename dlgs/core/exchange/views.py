@@ -1,4 +1,4 @@
-"""Read-only views of a :class:`~dlgs.core.exchange.SparseExchange`'s layers
+"""Read-only views of a :class:`~dlgs.core.exchange.exchange.SparseExchange`'s layers
 and messages, for the planner, ``describe()``, statistics, checks and tests.
 
 The exchange's own per-layer and per-message records are mutable and
@@ -14,7 +14,7 @@ import logging
 from types import MappingProxyType
 from typing import Any, Dict, List, Mapping, Optional
 
-from .wire import GroupLayout, LayerPlan
+from ..wire import GroupLayout, LayerPlan
 
 __all__ = ["LayerInfo", "MessageInfo", "layer_stats", "log_stats"]
 
@@ -139,7 +139,7 @@ class MessageInfo:
 
 
 def layer_stats(exchange: Any) -> List[Dict[str, Any]]:
-    """:meth:`SparseExchange.stats <dlgs.core.exchange.SparseExchange.stats>`
+    """:meth:`SparseExchange.stats <dlgs.core.exchange.exchange.SparseExchange.stats>`
     from the exchange's views (reads the counts and thresholds on the host)."""
     ops = exchange.ops
     rows = []

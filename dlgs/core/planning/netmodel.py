@@ -1,9 +1,9 @@
 """Analytic cost models of ring collectives, for planning without measurements.
 
-The planner needs one :class:`~dlgs.core.planner.CostModel` (``alpha + beta *
+The planner needs one :class:`~dlgs.core.planning.dp.CostModel` (``alpha + beta *
 nbytes`` seconds) per collective. On a real job those are fitted by least
 squares on measured collectives at the job's world size
-(:func:`~dlgs.core.planner.fit_cost_model`); this module gives the textbook
+(:func:`~dlgs.core.planning.dp.fit_cost_model`); this module gives the textbook
 ring-algorithm costs instead, so that a plan can be predicted for a cluster
 one does not have (``python -m dlgs.plan``).
 
@@ -35,9 +35,19 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from .planner import CostModel
+from .dp import CostModel
 
-__all__ = ["TwoLevels", "allgather_cost", "allreduce_cost", "check_network", "reduction_cost"]
+__all__ = [
+    "DEFAULT_LATENCY_S",
+    "TwoLevels",
+    "allgather_cost",
+    "allreduce_cost",
+    "check_network",
+    "reduction_cost",
+]
+
+#: Latency of one ring step in seconds (TCP over Ethernet, with software overhead).
+DEFAULT_LATENCY_S = 50e-6
 
 
 def check_network(world_size: Any, bandwidth_bps: Any, latency_s: Any) -> None:
@@ -95,7 +105,7 @@ def allgather_cost(world_size: int, bandwidth_bps: float, latency_s: float) -> C
 
 
 def reduction_cost(allgather: CostModel, world_size: int, width: float = 1.25) -> CostModel:
-    """The sparse reduction by regions (:mod:`dlgs.core.reduction`) as a
+    """The sparse reduction by regions (:mod:`dlgs.core.transport.reduction`) as a
     function of the bytes ``c`` of the message's flat chunk from one rank
     (what ``allgather`` takes), derived from the allgather's own model:
 
@@ -143,7 +153,7 @@ class TwoLevels:
         return allreduce_cost(self.local, self.intra_bps, self.intra_latency_s)
 
     def sparse_cost(self, dense_per_chunk_byte: float) -> CostModel:
-        """The two-level exchange of a sparse message (:mod:`dlgs.core.hierarchical`)
+        """The two-level exchange of a sparse message (:mod:`dlgs.core.transport.hierarchical`)
         as a function of the bytes ``c`` of the *flat* chunk of one rank (what
         the planner counts for the whole layers):
 

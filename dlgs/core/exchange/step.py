@@ -1,4 +1,4 @@
-"""One training step of a :class:`~dlgs.core.exchange.SparseExchange`: begun at
+"""One training step of a :class:`~dlgs.core.exchange.exchange.SparseExchange`: begun at
 its first gradient, fed every layer's, completed, then kept or dropped.
 
 :class:`StepState` is what a step holds between its first gradient and its
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .backend import ArrayOps
+from ..backend import ArrayOps
 from .records import StepTrace
 
 if TYPE_CHECKING:

@@ -3,7 +3,7 @@ feedback, the threshold, packing into its message) or its dense gradient.
 
 A step writes its new residual and velocity into each layer's ``*_next``
 buffers; the exchange keeps them when the step was finite on every rank
-(:class:`~dlgs.core.records.LayerRecord`), so nothing here is undone.
+(:class:`~dlgs.core.exchange.records.LayerRecord`), so nothing here is undone.
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Optional
 
-from .backend import ArrayOps
-from .config import SparsityConfig, ValueDType
+from ..backend import ArrayOps
+from ..config import SparsityConfig, ValueDType
+from ..selection.select import FusedSelection, select_and_pack, select_with_total
 from .records import LayerRecord, MessageRecord
-from .selection import FusedSelection, select_and_pack, select_with_total
 from .step import StepState
 
 __all__ = ["LayerSender"]

@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
-from .config import IndexCoding, ValueDType
-from .transport import MAX_MESSAGE_ELEMENTS
-from .wire import GroupLayout, LayerPlan
+from ..config import IndexCoding, ValueDType
+from ..transport.flat import MAX_MESSAGE_ELEMENTS
+from ..wire import GroupLayout, LayerPlan
 
 __all__ = ["TRANSPORT_MODES", "MessageSpec", "plan_messages", "split_oversized"]
 

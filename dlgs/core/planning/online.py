@@ -1,6 +1,6 @@
 """Online profiling and planning, run by the exchange at step boundaries.
 
-:class:`OnlinePlanner` is a step hook of :class:`~dlgs.core.exchange.SparseExchange`:
+:class:`OnlinePlanner` is a step hook of :class:`~dlgs.core.exchange.exchange.SparseExchange`:
 
 1. after ``skip_steps`` warm-up steps it times ``profile_steps`` steps: when
    each layer's gradient arrives and how long its sparsification (or packing)
@@ -14,8 +14,8 @@
    1,000 steps of the layout in force send, and re-profiling after drift waits
    until the planner's time, plus the last profile's, is under
    ``profile_budget`` of the run; the probes' latency is calibrated to the
-   profiled steps (:func:`~dlgs.core.profile.calibrate`);
-3. rank 0's :class:`~dlgs.core.profile.Profile` is broadcast, so every rank
+   profiled steps (:func:`~dlgs.core.planning.profile.calibrate`);
+3. rank 0's :class:`~dlgs.core.planning.profile.Profile` is broadcast, so every rank
    plans from the same numbers; the planner is a pure function, so every rank
    derives the same plan, which the exchange applies from the next step;
 4. whenever the density changes (warm-up stages) it re-plans from the same
@@ -25,7 +25,7 @@ Layers are planned in their *measured* arrival order, which is what "ready
 order" means for the model; the plan's groups are mapped back to the
 exchange's layer indices.
 
-Every decision above is made by :func:`~dlgs.core.phases.decide`, a pure
+Every decision above is made by :func:`~dlgs.core.planning.phases.decide`, a pure
 function of the planner's frozen state, a read-only view of the exchange and
 the step's record, which returns the actions to take (time a step, probe,
 broadcast, set a plan or a density, vote). :class:`OnlinePlanner` is the
@@ -44,8 +44,10 @@ import time
 from dataclasses import replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from ._checks import check_int
-from .config import MERGE_STRATEGIES, MergeConfig
+from .._checks import check_int
+from ..config import MERGE_STRATEGIES, MergeConfig
+from ..exchange.records import StepRecord
+from .dp import CostModel, Plan, fit_cost_model
 from .phases import (
     BATCH,
     Action,
@@ -76,9 +78,7 @@ from .phases import (
     restarted,
     saved,
 )
-from .planner import CostModel, Plan, fit_cost_model
 from .profile import DensityChoice, Profile
-from .records import StepRecord
 
 __all__ = ["OnlinePlanner", "MERGE_STRATEGIES", "guard_verdict"]
 
@@ -88,7 +88,7 @@ logger = logging.getLogger(__name__)
 class OnlinePlanner:
     """Profiles a few steps, then plans and re-plans the exchange's messages.
 
-    A :class:`~dlgs.core.records.StepHook` of the exchange.
+    A :class:`~dlgs.core.exchange.records.StepHook` of the exchange.
 
     Args:
         strategy: ``dp``, ``none``, ``all``, ``buckets`` or ``greedy``.
@@ -171,7 +171,8 @@ class OnlinePlanner:
         self.drift_window = drift_window
         if profile is not None and not isinstance(profile, Profile):
             raise TypeError(
-                f"profile must be None or a dlgs.core.profile.Profile, got {type(profile).__name__}"
+                "profile must be None or a dlgs.core.planning.profile.Profile, got "
+                f"{type(profile).__name__}"
             )
         self._given_profile = profile  # options() reports this one, not a measured one
         self.record = record
@@ -206,10 +207,10 @@ class OnlinePlanner:
             "broadcast_seconds": 0.0,
         }
 
-    # -- state (read-only; see dlgs.core.phases.PlannerState) --------------------
+    # -- state (read-only; see dlgs.core.planning.phases.PlannerState) --------------------
     @property
     def decisions(self) -> PlannerOptions:
-        """The options the decisions read (:class:`~dlgs.core.phases.PlannerOptions`),
+        """The options the decisions read (:class:`~dlgs.core.planning.phases.PlannerOptions`),
         from the attributes of the same names (set before the phase that reads
         them, e.g. ``planner.refine = False`` before the plan is made)."""
         return PlannerOptions(
@@ -229,12 +230,12 @@ class OnlinePlanner:
 
     @property
     def state(self) -> PlannerState:
-        """The planner's frozen state (:class:`~dlgs.core.phases.PlannerState`)."""
+        """The planner's frozen state (:class:`~dlgs.core.planning.phases.PlannerState`)."""
         return self._state
 
     @property
     def phase(self) -> str:
-        """``profile``, ``refine`` or ``run`` (:mod:`dlgs.core.phases`)."""
+        """``profile``, ``refine`` or ``run`` (:mod:`dlgs.core.planning.phases`)."""
         return self._state.phase
 
     @property
@@ -248,7 +249,8 @@ class OnlinePlanner:
     def profile(self, profile: Optional[Profile]) -> None:
         if profile is not None and not isinstance(profile, Profile):
             raise TypeError(
-                f"profile must be None or a dlgs.core.profile.Profile, got {type(profile).__name__}"
+                "profile must be None or a dlgs.core.planning.profile.Profile, got "
+                f"{type(profile).__name__}"
             )
         self._state = replace(self._state, profile=profile, plan=None)
 
@@ -272,13 +274,13 @@ class OnlinePlanner:
     @property
     def density_choice(self) -> Optional[DensityChoice]:
         """``density="auto"``: the last choice and the numbers it compared
-        (:class:`~dlgs.core.profile.DensityChoice`); None before."""
+        (:class:`~dlgs.core.planning.profile.DensityChoice`); None before."""
         return self._state.density_choice
 
     @property
     def calibration(self) -> Dict[str, float]:
         """The last calibration of the probes to the traced layer-wise steps
-        (:func:`~dlgs.core.profile.calibrate`'s record, with the fitted
+        (:func:`~dlgs.core.planning.profile.calibrate`'s record, with the fitted
         ``contention``; rank 0's; empty before one)."""
         return dict(self._state.calibration)
 
@@ -581,7 +583,7 @@ class OnlinePlanner:
 
 
 class _View:
-    """The exchange as :func:`~dlgs.core.phases.decide` reads it (read live,
+    """The exchange as :func:`~dlgs.core.planning.phases.decide` reads it (read live,
     nothing copied per step)."""
 
     __slots__ = ("_ex",)

@@ -3,7 +3,7 @@
 A :class:`Profile` is what the online profiler measures (per-layer backward
 times, the sparsify and pack cost per element, the fitted collectives at the
 job's real world size) in a form that can be saved as JSON, broadcast to every
-rank, and turned into a :class:`~dlgs.core.planner.PlanSpec` for any density.
+rank, and turned into a :class:`~dlgs.core.planning.dp.PlanSpec` for any density.
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
-from ._checks import check_float, check_int
-from .config import SparsityConfig
+from .._checks import check_float, check_int
+from ..config import SparsityConfig
+from ..wire import per_layer, plan_layers
+from .dp import CostModel, LayerCost, Plan, PlanSpec, plan_strategy, simulate
 from .netmodel import reduction_cost
-from .planner import CostModel, LayerCost, Plan, PlanSpec, plan_strategy, simulate
-from .wire import per_layer, plan_layers
 
 __all__ = [
     "AUTO_LADDER",
@@ -238,7 +238,7 @@ class DensityChoice:
     back-propagation); ``fits``: whether the chosen one is predicted to end
     within back-propagation plus ``auto_slack`` (its communication hidden).
     ``measured``: after the steps under the choice were timed, the check
-    against the steps before it (:func:`~dlgs.core.profiler.guard_verdict`'s
+    against the steps before it (:func:`~dlgs.core.planning.online.guard_verdict`'s
     record with ``density`` and ``before_density``); ``reverted``: the density
     those steps measured slower than, now in force; None while untimed, or
     kept. ``layers``: with ``config.auto_layers``, every layer's density in
@@ -342,7 +342,7 @@ def plan_at(
 ) -> Plan:
     """The ``strategy`` plan for ``profile``'s layers at ``density`` (one, or
     one per layer in ready order): :func:`build_spec`, then
-    :func:`~dlgs.core.planner.plan_strategy`."""
+    :func:`~dlgs.core.planning.dp.plan_strategy`."""
     spec, eligible = build_spec(profile, config, density)
     return plan_strategy(
         spec,

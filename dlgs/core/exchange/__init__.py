@@ -1,0 +1,1 @@
+"""The step and the exchange: SparseExchange and the collaborators it coordinates."""

@@ -1,0 +1,1 @@
+"""Selection: threshold controllers, their bank, and the selection and packing of a layer."""

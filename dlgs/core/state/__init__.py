@@ -1,0 +1,1 @@
+"""State: checkpoints, the agreements after them, and cross-rank consistency checks."""

@@ -1,0 +1,1 @@
+"""Transports: how sparse messages travel between ranks and come back summed."""
