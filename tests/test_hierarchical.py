@@ -11,6 +11,8 @@ import torch
 from conftest import ROOT, horovodrun, load_ranks
 
 from dlgs.core import SparsityConfig
+from dlgs.core.exchange.exchange import SparseExchange
+from dlgs.core.exchange.protocol import EXCHANGE_MEMBERS
 from dlgs.core.planning.layout import plan_messages
 from dlgs.core.transport.hierarchical import HierarchicalExchange, shard_size
 from dlgs.core.transport.topology import probe_topology
@@ -317,6 +319,44 @@ class _Solo:
 
 class _SoloNode(_Solo):
     """Node collectives of ``size`` ranks that no test step uses."""
+
+
+def test_both_exchanges_implement_the_exchange_protocol():
+    """What the engine and the doors call exists on the flat and the two-level
+    exchange alike (no catch-all forwarding: issue 43)."""
+    cfg = SparsityConfig(density=0.02, min_sparse_size=1000)
+    exchanges = [
+        SparseExchange(OPS, _Solo(NODES), cfg, LAYERS),
+        HierarchicalExchange(OPS, _SoloNode(LOCAL), _Solo(NODES), cfg, LAYERS),
+    ]
+    assert "submit" in EXCHANGE_MEMBERS and "device" in EXCHANGE_MEMBERS
+    for ex in exchanges:
+        missing = [name for name in EXCHANGE_MEMBERS if not hasattr(ex, name)]
+        assert missing == [], (type(ex).__name__, missing)
+    assert not hasattr(exchanges[1], "set_plan")  # the planner plans the inner exchange
+
+
+def test_a_step_dropped_halfway_leaves_nothing_behind():
+    """abort_step() in the middle of a two-level step (an error in
+    back-propagation): the next steps are those of a run without it."""
+    cfg = SparsityConfig(density=0.02, min_sparse_size=1000)
+
+    def before(rank, ex):
+        grads = normal(rank, 99)
+        for i in (0, 1):
+            ex.submit(i, grads[i])
+        assert ex.in_step
+        ex.abort_step()
+        assert not ex.in_step and ex.pending() == list(range(len(LAYERS)))
+
+    def record(rank, ex, out):
+        return flat(out)
+
+    clean = run(cfg, normal, 3, record)
+    dropped = run(cfg, normal, 3, record, before=before)
+    for r in range(P):
+        for a, b in zip(clean[r], dropped[r]):
+            assert torch.equal(a, b)
 
 
 def test_topology_probe_times_both_exchanges_and_agrees_on_every_rank():

@@ -256,6 +256,78 @@ class Engine:
             self._exchange.loss_scale = reader
 
     # -- per step ---------------------------------------------------------------------
+    def complete(
+        self, grad_of: Optional[Callable[[int], Any]], finish: bool = True
+    ) -> Dict[int, Any]:
+        """The end of a step, the same for every door: each layer not handed
+        in yet gets ``grad_of(i)`` (its gradient, flat; None: every layer
+        must have been handed in already), then the step's
+        collectives complete. Returns each layer's reduced gradient (flat) for
+        the door's copy-back. Any error drops the step, so that the next one
+        (or Horovod Elastic's restore) starts clean, and is raised again.
+        ``finish=False``: the caller ends the step itself (form (a), whose
+        dense layers Horovod reduces; a step traced onto the device)."""
+        ex = self._exchange
+        assert ex is not None, "complete() before the exchange was built"
+        try:
+            if grad_of is not None:
+                for i in ex.pending():
+                    ex.submit(i, grad_of(i))
+            return ex.wait(finish=finish)
+        except BaseException:
+            ex.abort_step()
+            raise
+
+    # -- steps on the device alone (TensorFlow's graph) ------------------------------
+    def planner_settled(self) -> bool:
+        """Whether the planner needs no step on the host: settled (``run``) or
+        merging nothing, and not recording every step. (Drift votes, which
+        need every step's time, pause on device steps.)"""
+        planner = self._planner
+        if planner is None:
+            return True
+        if planner.record:
+            return False
+        return planner.strategy == "none" or planner.phase == "run"
+
+    def device_reason(self, now: bool = True) -> Optional[str]:
+        """Why the next step cannot run with device operations alone (the
+        exchange's :meth:`~dlgs.core.exchange.device.DeviceSteps.ready`, then
+        the planner), or None. ``now=False``: why no such step can be traced
+        for the layout in force."""
+        device = getattr(self._exchange, "device", None)
+        if device is None:
+            return "the two-level exchange runs on the host"
+        why = device.ready(now)
+        if why is None and now and not self.planner_settled():
+            return "the merge planner is profiling or planning"
+        return why
+
+    def device_budget(self) -> int:
+        """How many steps may run on the device from here before the host
+        needs one: up to the next warm-up stage, the step before the next log
+        line, the next threshold anchor and the planner's next drift vote;
+        -1: no limit."""
+        ex = self._exchange
+        assert ex is not None
+        step, config, limits = ex.step, ex.config, []
+        if config.warmup_steps and not config.auto:
+            if step < len(config.warmup) * config.warmup_steps:
+                limits.append((step // config.warmup_steps + 1) * config.warmup_steps - step)
+        if self.log_every:
+            # The step that brings ex.step to a multiple of log_every logs: on the host.
+            limits.append((step // self.log_every + 1) * self.log_every - step - 1)
+        anchors = ex.device.budget()
+        if anchors >= 0:
+            limits.append(anchors)
+        planner = self._planner
+        window = planner.drift_window if planner is not None else 0
+        if window and planner.strategy != "none" and planner.phase == "run":
+            # The drift vote (which carries one-rank reprofile() requests)
+            # needs a host step at the end of every drift_window steps.
+            limits.append(window - 1 - step % window)
+        return min(limits) if limits else -1
+
     def step_done(self) -> None:
         """Called by the adapter after each exchanged step: logs every
         ``log_every`` steps (each log reads device values once)."""

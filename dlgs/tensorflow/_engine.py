@@ -38,7 +38,7 @@ from .._horovod import HorovodSet
 from ..core.engine import Engine as CoreEngine
 from ..core.engine import check_unique_names
 from ._graph import GraphSteps
-from ._ops import OPS, _read
+from ._ops import OPS, _read, as_input
 
 __all__ = ["DlgsAccessors", "Engine", "HorovodCollectives", "build_tf_configs", "variable_name"]
 
@@ -267,12 +267,9 @@ class Engine(CoreEngine):
         """The eager step: submit in backward order, wait, reshape back."""
         if len(grads) == 1 and isinstance(grads[0], (list, tuple)):
             grads = tuple(grads[0])
-        exchange = self.exchange  # counts the steps that ran in the graph first
-        assert exchange is not None
+        assert self.exchange is not None  # which counts the steps run in the graph first
         with self._lock:
-            for i, pos in enumerate(self.order):
-                exchange.submit(i, tf.reshape(tf.cast(grads[pos], tf.float32), [-1]))
-            reduced = exchange.wait()
+            reduced = self.complete(lambda i: as_input(grads[self.order[i]]))
             out: List[Any] = [None] * len(grads)
             for i, pos in enumerate(self.order):
                 g = grads[pos]

@@ -37,7 +37,7 @@ from typing import Any, Callable, List, Optional
 
 import tensorflow as tf
 
-from ._ops import _read
+from ._ops import _read, as_input
 
 __all__ = ["GraphSteps", "function"]
 
@@ -87,19 +87,11 @@ class GraphSteps:
         return self._vars
 
     # -- tracing -------------------------------------------------------------------
-    def reason(self, ex: Any, now: bool = True) -> Optional[str]:
-        """Why the next step of ``ex`` cannot run on the device (``now=False``:
-        why the device branch cannot be traced for the layout in force), or None."""
-        engine = self._engine
-        device = getattr(ex, "device", None)
-        if device is None:
-            return "the two-level exchange runs on the host"
-        why = device.ready(now)
-        if why is not None:
-            return why
-        if now and not _planner_idle(engine.planner):
-            return "the merge planner is profiling or planning"
-        return None
+    def reason(self, now: bool = True) -> Optional[str]:
+        """Why the next step cannot run on the device (``now=False``: why the
+        device branch cannot be traced for the layout in force), or None:
+        the core decides (:meth:`dlgs.core.engine.Engine.device_reason`)."""
+        return self._engine.device_reason(now)
 
     def step(self, grads: List[tf.Tensor], host: Callable[[], List[tf.Tensor]]) -> List[tf.Tensor]:
         """The traced step's reduced gradients: the ``tf.cond`` of the device
@@ -120,7 +112,7 @@ class GraphSteps:
 
             self._retrace = retrace
         ex = self._engine.exchange
-        why = self.reason(ex, now=False)
+        why = self.reason(now=False)
         if why is not None:
             logger.debug("dlgs: the exchange stays on the host in this trace: %s", why)
             return host()
@@ -143,9 +135,7 @@ class GraphSteps:
         ex = engine.exchange
         ex.device.begin()
         try:
-            for i, pos in enumerate(engine.order):
-                ex.submit(i, tf.reshape(tf.cast(grads[pos], tf.float32), [-1]))
-            reduced = ex.wait(finish=False)
+            reduced = engine.complete(lambda i: as_input(grads[engine.order[i]]), finish=False)
             ok = ex.device.finish()
         except BaseException:
             ex.abort_step()
@@ -212,14 +202,14 @@ class GraphSteps:
         if not self._in_graph:
             return
         ex.device.prepare()
-        traceable = self.reason(ex, now=False) is None
+        traceable = self.reason(now=False) is None
         version = ex.layout_version if traceable else -1
         # Every rank must take the same branch: the smallest budget of all. A
         # rank whose next step needs the host, or whose graph is not for its
         # layout, counts as 0; anchors or log_every may differ between ranks
         # (e.g. after a resume in which one rank loaded).
-        ready = self.reason(ex) is None and self._traced_version == ex.layout_version
-        budget = self._agree(engine, ex, _budget(engine, ex) if ready else 0)
+        ready = self.reason() is None and self._traced_version == ex.layout_version
+        budget = self._agree(engine, ex, engine.device_budget() if ready else 0)
         if traceable:
             self._variables()  # eagerly: a trace that creates variables is traced twice
         if self._vars is not None:
@@ -227,7 +217,7 @@ class GraphSteps:
             self._vars["budget"].assign(budget)
         # Traced again once the planner has settled this layout (not for each
         # layout it tries while profiling), whatever the very next step needs.
-        settled = traceable and _planner_idle(engine.planner)
+        settled = traceable and engine.planner_settled()
         if settled and self._asked != version and not self._traced_for(version):
             self._asked = version
             if self._retrace is not None:
@@ -260,46 +250,6 @@ class GraphSteps:
 
     def _traced_for(self, version: int) -> bool:
         return self._vars is not None and self._traced_version == version
-
-
-def _planner_idle(planner: Any) -> bool:
-    """Whether the planner needs no step on the host: settled (``run``) or
-    merging nothing, and not recording every step. (Drift votes, which need
-    every step's time, pause on device steps.)"""
-    if planner is None:
-        return True
-    if getattr(planner, "record", False):
-        return False
-    if planner.strategy == "none":
-        return True
-    return planner.phase == "run"
-
-
-def _budget(engine: Any, ex: Any) -> int:
-    """Steps that may run on the device from ``ex.step`` on before the host
-    needs one: up to the next warm-up stage and the step before the next log
-    line; -1: no limit."""
-    step = ex.step
-    limits = []
-    config = ex.config
-    if config.warmup_steps and not config.auto:
-        end = len(config.warmup) * config.warmup_steps
-        if step < end:
-            limits.append((step // config.warmup_steps + 1) * config.warmup_steps - step)
-    every = getattr(engine, "log_every", 0)
-    if every:
-        # The step that brings ex.step to a multiple of log_every logs: on the host.
-        limits.append((step // every + 1) * every - step - 1)
-    anchors = ex.device.budget()
-    if anchors >= 0:
-        limits.append(anchors)
-    planner = engine.planner
-    window = getattr(planner, "drift_window", 0)
-    if window and planner.strategy != "none" and planner.phase == "run":
-        # The planner's drift vote (which carries one-rank reprofile() requests)
-        # needs a host step at the end of every drift_window steps.
-        limits.append(window - 1 - step % window)
-    return min(limits) if limits else -1
 
 
 def _keras_model() -> Any:

@@ -160,6 +160,11 @@ def _read(x: Any) -> tf.Tensor:
     return view.read() if view is not None else tf.convert_to_tensor(x)
 
 
+def as_input(grad: Any) -> tf.Tensor:
+    """A gradient as the exchange takes it: flat float32."""
+    return tf.reshape(tf.cast(grad, tf.float32), [-1])
+
+
 def _flat(x: Any) -> tf.Tensor:
     t = _read(x)
     return t if t.shape.rank == 1 else tf.reshape(t, _ivec(-1))

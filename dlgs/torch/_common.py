@@ -23,6 +23,15 @@ __all__ = ["build_flat_or_two_level", "named_trainable"]
 logger = logging.getLogger(__name__)
 
 
+def copy_back(grad: torch.Tensor, out: torch.Tensor) -> None:
+    """A layer's reduced gradient (flat) into the framework's gradient
+    ``grad``, unless it is already there (the exchange reduced in place)."""
+    if grad.is_sparse:
+        grad.zero_().add_(out.reshape(grad.shape).to(grad.dtype).to_sparse())
+    elif out.data_ptr() != grad.data_ptr() or out.dtype != grad.dtype:
+        grad.copy_(out.reshape(grad.shape))
+
+
 def named_trainable(
     named_parameters: Iterable[Tuple[str, torch.Tensor]],
 ) -> List[Tuple[str, torch.Tensor]]:

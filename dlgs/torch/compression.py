@@ -236,20 +236,7 @@ class Compression:
         if self._results is None:
             # First decompress of the step: every compress has run (Horovod's
             # synchronize() starts all before waiting on any).
-            for j in self._exchange.pending():
-                p = self._params[j]
-                grad = p.grad
-                if grad is None:
-                    grad = torch.zeros_like(p)
-                elif grad.is_sparse:
-                    raise ValueError(
-                        f"parameter {self._exchange.layers[j].name!r} has a sparse gradient, "
-                        "which Horovod reduces itself without calling compression=: pass "
-                        "sparse_as_dense=True to hvd.DistributedOptimizer, or use "
-                        "dlgs.torch.DistributedOptimizer"
-                    )
-                self._exchange.submit(j, grad)
-            self._results = self._exchange.wait(finish=False)
+            self._results = self._engine.complete(self._pending_grad, finish=False)
             self._left = len(self._params)
             self._engine.step_done()
         _, i, grad = ctx
@@ -265,6 +252,21 @@ class Compression:
         if self._left == 0:
             self._finish()
         return out.reshape(grad.shape).to(grad.dtype)
+
+    def _pending_grad(self, j: int) -> torch.Tensor:
+        """A gradient Horovod did not hand to compress() (no gradient, or a
+        sparse one, which Horovod reduces itself)."""
+        p = self._params[j]
+        if p.grad is None:
+            return torch.zeros_like(p)
+        if p.grad.is_sparse:
+            raise ValueError(
+                f"parameter {self._exchange.layers[j].name!r} has a sparse gradient, "
+                "which Horovod reduces itself without calling compression=: pass "
+                "sparse_as_dense=True to hvd.DistributedOptimizer, or use "
+                "dlgs.torch.DistributedOptimizer"
+            )
+        return p.grad
 
     def _finish(self) -> None:
         """End the exchange's step once Horovod has handed back every tensor."""

@@ -26,7 +26,7 @@ from .._options import TWO_LEVEL_REFUSED, build_configs, check_log_every
 from ..core.config import SparsityConfig
 from ..core.engine import Engine
 from ._amp import check_scaler
-from ._common import build_flat_or_two_level, named_trainable
+from ._common import build_flat_or_two_level, copy_back, named_trainable
 
 __all__ = ["ProcessGroupCollectives", "SparseState", "sparse_hook"]
 
@@ -322,12 +322,10 @@ class SparseState:
         if missing:
             names = [exchange.layers[i].name for i in missing[:5]]
             raise RuntimeError(f"DDP's buckets did not hold every parameter: {names}")
-        reduced = exchange.wait()
+        reduced = self.engine.complete(None)  # type: ignore[union-attr]
         for future, buffer, entries in self._pending:
             for i, grad in entries:
-                out = reduced[i]
-                if out.data_ptr() != grad.data_ptr() or out.dtype != grad.dtype:
-                    grad.copy_(out.reshape(grad.shape))
+                copy_back(grad, reduced[i])
             future.set_result(buffer)
         self._pending.clear()
         self.engine.step_done()  # type: ignore[union-attr]

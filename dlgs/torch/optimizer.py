@@ -38,6 +38,7 @@ from .._options import (
 from ..core.config import SparsityConfig
 from ..core.engine import Engine
 from ._amp import check_scaler
+from ._common import copy_back
 from ._engine import HorovodCollectives, build_engine, check_topology, named_trainable
 
 __all__ = ["DistributedOptimizer"]
@@ -161,7 +162,7 @@ class _SparseOverrides:
                         engine = Variable._execution_engine  # noqa: SLF001
                         engine.queue_callback(self._dlgs_backward_done)
                 try:
-                    self._dlgs.submit(index, _dense_grad(p))
+                    self._dlgs.submit(index, _grad(p))
                 except BaseException:
                     self._dlgs_abort()
                     raise
@@ -179,31 +180,21 @@ class _SparseOverrides:
             return
         if self._dlgs_synced:
             return  # completed at the end of backward (with a loss scaler)
-        exchange = self._dlgs
         try:
-            for i in exchange.pending():
-                p = self._dlgs_params[i]
-                if p.grad is None:
-                    # Another rank may have a gradient here (dynamic graphs): take part
-                    # with zeros, as Horovod does.
-                    p.grad = torch.zeros_like(p)
-                exchange.submit(i, _dense_grad(p))
-            reduced = exchange.wait()
+            reduced = self._dlgs_engine.complete(self._dlgs_grad)
         except BaseException:
             # A rank failed (HorovodInternalError) or the step was refused: the
-            # step is dropped, so that Horovod Elastic's restore (a
-            # load_state_dict) and the next step start clean.
+            # step is dropped (Horovod Elastic's restore starts clean).
             self._dlgs_abort()
             raise
         for i, out in reduced.items():
-            grad = self._dlgs_params[i].grad
-            if grad.is_sparse:
-                grad.zero_().add_(out.reshape(grad.shape).to(grad.dtype).to_sparse())
-            elif out.data_ptr() != grad.data_ptr() or out.dtype != grad.dtype:
-                grad.copy_(out.reshape(grad.shape))
+            copy_back(self._dlgs_params[i].grad, out)
         self._dlgs_end_step()
         self._synchronized = True
         self._dlgs_engine.step_done()
+
+    def _dlgs_grad(self, i: int) -> torch.Tensor:
+        return _grad(self._dlgs_params[i])
 
     def _dlgs_end_step(self) -> None:
         """This optimizer's part of a step, ended (completed or dropped)."""
@@ -258,7 +249,11 @@ class _SparseOverrides:
             self._dlgs_engine.load_state_dict(dlgs_state)
 
 
-def _dense_grad(p: torch.Tensor) -> torch.Tensor:
+def _grad(p: torch.Tensor) -> torch.Tensor:
+    if p.grad is None:
+        # Another rank may have a gradient here (dynamic graphs): take part
+        # with zeros, as Horovod does.
+        p.grad = torch.zeros_like(p)
     return p.grad.to_dense() if p.grad.is_sparse else p.grad
 
 

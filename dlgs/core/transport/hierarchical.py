@@ -207,13 +207,86 @@ class HierarchicalExchange:
     #: No step of the two-level exchange runs on the device alone.
     device = None
 
-    def __getattr__(self, name: str) -> Any:
-        # What is not two-level reads the exchange between nodes: its layers
-        # (this rank's shards, named as the layers), layout, statistics, step,
-        # verdicts and step hooks (a merge planner plans the shards' messages).
-        if name == "inner":  # not set yet: construction failed
-            raise AttributeError(name)
-        return getattr(self.inner, name)
+    # What is not two-level reads the exchange between nodes: its layers
+    # (this rank's shards, named as the layers), layout, statistics, step,
+    # verdicts and step hooks (a merge planner plans the shards' messages).
+    @property
+    def comm(self) -> Collectives:
+        return self.inner.comm
+
+    @property
+    def config(self) -> SparsityConfig:
+        return self.inner.config
+
+    @property
+    def step_hooks(self) -> List[Any]:
+        return self.inner.step_hooks
+
+    @property
+    def in_step(self) -> bool:
+        return bool(self._submitted) or self.inner.in_step
+
+    @property
+    def last_step_finite(self) -> bool:
+        return self.inner.last_step_finite
+
+    @property
+    def nonfinite_steps(self) -> int:
+        return self.inner.nonfinite_steps
+
+    @property
+    def step(self) -> int:
+        return self.inner.step
+
+    @property
+    def layers(self) -> Tuple[Any, ...]:
+        return self.inner.layers
+
+    @property
+    def groups(self) -> Tuple[Any, ...]:
+        return self.inner.groups
+
+    @property
+    def density(self) -> float:
+        return self.inner.density
+
+    @property
+    def densities(self) -> Tuple[float, ...]:
+        return self.inner.densities
+
+    @property
+    def auto_layers(self) -> Optional[Tuple[float, ...]]:
+        return self.inner.auto_layers
+
+    @property
+    def last_step(self) -> Any:
+        return self.inner.last_step
+
+    def stats(self) -> List[Dict[str, Any]]:
+        return self.inner.stats()
+
+    def message_bytes(self, message: Any) -> int:
+        return self.inner.message_bytes(message)
+
+    def wire_bytes(self) -> int:
+        return self.inner.wire_bytes()
+
+    def dense_bytes(self) -> int:
+        return self.inner.dense_bytes()
+
+    def resync(self) -> None:
+        self.inner.resync()
+
+    def request_host_step(self) -> None:
+        self.inner.request_host_step()
+
+    def abort_step(self) -> None:
+        """Drop the step under way: the node buckets' arrivals (reduce-scatters
+        started are left to complete unread) and the exchange between nodes'."""
+        self._submitted.clear()
+        self._arrived = [0] * len(self.buckets)
+        self._scatter.clear()
+        self.inner.abort_step()
 
     @property
     def loss_scale(self) -> Optional[Callable[[], Any]]:
@@ -324,11 +397,14 @@ class HierarchicalExchange:
         for i in self.buckets[b]:
             self.inner.submit(i, self.ops.narrow(shard, 0, self._offset[i], self.shards[i]))
 
-    def wait(self) -> Dict[int, Any]:
+    def wait(self, finish: bool = True) -> Dict[int, Any]:
         """Complete the step: the remaining buckets through the exchange
         between nodes, then each bucket's allgather in the node. Returns each
         layer's mean gradient (flat, ``n`` elements; views into reused
-        buffers, valid until the next step's :meth:`wait`)."""
+        buffers, valid until the next step's :meth:`wait`). The step always
+        ends here (``finish=False`` is refused)."""
+        if not finish:
+            raise ValueError("finish=False: the two-level exchange ends its own steps")
         missing = [self.names[i] for i in self.pending()]
         if missing:
             raise RuntimeError(f"wait() before every layer was submitted; missing {missing[:5]}")
