@@ -104,6 +104,12 @@ def shard_size(n: int, local_size: int) -> int:
     return max(1, math.ceil(n / local_size))
 
 
+def _inner(name: str) -> Any:
+    """A read-only member of the two-level exchange that is its inner
+    exchange's ``name`` (a method comes bound to the inner exchange)."""
+    return property(lambda self: getattr(self.inner, name), doc=f"The inner exchange's ``{name}``.")
+
+
 class HierarchicalExchange:
     """:class:`SparseExchange`'s protocol (``submit``, ``wait``, ``finish``,
     ``state_dict``) over two levels.
@@ -210,75 +216,30 @@ class HierarchicalExchange:
     # What is not two-level reads the exchange between nodes: its layers
     # (this rank's shards, named as the layers), layout, statistics, step,
     # verdicts and step hooks (a merge planner plans the shards' messages).
-    @property
-    def comm(self) -> Collectives:
-        return self.inner.comm
-
-    @property
-    def config(self) -> SparsityConfig:
-        return self.inner.config
-
-    @property
-    def step_hooks(self) -> List[Any]:
-        return self.inner.step_hooks
+    # Each is named here (the Exchange protocol's members), none forwarded
+    # by a catch-all.
+    comm = _inner("comm")
+    config = _inner("config")
+    step_hooks = _inner("step_hooks")
+    last_step_finite = _inner("last_step_finite")
+    nonfinite_steps = _inner("nonfinite_steps")
+    step = _inner("step")
+    layers = _inner("layers")
+    groups = _inner("groups")
+    density = _inner("density")
+    densities = _inner("densities")
+    auto_layers = _inner("auto_layers")
+    last_step = _inner("last_step")
+    stats = _inner("stats")
+    message_bytes = _inner("message_bytes")
+    wire_bytes = _inner("wire_bytes")
+    dense_bytes = _inner("dense_bytes")
+    resync = _inner("resync")
+    request_host_step = _inner("request_host_step")
 
     @property
     def in_step(self) -> bool:
         return bool(self._submitted) or self.inner.in_step
-
-    @property
-    def last_step_finite(self) -> bool:
-        return self.inner.last_step_finite
-
-    @property
-    def nonfinite_steps(self) -> int:
-        return self.inner.nonfinite_steps
-
-    @property
-    def step(self) -> int:
-        return self.inner.step
-
-    @property
-    def layers(self) -> Tuple[Any, ...]:
-        return self.inner.layers
-
-    @property
-    def groups(self) -> Tuple[Any, ...]:
-        return self.inner.groups
-
-    @property
-    def density(self) -> float:
-        return self.inner.density
-
-    @property
-    def densities(self) -> Tuple[float, ...]:
-        return self.inner.densities
-
-    @property
-    def auto_layers(self) -> Optional[Tuple[float, ...]]:
-        return self.inner.auto_layers
-
-    @property
-    def last_step(self) -> Any:
-        return self.inner.last_step
-
-    def stats(self) -> List[Dict[str, Any]]:
-        return self.inner.stats()
-
-    def message_bytes(self, message: Any) -> int:
-        return self.inner.message_bytes(message)
-
-    def wire_bytes(self) -> int:
-        return self.inner.wire_bytes()
-
-    def dense_bytes(self) -> int:
-        return self.inner.dense_bytes()
-
-    def resync(self) -> None:
-        self.inner.resync()
-
-    def request_host_step(self) -> None:
-        self.inner.request_host_step()
 
     def abort_step(self) -> None:
         """Drop the step under way: the node buckets' arrivals (reduce-scatters
