@@ -235,3 +235,29 @@ def check_resume_recipe(r0: dict, r1: dict, forms, steps: int) -> None:
         assert a["digests"] == b["digests"], f"{form}: ranks differ after resuming"
         assert len(set(a["digests"])) == len(a["digests"]), f"{form}: no training"
         assert a["step"] == b["step"] == steps, f"{form}: steps {a['step']}, {b['step']}"
+
+
+# -- measured durations, for tools/run_tests.py's budget --------------------------------
+#: Where each test's last measured seconds are kept (setup, call and teardown),
+#: with whether it is marked slow: ``python tools/run_tests.py`` estimates the
+#: slow tests' time from them.
+DURATIONS = ROOT / ".pytest_cache" / "dlgs-durations.json"
+_measured: dict = {}
+
+
+def pytest_runtest_logreport(report):
+    entry = _measured.setdefault(report.nodeid, {"seconds": 0.0, "slow": False})
+    entry["seconds"] += report.duration
+    entry["slow"] = entry["slow"] or "slow" in report.keywords
+
+
+def pytest_sessionfinish(session):
+    if not _measured or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    try:
+        known = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+    except ValueError:
+        known = {}
+    known.update(_measured)
+    DURATIONS.parent.mkdir(exist_ok=True)
+    DURATIONS.write_text(json.dumps(known, indent=0, sort_keys=True))

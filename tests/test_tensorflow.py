@@ -47,6 +47,14 @@ SCENARIOS = [
     "against_reference",
     "graph_exchange",
 ]
+#: What the MPI run repeats of the Gloo run.
+MPI_DIAGONAL = [
+    "dense_equivalence",
+    "exact_reconstruction",
+    "conservation",
+    "fit_identical",
+    "graph_exchange",
+]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -314,11 +322,20 @@ def test_checkpoint_round_trip_single_process(tmp_path):
 @pytest.fixture(scope="module", params=["gloo", "mpi"])
 def ranks(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"tf-ranks-{request.param}")
-    # The reference comparison checks the exchange's arithmetic, which does not
-    # depend on the transport: Gloo only (MPI runs every other scenario), to keep
-    # the suite's time.
-    names = SCENARIOS if request.param == "gloo" else [n for n in SCENARIOS if n != REFERENCE]
+    # MPI runs the diagonal (issue 43): the guarantees every transport must
+    # keep (density 1.0, k-sparse exact, conservation, identical ranks, the
+    # traced step). Gloo runs every scenario: the reference comparison, the
+    # checkpoints and the errors check logic that does not depend on the
+    # transport, and the suite's time has no room for them twice.
+    names = SCENARIOS if request.param == "gloo" else MPI_DIAGONAL
     return run_scenarios(request.param, "tf_worker.py", out, names)
+
+
+def gloo_value(ranks, name):
+    """:func:`value` of a scenario the Gloo run alone has (not on MPI_DIAGONAL)."""
+    if name not in ranks[0]:
+        pytest.skip(f"{name} runs under Gloo only (MPI runs the diagonal)")
+    return value(ranks, name)
 
 
 @pytest.mark.parallel
@@ -437,20 +454,20 @@ def test_keras_fit_keeps_ranks_identical_every_batch(ranks):
 
 @pytest.mark.parallel
 def test_tf_checkpoint_resumes_bit_identically(ranks):
-    for r, v in enumerate(value(ranks, "resume")):
+    for r, v in enumerate(gloo_value(ranks, "resume")):
         assert v["resumed"] == v["straight"], f"rank {r}: resumed run differs"
         assert v["without_dlgs_state"][-1] != v["straight"][-1], "control: state had no effect"
 
 
 @pytest.mark.parallel
 def test_tf_a_load_on_one_rank_in_the_middle_of_fit_goes_on_with_ranks_identical(ranks):
-    r0, r1 = value(ranks, "one_rank_load")
+    r0, r1 = gloo_value(ranks, "one_rank_load")
     assert r0 == r1 and r0["step"] == 9, (r0, r1)
 
 
 @pytest.mark.parallel
 def test_tf_rank_disagreement_and_ungrouped_compression_are_errors(ranks):
-    for r, v in enumerate(value(ranks, "mismatch")):
+    for r, v in enumerate(gloo_value(ranks, "mismatch")):
         assert v["model"] and "shape" in v["model"], f"rank {r}: {v['model']!r}"
         assert v["function"] and "shape" in v["function"], f"rank {r}: {v['function']!r}"
         assert v["options"] and "density" in v["options"], f"rank {r}: {v['options']!r}"
@@ -502,4 +519,4 @@ def test_keras_fit_density_001_within_2_points_of_dense(fashion_runs):
 def test_tf_resume_recipe_rank0_restores_and_ranks_stay_identical(ranks):
     """Rank 0 alone restores (tape and model.fit), hvd.broadcast_variables hands
     the weights on; no hang (the harness kills one) and identical ranks."""
-    check_resume_recipe(*value(ranks, "resume_recipe"), ("tape", "fit"), steps=10)
+    check_resume_recipe(*gloo_value(ranks, "resume_recipe"), ("tape", "fit"), steps=10)
