@@ -55,6 +55,7 @@ def test_sparse_training_keeps_ranks_bit_identical_after_every_step(ranks):
         else:
             assert a[case]["planned"], f"{case}: the dp planner settled on a plan"
         assert a[case]["step"] == 8
+    assert a["none.passes1.reduce"]["transport"] != "flat"  # by the sparse reduction
 
 
 def test_k_sparse_gradients_are_reconstructed_exactly(ranks):

@@ -438,6 +438,8 @@ def test_real_ranks_with_the_reduction_hold_the_same_parameters(
     got = load_ranks(tmp_path, ranks)
     for r in got[1:]:
         assert r["dlgs"] == got[0]["dlgs"]  # every step, bit for bit
+        assert r["form_a"] == got[0]["form_a"]  # form (a) by the reduction too
+    assert got[0]["form_a"][-1] != got[0]["form_a"][0]  # it trains
     assert all(np.isfinite(r["losses"]).all() for r in got)
     assert "sparse" in got[0]["describe"], got[0]["describe"]
     if not more:
@@ -457,6 +459,7 @@ def test_real_ranks_with_the_reduction_at_density_one_are_horovods(tmp_path):
     horovodrun("gloo", 2, [worker, tmp_path, 1.0], timeout=240)
     for r in load_ranks(tmp_path, 2):
         assert r["dlgs"] == r["horovod"]
+        assert r["form_a"] == r["horovod"]  # form (a) by the reduction too
 
 
 def test_each_owner_keeps_its_largest_sums():

@@ -127,18 +127,30 @@ def sparse_training():
     """density 0.05: every rank's parameters after every step, layer-wise
     (every eligible layer sparse, DDP's rebuilt buckets) and under the default
     planner (profiling, then a plan: on loopback it may find dense cheaper),
-    with no_sync() accumulation too."""
+    with no_sync() accumulation too; and layer-wise by the sparse reduction
+    (its collectives have an alltoall: issue 43)."""
     out = {}
-    for merge, passes in (("none", 1), ("none", 2), ("dp", 1), ("dp", 2)):
+    cases = [("none", 1, "allgather"), ("none", 2, "allgather"), ("dp", 1, "allgather")]
+    cases += [("dp", 2, "allgather"), ("none", 1, "reduce")]
+    for merge, passes, transport in cases:
         model = ddp(hidden=128)
-        state = hooked(model, density=0.05, min_sparse_size=64, profile_steps=2, merge=merge)
+        state = hooked(
+            model,
+            density=0.05,
+            min_sparse_size=64,
+            profile_steps=2,
+            merge=merge,
+            transport=transport,
+        )
         digests = train(model, sgd(model), 8, passes=passes)
         ex = state.dlgs.exchange
-        out[f"{merge}.passes{passes}"] = {
+        name = f"{merge}.passes{passes}" + ("" if transport == "allgather" else f".{transport}")
+        out[name] = {
             "digests": digests,
             "step": ex.step,
             "sparse_messages": sum(1 for g in ex.groups if g.sparse),
             "planned": state.dlgs.planner.plan is not None,
+            "transport": ex.transport.name,
         }
     return out
 

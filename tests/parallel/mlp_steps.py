@@ -46,6 +46,23 @@ def dlgs_opts(density, **options):
     return make
 
 
+def form_a_opts(density, **options):
+    """A ``make_opt`` for :func:`model_and_opt`: form (a), stock Horovod's
+    optimizer with ``dlgs.torch.Compression`` attached, and ``options``."""
+
+    def make(sgd, model):
+        compression = dlgs.torch.Compression(
+            model.named_parameters(), density=density, min_sparse_size=1000, **options
+        )
+        opt = hvd.DistributedOptimizer(
+            sgd, named_parameters=model.named_parameters(), compression=compression
+        )
+        compression.attach(opt)
+        return opt
+
+    return make
+
+
 def horovod_opt(sgd, model):
     """Stock Horovod's optimizer, the reference."""
     return hvd.DistributedOptimizer(sgd, named_parameters=model.named_parameters())

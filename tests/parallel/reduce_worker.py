@@ -2,7 +2,8 @@
 ``python reduce_worker.py OUT DENSITY [more]``. The shared MLP
 (mlp_steps.py) trained 6 steps on per-rank data; each rank writes the digest
 of its parameters after every step, and at density 1.0 those of stock
-Horovod's optimizer on the same data. With ``more`` also: float16 on the
+Horovod's optimizer on the same data; the same for form (a) (Horovod's
+optimizer with ``dlgs.torch.Compression``) by the reduction. With ``more`` also: float16 on the
 wire; a checkpoint after 3 steps resumed in fresh objects on every rank,
 against the run going on; ranks given different widths; and
 ``transport="auto"`` with a plan that sends one layer by each transport."""
@@ -13,7 +14,7 @@ import sys
 
 import horovod.torch as hvd
 import torch
-from mlp_steps import dlgs_opts, horovod_opt, model_and_opt, train
+from mlp_steps import dlgs_opts, form_a_opts, horovod_opt, model_and_opt, train
 
 import dlgs
 
@@ -48,6 +49,8 @@ result = {"rank": rank}
 model, opt = model_and_opt(dlgs_opt)
 result["dlgs"], result["losses"] = train(model, opt, rank)
 result["describe"] = opt.dlgs.describe()
+# Form (a), Horovod's optimizer with the compressor, by the reduction (issue 43).
+result["form_a"], _ = train(*model_and_opt(form_a_opts(density, transport="reduce")), rank)
 if density == 1.0:
     result["horovod"], _ = train(*model_and_opt(horovod_opt), rank)
 if more:
