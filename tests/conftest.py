@@ -133,6 +133,56 @@ def run_scenarios(backend: str, worker: str, out_dir: Path, names, timeout: floa
     return load_ranks(out_dir, 2)
 
 
+#: One TensorFlow launch per backend for test_tensorflow.py and test_tf_amp.py:
+#: TensorFlow's start-up is most of a launch's time.
+_TF_LAUNCHES: dict = {}
+
+
+def tf_ranks(backend: str, factory, names, timeout: float = 540) -> list:
+    """Every rank's results of one launch per backend of ``tf_amp_worker.py``
+    (which holds ``tf_worker.py``'s scenarios too) running ``names`` with what
+    the other TensorFlow test module will ask of the same backend
+    (``TF_SCENARIOS``), so that a suite launches TensorFlow once per backend."""
+    if backend not in _TF_LAUNCHES:
+        every = list(dict.fromkeys(list(names) + TF_SCENARIOS.get(backend, [])))
+        out = factory.mktemp(f"tf-{backend}")
+        _TF_LAUNCHES[backend] = run_scenarios(backend, "tf_amp_worker.py", out, every, timeout)
+    got = _TF_LAUNCHES[backend]
+    missing = [n for n in names if n not in got[0]]
+    assert not missing, f"scenarios {missing} were not in the {backend} launch (TF_SCENARIOS)"
+    return got
+
+
+#: What the TensorFlow test modules run per backend (each module's list is
+#: checked against it at its fixture).
+TF_SCENARIOS = {
+    "gloo": [
+        "dense_equivalence",
+        "exact_reconstruction",
+        "conservation",
+        "fit_identical",
+        "resume",
+        "resume_recipe",
+        "one_rank_load",
+        "mismatch",
+        "against_reference",
+        "graph_exchange",
+        "fault_injection",
+        "scaled_conservation",
+        "amp_fit",
+    ],
+    "mpi": [
+        "dense_equivalence",
+        "exact_reconstruction",
+        "conservation",
+        "fit_identical",
+        "graph_exchange",
+        "fault_injection",
+        "scaled_conservation",
+    ],
+}
+
+
 def value(ranks, name):
     """Scenario ``name``'s return value on every rank (failing the test with a
     rank's traceback if it raised there)."""

@@ -20,7 +20,7 @@ from conftest import (
     check_resume_recipe,
     horovodrun,
     load_ranks,
-    run_scenarios,
+    tf_ranks,
     tf_single_thread,
     value,
 )
@@ -321,14 +321,13 @@ def test_checkpoint_round_trip_single_process(tmp_path):
 
 @pytest.fixture(scope="module", params=["gloo", "mpi"])
 def ranks(request, tmp_path_factory):
-    out = tmp_path_factory.mktemp(f"tf-ranks-{request.param}")
     # MPI runs the diagonal (issue 43): the guarantees every transport must
     # keep (density 1.0, k-sparse exact, conservation, identical ranks, the
     # traced step). Gloo runs every scenario: the reference comparison, the
     # checkpoints and the errors check logic that does not depend on the
     # transport, and the suite's time has no room for them twice.
     names = SCENARIOS if request.param == "gloo" else MPI_DIAGONAL
-    return run_scenarios(request.param, "tf_worker.py", out, names)
+    return tf_ranks(request.param, tmp_path_factory, names)
 
 
 def gloo_value(ranks, name):

@@ -16,7 +16,7 @@ from conftest import (
     bind_horovod,
     check_fault_injection,
     check_scaled_conservation,
-    run_scenarios,
+    tf_ranks,
     tf_single_thread,
     value,
 )
@@ -35,8 +35,6 @@ SCENARIOS = ["fault_injection", "scaled_conservation"]
 # the ones the fault-injection scenarios exercise under both backends.
 FIT_BACKEND = "gloo"
 FAULT_STEPS = {5: "mlp/d1/kernel", 9: "mlp/d1/kernel", 13: "mlp/d2/bias"}
-# About 60 s per backend on two idle cores; a hang fails here instead of hanging.
-LAUNCH_TIMEOUT = 300
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -191,11 +189,9 @@ def test_scaler_must_be_a_loss_scale_optimizer():
 
 @pytest.fixture(scope="module", params=["gloo", "mpi"])
 def ranks(request, tmp_path_factory):
-    out = tmp_path_factory.mktemp(f"tf-amp-{request.param}")
     extra = ["amp_fit"] if request.param == FIT_BACKEND else []
-    return run_scenarios(
-        request.param, "tf_amp_worker.py", out, SCENARIOS + extra, timeout=LAUNCH_TIMEOUT
-    )
+    # The launch test_tensorflow.py shares (TensorFlow starts once per backend).
+    return tf_ranks(request.param, tmp_path_factory, SCENARIOS + extra)
 
 
 @pytest.mark.parallel

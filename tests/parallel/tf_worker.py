@@ -5,6 +5,8 @@ and records them; ``tests/test_tensorflow.py`` loads every rank's record and
 asserts.
 
 Usage: ``horovodrun -np 2 --gloo python tests/parallel/tf_worker.py OUT_DIR SCENARIO...``
+(the suite launches ``tf_amp_worker.py``, which imports these scenarios too, once per
+backend: ``tests/conftest.py``'s ``tf_ranks``)
 """
 
 from __future__ import annotations
