@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from typing import Any, Dict, List, Tuple
 
 import pytest
@@ -24,11 +25,15 @@ def _run_fault(tmp_path, fault, topology="flat", transport="allgather", np=4, ba
         timeout=120,
         fails=True,
     )
+    done = time.time()
     at = json.loads((tmp_path / "fault.json").read_text())["time"]
     ends = {}
     for r in range(np):
         path = tmp_path / f"exit{r}.json"
-        ends[r] = json.loads(path.read_text())["time"] - at if path.exists() else None
+        # A rank the launcher terminated (once another rank failed, as Horovod
+        # does) writes no exit record: it ended by the time the launcher
+        # returned, which a hang would delay to the 120 s timeout.
+        ends[r] = json.loads(path.read_text())["time"] - at if path.exists() else done - at
     return proc, ends
 
 
@@ -38,14 +43,13 @@ def test_an_exception_on_one_rank_ends_every_rank_of_the_two_level_exchange(
 ):
     proc, ends = _run_fault(tmp_path, fault, "hierarchical", transport)
     assert "injected fault" in proc.stdout + proc.stderr
-    # A rank killed by the launcher never writes its exit record.
-    assert all(t is not None and t < ENDS_WITHIN_S for t in ends.values()), ends
+    assert all(t < ENDS_WITHIN_S for t in ends.values()), ends
 
 
 def test_a_damaged_checkpoint_on_rank_0_ends_every_rank_of_the_two_level_exchange(tmp_path):
     proc, ends = _run_fault(tmp_path, "load", "hierarchical")
     assert "NaN" in proc.stdout + proc.stderr or "nan" in proc.stdout + proc.stderr
-    assert all(t is not None and t < ENDS_WITHIN_S for t in ends.values()), ends
+    assert all(t < ENDS_WITHIN_S for t in ends.values()), ends
 
 
 def test_form_a_on_a_process_set_without_the_compressor_told_names_the_argument(tmp_path):
@@ -54,7 +58,7 @@ def test_form_a_on_a_process_set_without_the_compressor_told_names_the_argument(
     collective that the set's outsiders never join."""
     proc, ends = _run_fault(tmp_path, "form-a-set", np=2)
     assert "process_set: the optimizer reduces on ranks [0]" in proc.stdout + proc.stderr
-    assert all(t is not None and t < ENDS_WITHIN_S for t in ends.values()), ends
+    assert all(t < ENDS_WITHIN_S for t in ends.values()), ends
 
 
 def _elastic(tmp_path, form):

@@ -80,8 +80,9 @@ if fault == "form-a-set":
         compression=compression,
         process_set=even,
     )
-    with open(f"{out}/fault.json", "w") as f:
-        json.dump({"time": time.time(), "rank": rank}, f)
+    if rank == 0:  # the rank that refuses (one writer: both would race on the file)
+        with open(f"{out}/fault.json", "w") as f:
+            json.dump({"time": time.time(), "rank": rank}, f)
     train(model, opt, rank, steps=2)  # rank 0 refuses at its first gradient
     sys.exit(0)
 if fault == "load":
