@@ -34,28 +34,6 @@ import dlgs.tensorflow  # noqa: E402
 import dlgs.tensorflow.keras  # noqa: E402
 from dlgs.tensorflow._ops import OPS, _read  # noqa: E402
 
-REFERENCE = "against_reference"
-SCENARIOS = [
-    "dense_equivalence",
-    "exact_reconstruction",
-    "conservation",
-    "fit_identical",
-    "resume",
-    "resume_recipe",
-    "one_rank_load",
-    "mismatch",
-    "against_reference",
-    "graph_exchange",
-]
-#: What the MPI run repeats of the Gloo run.
-MPI_DIAGONAL = [
-    "dense_equivalence",
-    "exact_reconstruction",
-    "conservation",
-    "fit_identical",
-    "graph_exchange",
-]
-
 
 @pytest.fixture(scope="module", autouse=True)
 def horovod():
@@ -321,17 +299,12 @@ def test_checkpoint_round_trip_single_process(tmp_path):
 
 @pytest.fixture(scope="module", params=["gloo", "mpi"])
 def ranks(request, tmp_path_factory):
-    # MPI runs the diagonal (issue 43): the guarantees every transport must
-    # keep (density 1.0, k-sparse exact, conservation, identical ranks, the
-    # traced step). Gloo runs every scenario: the reference comparison, the
-    # checkpoints and the errors check logic that does not depend on the
-    # transport, and the suite's time has no room for them twice.
-    names = SCENARIOS if request.param == "gloo" else MPI_DIAGONAL
-    return tf_ranks(request.param, tmp_path_factory, names)
+    # The launch test_tf_amp.py shares (conftest's TF_SCENARIOS: MPI runs the diagonal).
+    return tf_ranks(request.param, tmp_path_factory)
 
 
 def gloo_value(ranks, name):
-    """:func:`value` of a scenario the Gloo run alone has (not on MPI_DIAGONAL)."""
+    """:func:`value` of a scenario the Gloo run alone has (conftest's TF_SCENARIOS)."""
     if name not in ranks[0]:
         pytest.skip(f"{name} runs under Gloo only (MPI runs the diagonal)")
     return value(ranks, name)

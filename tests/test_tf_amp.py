@@ -30,7 +30,6 @@ import dlgs.tensorflow.keras  # noqa: E402
 from dlgs.tensorflow._amp import scale_reader  # noqa: E402
 from dlgs.tensorflow._ops import OPS  # noqa: E402
 
-SCENARIOS = ["fault_injection", "scaled_conservation"]
 # Keras fit (about a minute) runs once, under Gloo; the collectives it uses are
 # the ones the fault-injection scenarios exercise under both backends.
 FIT_BACKEND = "gloo"
@@ -189,9 +188,8 @@ def test_scaler_must_be_a_loss_scale_optimizer():
 
 @pytest.fixture(scope="module", params=["gloo", "mpi"])
 def ranks(request, tmp_path_factory):
-    extra = ["amp_fit"] if request.param == FIT_BACKEND else []
     # The launch test_tensorflow.py shares (TensorFlow starts once per backend).
-    return tf_ranks(request.param, tmp_path_factory, SCENARIOS + extra)
+    return tf_ranks(request.param, tmp_path_factory)
 
 
 @pytest.mark.parallel

@@ -636,22 +636,9 @@ class SparseExchange:
         return self.checkpoints.save()
 
     def load_state_dict(self, state: Dict[str, Any], like: Any) -> None:
-        """Restore a :meth:`state_dict`, validating everything before changing
-        anything. Call it between steps; it issues no collective, so it is
-        safe on one rank (Horovod's resume recipe). What every rank must agree
-        on (the step, the merge plan, the planner's profile, ``density="auto"``'s
-        choice) is agreed at the first gradient of the next step, which every
-        rank reaches (:mod:`dlgs.core.state.resume`); after training began a load is
-        this rank's alone (docs/design.md, 'Checkpoints and residuals').
-
-        Errors (nothing is changed): another state version, other parameter
-        names, a residual / velocity whose size is not its parameter's,
-        naming the parameter and both sizes, or a residual, velocity or
-        threshold that is NaN or infinite. Documented resets, each with a
-        warning: another rank's or world size's residuals and velocities are
-        set to zero; a changed controller, ``threshold``, density or warm-up
-        restarts the thresholds.
-        """
+        """Restore a :meth:`state_dict` between steps, validated first; no
+        collective, so safe on one rank (Horovod's resume recipe). See
+        :meth:`dlgs.core.state.persist.ExchangeCheckpoints.load`."""
         self.checkpoints.load(state, like)
 
     def check_state_dict(self, state: Any) -> Tuple[bool, List[str]]:

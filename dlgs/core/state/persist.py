@@ -135,7 +135,23 @@ class ExchangeCheckpoints:
         )
 
     def load(self, state: Dict[str, Any], like: Any) -> None:
-        """The exchange's ``load_state_dict()`` (see there)."""
+        """The exchange's ``load_state_dict()``: restore a state, validating
+        everything before changing anything. Call it between steps; it issues
+        no collective, so it is safe on one rank (Horovod's resume recipe).
+        What every rank must agree
+        on (the step, the merge plan, the planner's profile, ``density="auto"``'s
+        choice) is agreed at the first gradient of the next step, which every
+        rank reaches (:mod:`dlgs.core.state.resume`); after training began a load is
+        this rank's alone (docs/design.md, 'Checkpoints and residuals').
+
+        Errors (nothing is changed): another state version, other parameter
+        names, a residual / velocity whose size is not its parameter's,
+        naming the parameter and both sizes, or a residual, velocity or
+        threshold that is NaN or infinite. Documented resets, each with a
+        warning: another rank's or world size's residuals and velocities are
+        set to zero; a changed controller, ``threshold``, density or warm-up
+        restarts the thresholds.
+        """
         ex = self.exchange
         own, restart = self.check(state)
         if not own:
