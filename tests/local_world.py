@@ -122,6 +122,12 @@ class NumpyOps:
         dst[...] = np.reshape(np.asarray(src), dst.shape)
         return dst
 
+    def write_columns_(self, dst, rows, start, width, src):
+        cols = np.reshape(dst, (rows, -1))[:, start : start + width]
+        src = np.asarray(src)
+        cols[...] = src.reshape(()) if src.size == 1 else src.reshape(rows, width)
+        return dst
+
     def count_below_(self, out, sorted_idx, bounds):
         out[...] = np.searchsorted(sorted_idx, bounds, side="left")
         return out

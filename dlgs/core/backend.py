@@ -102,7 +102,17 @@ class ArrayOps(Protocol):
 
     def copy_(self, dst: T, src: T) -> T:
         """``dst[:] = src`` with value conversion to ``dst``'s dtype; integers
-        too wide for ``dst`` wrap (keep their low bits), as a C cast does."""
+        too wide for ``dst`` wrap (keep their low bits), as a C cast does.
+        ``src`` may have any shape with ``dst``'s element count (row-major),
+        or be one element (broadcast)."""
+
+    def write_columns_(self, dst: T, rows: int, start: int, width: int, src: T) -> T:
+        """``dst`` (1-D, from :meth:`zeros` or a :meth:`narrow` / :meth:`view_as`
+        of it) seen as ``rows`` rows: columns ``[start, start + width)`` of
+        every row ``= src`` (``rows * width`` elements, row-major, or one,
+        broadcast), converted as :meth:`copy_`. The one write into a 2-D view
+        the core makes (frameworks whose tensors are immutable write the
+        buffer, not a reshaped copy of it)."""
 
     def count_below_(self, out: T, sorted_idx: T, bounds: T) -> T:
         """``out[j] = #{i: sorted_idx[i] < bounds[j]}`` into an int32 ``out``

@@ -370,13 +370,74 @@ class TFOps:
 
     def fill_at_(self, dst, idx, value):
         # A scalar update: one op, no tensor of ``len(idx)`` values.
-        return self._scatter(dst, idx, _scalar_const(float(value), _dtype(dst)), "update")
+        dtype = _dtype(dst)
+        value = bool(value) if dtype == tf.bool else float(value)
+        return self._scatter(dst, idx, _scalar_const(value, dtype), "update")
 
     def sub_at_(self, dst, idx, vals):
         return self._scatter(dst, idx, _flat(vals), "sub")
 
     def copy_(self, dst, src):
         return self._update(dst, _vec(src, _dtype(dst)))
+
+    def write_columns_(self, dst, rows, start, width, src):
+        view = _as_view(dst)
+        if view is None:
+            raise TypeError("write_columns_ writes a buffer made by zeros()")
+        grid = tf.reshape(view.read(), _ivec(rows, -1))
+        cols = int(grid.shape[1])
+        new = _vec(src, view.dtype)
+        if int(new.shape[0]) == 1:
+            new = tf.broadcast_to(tf.reshape(new, _ivec()), _ivec(rows, width))
+        else:
+            new = tf.reshape(new, _ivec(rows, width))
+        parts = [new]
+        if start:
+            parts.insert(0, tf.slice(grid, _ivec(0, 0), _ivec(rows, start)))
+        if start + width < cols:
+            parts.append(tf.slice(grid, _ivec(0, start + width), _ivec(rows, -1)))
+        view.write(tf.concat(parts, 1) if len(parts) > 1 else new)
+        return dst
+
+    def region_slots(self, idx, bounds, width):
+        idx = _read(idx)
+        bounds = tf.cast(_read(bounds), idx.dtype)
+        parts = int(bounds.shape[0]) - 1
+        # Region of each entry: how many upper bounds are at or below it.
+        region = tf.searchsorted(bounds[1:], idx, side="right", out_type=tf.int64)
+        starts = tf.searchsorted(idx, bounds[:-1], side="left", out_type=tf.int64)
+        inside = tf.minimum(region, parts - 1)
+        pos = tf.range(int(idx.shape[0]), dtype=tf.int64) - tf.gather(starts, inside)
+        sent = tf.logical_and(region < parts, pos < width)
+        slots = tf.where(sent, inside * width + pos, tf.constant(parts * width, tf.int64))
+        local = tf.cast(idx - tf.gather(bounds, inside), tf.int32)
+        return slots, local
+
+    def scatter_(self, dst, idx, src):
+        return self._scatter(dst, idx, _vec(src, _dtype(dst)), "update")
+
+    def add_unkept_(self, dst, idx, vals, sent, kept, slots, sent_below):
+        idx, vals = _read(idx), _read(vals)
+        keep = tf.logical_and(
+            tf.cast(tf.gather(_read(kept), idx), tf.bool), _read(slots) < sent_below
+        )
+        if sent is vals:
+            back = tf.where(keep, tf.zeros_like(vals), vals)
+        else:
+            back = tf.where(keep, vals - tf.cast(_read(sent), vals.dtype), vals)
+        return self._scatter(dst, idx, tf.cast(back, _dtype(dst)), "add")
+
+    def selected_entries(self, idx, vals, pad):
+        idx, vals = tf.cast(_read(idx), tf.int64), _read(vals)
+        keep = tf.not_equal(vals, tf.zeros([], vals.dtype))  # NaN and infinities are kept
+        idx = tf.where(keep, idx, tf.constant(pad, tf.int64))
+        order = tf.argsort(idx, stable=True)
+        vals = tf.cast(tf.gather(vals, order), tf.float32)
+        return tf.gather(idx, order), vals, tf.reduce_sum(tf.cast(keep, tf.int64))
+
+    def add_high16_(self, out, low, high):
+        value = tf.cast(_read(low), tf.int32) + 65536 * tf.cast(_read(high), tf.int32)
+        return self._update(out, value)
 
     def count_below_(self, out, sorted_idx, bounds):
         idx = _read(sorted_idx)

@@ -100,9 +100,18 @@ class TorchOps:
 
     def copy_(self, dst, src):
         # A 0-d source broadcasts; reshaping it would be one more operation.
-        return dst.copy_(
-            src if src.dim() == 0 or src.shape == dst.shape else src.reshape(dst.shape)
-        )
+        if src.dim() == 0 or src.shape == dst.shape:
+            return dst.copy_(src)
+        if dst.is_contiguous() and src.numel() == dst.numel():
+            dst.view(src.shape).copy_(src)  # a strided source: no copy of it first
+            return dst
+        return dst.copy_(src.reshape(dst.shape))
+
+    def write_columns_(self, dst, rows, start, width, src):
+        cols = dst.view(rows, -1).narrow(1, start, width)
+        if src.numel() == 1:
+            return cols.copy_(src.reshape(()))
+        return cols.copy_(src.reshape(rows, width))
 
     def count_below_(self, out, sorted_idx, bounds):
         return torch.searchsorted(sorted_idx, bounds, out_int32=True, out=out)

@@ -125,6 +125,10 @@ class SparseExchange:
             agreed after construction or a checkpoint load (default ``comm``;
             a two-level exchange passes every rank of the job, so that its
             cross-node sets cannot resume at different steps).
+        agree_group: with ``agree`` wider than ``comm``: which of its sets
+            ``comm`` is (a two-level exchange's local rank). What only ranks
+            moving bytes together share (the reduction's regions) is agreed
+            within the group (:data:`dlgs.core.state.resume.GROUP_KEYS`).
     """
 
     def __init__(
@@ -140,6 +144,7 @@ class SparseExchange:
         clock: Callable[[], float] = time.perf_counter,
         loss_scale: Optional[Callable[[], Any]] = None,
         agree: Optional[Collectives] = None,
+        agree_group: Optional[int] = None,
     ):
         check_layers(layers)
         if loss_scale is not None and not callable(loss_scale):
@@ -192,7 +197,9 @@ class SparseExchange:
         #: What every rank must agree on (step, plan, profile, density) is
         #: agreed at the first gradient after construction and after every
         #: load, never inside load_state_dict (dlgs.core.state.resume).
-        self.agreement = Agreement(agree if agree is not None else comm, f"{prefix}.sync")
+        self.agreement = Agreement(
+            agree if agree is not None else comm, f"{prefix}.sync", group=agree_group
+        )
         #: Called (no argument) when the next step must run on the host: a plan,
         #: a density or a timed step was asked for, or a state loaded, between
         #: steps (see :class:`~dlgs.core.exchange.device.DeviceSteps`).

@@ -36,6 +36,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Protocol, Se
 from .consistency import RankMismatchError
 
 __all__ = [
+    "GROUP_KEYS",
     "SHARED_KEYS",
     "Agreement",
     "Resolution",
@@ -50,6 +51,10 @@ logger = logging.getLogger(__name__)
 
 #: The keys of an exchange's ``state_dict()`` that every rank must agree on.
 SHARED_KEYS = ("step", "plan", "hooks", "auto_density", "auto_layers", "regions")
+#: Of those, the ones agreed only among the ranks that move bytes together
+#: where the agreement spans several such groups (a two-level exchange's
+#: cross-node sets each keep their own reduction regions).
+GROUP_KEYS = ("regions",)
 
 
 def shared(state: Dict[str, Any]) -> Dict[str, Any]:
@@ -134,23 +139,46 @@ class _Gather(Protocol):
 
 
 def agree_shared(
-    comm: _Gather, loaded: bool, mine: Dict[str, Any], name: str
+    comm: _Gather, loaded: bool, mine: Dict[str, Any], name: str, group: Optional[int] = None
 ) -> Optional[Dict[str, Any]]:
     """The agreement at the first gradient after construction or a load: one
     gather of every rank's :class:`SyncRecord` (``loaded``, its :func:`shared`
     state ``mine``) on ``comm``, judged alike on every rank by
     :func:`resolve` (a :class:`~dlgs.core.state.consistency.RankMismatchError`
-    where ranks that loaded disagree). Returns the shared state this rank must
+    where ranks that loaded disagree). With ``group`` (which of several sets
+    moving bytes apart this rank is in), :data:`GROUP_KEYS` are judged among
+    the ranks of each group alone. Returns the shared state this rank must
     put in force, or None (logged on rank 0 when some rank adopts one)."""
     if comm.size <= 1:
         return None
-    gathered = [
-        SyncRecord(*r) for r in comm.allgather_object(tuple(SyncRecord(loaded, mine)), name)
-    ]
-    verdict = resolve(gathered)
+    gathered = comm.allgather_object((loaded, mine, group), name)
+    grouped = [g for _, _, g in gathered]
+    if group is None:
+        verdict = resolve([SyncRecord(lo, part) for lo, part, _ in gathered])
+        return _adopted(comm, gathered, verdict, SHARED_KEYS)
+    whole = tuple(k for k in SHARED_KEYS if k not in GROUP_KEYS)
+    verdict = resolve([SyncRecord(lo, _keys(part, whole)) for lo, part, _ in gathered])
+    members = [r for r, g in enumerate(grouped) if g == group]
+    inside = resolve(
+        [SyncRecord(gathered[r][0], _keys(gathered[r][1], GROUP_KEYS)) for r in members]
+    )
+    adopt = _adopted(comm, gathered, verdict, whole)
+    if inside.root is not None and members.index(comm.rank) in inside.adopters:
+        theirs = _keys(gathered[members[inside.root]][1], GROUP_KEYS)
+        return dict(adopt if adopt is not None else mine, **theirs)
+    return None if adopt is None else dict(adopt, **_keys(mine, GROUP_KEYS))
+
+
+def _keys(state: Dict[str, Any], keys: Sequence[str]) -> Dict[str, Any]:
+    return {key: state.get(key) for key in keys}
+
+
+def _adopted(comm: _Gather, gathered, verdict: Resolution, keys) -> Optional[Dict[str, Any]]:
+    """``keys`` of the root's shared state where this rank adopts it (logged
+    on rank 0 when some rank does), else None."""
     if verdict.root is None:
         return None
-    part = gathered[verdict.root].shared
+    part = _keys(gathered[verdict.root][1], keys)
     logger.log(
         logging.WARNING if comm.rank == 0 else logging.DEBUG,
         "dlgs: rank %d resumed from a checkpoint of step %d and rank(s) %s did not load "
@@ -176,11 +204,15 @@ class Agreement:
         comm: where the ranks agree (the process set; a two-level exchange:
             every rank of the job).
         name: the gather's collective name.
+        group: see :func:`agree_shared`.
     """
 
-    def __init__(self, comm: _Gather, name: str):
+    def __init__(self, comm: _Gather, name: str, group: Optional[int] = None):
         self.comm = comm
         self.name = name
+        #: Which group of ranks moving bytes together this rank is in, where
+        #: ``comm`` spans several (:func:`agree_shared`); None: one.
+        self.group = group
         #: The next step's first gradient agrees first.
         self.pending = True
         #: A state was loaded since the last agreement (it takes part as one).
@@ -235,4 +267,4 @@ class Agreement:
             return None
         if self.elastic_check is not None:
             self.elastic_check()
-        return agree_shared(self.comm, loaded, mine(), self.name)
+        return agree_shared(self.comm, loaded, mine(), self.name, self.group)

@@ -141,53 +141,49 @@ class BlockFormat:
         words into ``buffer``. Returns ``values`` as written: where they are
         16-bit, their float32 values in the format's own buffer (valid until
         the next write), else ``values``."""
-        ops, width = self.ops, self.width
-        blocks = self.block(buffer)
-        ops.copy_(ops.narrow(blocks, 1, 0, 1), word)  # one word, or one per row
+        ops, rows, width, at = self.ops, self.rows, self.width, self._at
+        ops.write_columns_(buffer, rows, 0, 1, word)  # one word, or one per row
         if self.compact:
             # Low 16 bits (an int32 -> int16 copy keeps them) and per row the
             # number of offsets below each 65,536 boundary.
-            ops.copy_(self._part(blocks, 1, self._words[0], "int16"), offsets)
+            ops.write_columns_(ops.view_as(buffer, "int16"), rows, 2 * at[1], width, offsets)
             if self.hi:
                 keys = ops.add_indices(offsets, self._row_keys, self._keys)
                 below = ops.count_below_(self._below, keys, self._edges)
                 counts = ops.add_indices(below, self._row_entries, self._counts)
-                ops.copy_(ops.narrow(blocks, 1, self._at[0], self.hi), counts)
+                ops.write_columns_(buffer, rows, at[0], self.hi, counts)
         else:
-            ops.copy_(ops.narrow(blocks, 1, self._at[1], width), offsets)
+            ops.write_columns_(buffer, rows, at[1], width, offsets)
         if not self.narrow_values:
-            ops.copy_(self._part(blocks, 2, width, "float32"), values)
+            ops.write_columns_(ops.view_as(buffer, "float32"), rows, at[2], width, values)
             return values
-        wire = self._part(blocks, 2, self._words[1], self.value_dtype.value)
-        ops.copy_(wire, values)
-        return ops.copy_(self.written, wire)
+        dtype = self.value_dtype.value
+        ops.write_columns_(ops.view_as(buffer, dtype), rows, 2 * at[2], width, values)
+        # Read back from the buffer (where tensors are immutable, a view taken
+        # before the write would hold the old values).
+        return ops.copy_(self.written, self._part(self.block(buffer), 2, self._words[1], dtype))
 
     def read(self, buffer: Any) -> Tuple[Any, Any, Any]:
         """The ``(offsets, values, word)`` of ``rows`` blocks in ``buffer``:
         int32 ``rows * width``, float32 ``rows * width`` and int32 ``rows``
         (the format's buffers, valid until the next read)."""
-        ops, rows, width = self.ops, self.rows, self.width
+        ops, width = self.ops, self.width
         blocks = self.block(buffer)
-        ops.copy_(ops.reshape(self.word, (rows, 1)), ops.narrow(blocks, 1, 0, 1))
+        ops.copy_(self.word, ops.narrow(blocks, 1, 0, 1))
         if self.compact:
             low = ops.unsigned16(ops.reshape(self._part(blocks, 1, self._words[0], "int16"), (-1,)))
             if self.hi:
                 # An entry's 65,536-block: the boundaries its row's counts put
                 # at or below its position (each row's counts shifted past the
                 # rows before, so one search serves every row).
-                counts = ops.copy_(
-                    ops.reshape(self._counts, (rows, self.hi)),
-                    ops.narrow(blocks, 1, self._at[0], self.hi),
-                )
-                ends = ops.add_indices(ops.reshape(counts, (-1,)), self._row_counts, self._below)
+                counts = ops.copy_(self._counts, ops.narrow(blocks, 1, self._at[0], self.hi))
+                ends = ops.add_indices(counts, self._row_counts, self._below)
                 high = ops.count_at_or_below(ends, self._positions)
                 ops.add_high16_(self.offsets, low, ops.add_indices(high, self._row_spans, None))
             else:
                 ops.copy_(self.offsets, low)
         else:
-            ops.copy_(
-                ops.reshape(self.offsets, (rows, width)), ops.narrow(blocks, 1, self._at[1], width)
-            )
+            ops.copy_(self.offsets, ops.narrow(blocks, 1, self._at[1], width))
         if self.narrow_values:
             wire = self._part(blocks, 2, self._words[1], self.value_dtype.value)
         else:

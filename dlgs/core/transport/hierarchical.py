@@ -173,6 +173,7 @@ class HierarchicalExchange:
             prefix=f"{prefix}.x",
             loss_scale=loss_scale,
             agree=world,
+            agree_group=node.rank,  # the cross-node set this rank is in
             **kwargs,
         )
         # Node buckets: consecutive layers; a layer's shard sits at offset
@@ -313,11 +314,12 @@ class HierarchicalExchange:
             self._into[i] = self._bucket_views(i, grad)
         # Shard l of the layer is row l of its column block: full rows, then
         # the last partial one (the padding stays zero from the start).
-        block, tail = self._into[i]
-        whole = ops.numel(block) if block is not None else 0
+        rows, full, tail = self._into[i]
+        m, whole = self.shards[i], 0
         flat = ops.reshape(grad, (-1,))
-        if block is not None:
-            ops.copy_(block, ops.narrow(flat, 0, 0, whole))
+        if full is not None:
+            whole = rows * m
+            ops.write_columns_(full, rows, self._offset[i], m, ops.narrow(flat, 0, 0, whole))
         if tail is not None:
             ops.copy_(tail, ops.narrow(flat, 0, whole, n - whole))
         self._submitted.add(i)
@@ -334,21 +336,21 @@ class HierarchicalExchange:
             for done in [c for c, h in self._scatter.items() if self.node.poll(h)]:
                 self._forward(done)
 
-    def _bucket_views(self, i: int, like: Any) -> Tuple[Any, Any]:
+    def _bucket_views(self, i: int, like: Any) -> Tuple[int, Any, Any]:
         """Layer ``i``'s places in its bucket's ``L x width`` send buffer
-        (made at the first use): the block of its full rows and the start of
-        its partial last row (None where there is none)."""
+        (made at the first use): how many full rows it has, the buffer's
+        first that many rows (None where there are none; its columns are
+        written with ``write_columns_``) and the start of its partial last row
+        (None where there is none). One-dimensional views only: where tensors
+        are immutable a write into a reshaped view would be lost."""
         ops, local, b = self.ops, self.node.size, self._bucket_of[i]
         if self._send[b] is None:
             self._send[b] = ops.zeros(local * self._width[b], "float32", like)
-        rows = ops.reshape(self._send[b], (local, self._width[b]))
-        m, off = self.shards[i], self._offset[i]
+        width, m, off = self._width[b], self.shards[i], self._offset[i]
         whole, rest = divmod(self.sizes[i], m)
-        block = ops.narrow(ops.narrow(rows, 0, 0, whole), 1, off, m) if whole else None
-        tail = None
-        if rest:
-            tail = ops.narrow(ops.reshape(ops.narrow(rows, 0, whole, 1), (-1,)), 0, off, rest)
-        return block, tail
+        full = ops.narrow(self._send[b], 0, 0, whole * width) if whole else None
+        tail = ops.narrow(self._send[b], 0, whole * width + off, rest) if rest else None
+        return whole, full, tail
 
     def _forward(self, b: int) -> None:
         """Bucket ``b``'s reduced shard into the exchange between nodes."""
@@ -399,12 +401,9 @@ class HierarchicalExchange:
                 m = self.shards[i]
                 if self._full_views[i] is None:
                     full = ops.zeros(local * m, "float32", results[0])
-                    self._full_views[i] = (
-                        ops.reshape(full, (local, m)),
-                        ops.narrow(full, 0, 0, self.sizes[i]),
-                    )
-                grid, whole_layer = self._full_views[i]
-                ops.copy_(grid, ops.narrow(rows, 1, self._offset[i], m))
+                    self._full_views[i] = (full, ops.narrow(full, 0, 0, self.sizes[i]))
+                full, whole_layer = self._full_views[i]
+                ops.copy_(full, ops.narrow(rows, 1, self._offset[i], m))  # local x m, row-major
                 out[i] = whole_layer
         self._submitted.clear()
         self._arrived = [0] * len(self.buckets)

@@ -64,9 +64,11 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: The smallest positive float32 (a subnormal): ``theta`` is raised to it, so
-#: that a zero sum is never kept.
-_TINY = math.ldexp(1.0, -149)
+#: The smallest normal positive float32: ``theta`` is raised to it, so that a
+#: zero sum is never kept. Not the smallest subnormal: frameworks that flush
+#: subnormals to zero (TensorFlow on the CPU) would compare with 0 and keep
+#: zeros. A subnormal sum is then not kept: it goes back into the residuals.
+_TINY = math.ldexp(1.0, -126)
 
 
 def block_width(width: float, capacity: int, parts: int) -> int:
@@ -281,15 +283,16 @@ class SparseReduction:
         offsets, values, flags = self.sending.read(received)
         region = ops.mul_(self._region, 0.0)
         ops.index_add_rows_(region, ops.cast(offsets, "int64"), values, 1.0, parts)
-        ops.abs_(region, self._abs)
+        # Results as returned: a framework may return a new tensor rather
+        # than write the scratch buffer.
+        absx = ops.abs_(region, self._abs)
         # The owner's share of a top-k: its keep_width largest sums (and none
         # below theta, none zero).
-        kth = ops.kth_largest(ops.narrow(self._abs, 0, 0, self.region), min(kw, self.region))
+        kth = ops.kth_largest(ops.narrow(absx, 0, 0, self.region), min(kw, self.region))
         theta = ops.clamp(ops.kth_largest(ops.stack([theta, kth]), 1), _TINY, math.inf)
-        ops.ge_(self._abs, theta, self._mask)
-        ops.fill_at_(self._mask, self._region_pad, 0.0)
-        count = ops.count_nonzero(self._mask)
-        kept = ops.nonzero_static(self._mask, kw, self.region)
+        mask = ops.fill_at_(ops.ge_(absx, theta, self._mask), self._region_pad, 0.0)
+        count = ops.count_nonzero(mask)
+        kept = ops.nonzero_static(mask, kw, self.region)
         exact = sums = ops.take(region, kept)
         if self.value_dtype is ValueDType.FLOAT16:
             sums = ops.clamp(sums, -FLOAT16_MAX, FLOAT16_MAX)
