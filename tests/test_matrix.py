@@ -76,8 +76,8 @@ class _Bridge:
         combine = {
             "gather": np.concatenate,
             "alltoall": list,
-            "reduce": lambda parts: (sum(p.astype(np.float64) for p in parts) / len(parts)),
-            "scatter": lambda parts: (sum(p.astype(np.float64) for p in parts) / len(parts)),
+            "reduce": lambda parts: sum(p.astype(np.float64) for p in parts) / len(parts),
+            "scatter": lambda parts: sum(p.astype(np.float64) for p in parts) / len(parts),
         }[kind]
         return kind, x.dtype, self.world.post(self.rank, name, x, combine)
 
@@ -201,7 +201,10 @@ def outputs(rank, ex, out):
 
 
 def mean(grads, step):
-    return [np.mean([grads(r, step)[i].astype(np.float64) for r in range(P)], 0) for i in range(len(LAYERS))]
+    return [
+        np.mean([grads(r, step)[i].astype(np.float64) for r in range(P)], 0)
+        for i in range(len(LAYERS))
+    ]
 
 
 cells = pytest.mark.parametrize(
