@@ -328,7 +328,8 @@ def test_tf_both_forms_match_the_reference_with_plans_and_flushes(ranks, request
 @pytest.mark.parallel
 def test_tf_density_one_equals_horovod_allreduce(ranks):
     r0, r1 = value(ranks, "dense_equivalence")
-    for form in ("tape_eager", "tape_function", "compression", "keras_sgd", "keras_adam"):
+    forms = ("tape_eager", "tape_function", "tape_reduce", "compression", "keras_sgd", "keras_adam")
+    for form in forms:
         for r, v in enumerate((r0, r1)):
             assert v[form]["max_diff"] <= 1e-6, f"rank {r} {form}: {v[form]['max_diff']}"
         assert r0[form]["digests"] == r1[form]["digests"], f"{form}: ranks differ"
@@ -342,6 +343,9 @@ def test_tf_at_most_k_nonzeros_reconstructed_exactly(ranks):
             assert rec["max_diff"] == 0.0, f"rank {r} {case}: max |diff| {rec['max_diff']}"
         assert v["topk"]["sparse_layers"] >= 3
         assert v["merged_groups"]["sparse_messages"] == 1
+        # TensorFlow's collectives have the alltoall: the reduction runs, eagerly
+        # and in a tf.function (on its host path).
+        assert v["reduce"]["transport"] == v["reduce_in_function"]["transport"] == "reduce"
         # Traced again once laid out (after step 0); the new trace's first step
         # on the host (the ranks agree it is traced everywhere), then the device.
         assert v["in_graph"]["steps"] == 4 and v["in_graph"]["device_steps"] == 2, v["in_graph"]

@@ -131,6 +131,18 @@ class HorovodCollectives(HorovodSet):
                 tensor, name=name, ignore_name_scope=True, process_set=self.process_set
             )
 
+    def alltoall_async(self, tensor, name):
+        """Equal blocks of a 1-D tensor to every rank (``transport="reduce"``)."""
+        if not tf.executing_eagerly():
+            return self._alltoall(_read(tensor), _graph_name(name))
+        return self._submit(self._alltoall, _read(tensor), name)
+
+    def _alltoall(self, tensor, name):
+        with tf.device(self.device_sparse):
+            return hvd.alltoall(
+                tensor, name=name, ignore_name_scope=True, process_set=self.process_set
+            )
+
     def allreduce_async(self, tensor, name):
         if not tf.executing_eagerly():
             return self._allreduce(_read(tensor), _graph_name(name))

@@ -162,6 +162,7 @@ def dense_equivalence():
     forms = {
         "tape_eager": dict(wrap=dlgs_tape(density=1.0, name="de.eager")),
         "tape_function": dict(wrap=dlgs_tape(density=1.0, name="de.fn"), function=True),
+        "tape_reduce": dict(wrap=dlgs_tape(density=1.0, transport="reduce", name="de.reduce")),
         "compression": dict(
             wrap=None,
             function=False,
@@ -209,6 +210,9 @@ def dense_equivalence():
     return out
 
 
+_REDUCE = dict(density=0.05, controller="topk", transport="reduce", reduce_width=4.0)
+
+
 @scenario
 def exact_reconstruction():
     """<= k non-zeros per rank: the reduced gradient equals Horovod's allreduce."""
@@ -223,6 +227,11 @@ def exact_reconstruction():
         "merged_groups": (dict(density=0.05, controller="topk"), 3),
         "in_function": (dict(density=0.05, controller="topk"), 3),
         "in_graph": (dict(density=0.05, controller="topk"), 4),
+        # The sparse reduction (an alltoall to the regions' owners, then an
+        # allgather of what they kept), eagerly and inside a tf.function; wide
+        # enough that the ranks' union of positions (1.5 k) fits every region.
+        "reduce": (_REDUCE, 3),
+        "reduce_in_function": (_REDUCE, 3),
     }
     for case, (opts, steps) in cases.items():
         model = mlp(2, hidden=128)
@@ -248,7 +257,7 @@ def exact_reconstruction():
             return grads_of(tape, target)
 
         fn = step
-        if case == "in_function":
+        if case in ("in_function", "reduce_in_function"):
             fn = tf.function(lambda gs, step=step: step(gs)[1])
         elif case == "in_graph":  # traced again once laid out: the exchange in the graph
             fn = dlgs.tensorflow.function(lambda gs, step=step: step(gs)[1])
@@ -262,7 +271,7 @@ def exact_reconstruction():
             )
             if "fp16" in case:
                 gs = [g.astype(np.float16).astype(np.float32) for g in gs]
-            if case in ("in_function", "in_graph"):
+            if case in ("in_function", "in_graph", "reduce_in_function"):
                 got = fn([tf.constant(g) for g in gs])
             else:
                 tape, got = fn(gs)
@@ -277,6 +286,8 @@ def exact_reconstruction():
             engine = dlgs.tensorflow.exchange(f"ex.{case}")
             rec["steps"] = engine.exchange.step  # counts the device steps in first
             rec["device_steps"] = engine.graph.device_steps
+        if case.startswith("reduce"):
+            rec["transport"] = dlgs.tensorflow.exchange(f"ex.{case}").exchange.transport.name
         if tape is not None and tape.dlgs.exchange is not None:
             ex = tape.dlgs.exchange
             rec["sparse_messages"] = sum(1 for g in ex.groups if g.sparse)

@@ -177,7 +177,7 @@ class SparseExchange:
         #: How sparse messages travel and come back summed (dlgs.core.transport.flat).
         self.transport: Transport = make_transport(config, ops, comm)
         if config.transport == "auto" and self.transport.name == "flat":
-            # No alltoall here (TensorFlow): the planner must not price a reduction.
+            # Collectives without an alltoall: the planner must not price a reduction.
             self.config = config = dataclasses.replace(config, transport="allgather")
             logger.debug("dlgs: transport='auto' without an alltoall: every message by allgather")
         #: Each layer's selection and packing.
