@@ -79,14 +79,17 @@ OPTIMIZER_ONLY = [
     (dict(backward_passes_per_step=1.0), TypeError, ["backward_passes_per_step", ">= 1"]),
     (dict(backward_passes_per_step=0), ValueError, ["backward_passes_per_step", ">= 1"]),
 ]
-# torch's DistributedOptimizer only (not yet TensorFlow's).
-TORCH_OPTIMIZER_ONLY = [
+# The two-level exchange's options, at torch's Horovod forms (a) and (b).
+TOPOLOGY = [
     (dict(topology="ring"), ValueError, ["topology", "'hierarchical'"]),
     (dict(topology="hierarchical", ranks_per_node=1), ValueError, ["ranks_per_node", ">= 2"]),
     (dict(topology="auto", ranks_per_node=True), TypeError, ["ranks_per_node", ">= 2"]),
     (dict(topology="auto", ranks_per_node=2.0), TypeError, ["ranks_per_node", "an int >= 2"]),
     # Issue 42: an option with no effect is an error, never silently ignored.
     (dict(ranks_per_node=2), ValueError, ["ranks_per_node", "topology='hierarchical'"]),
+]
+# torch's DistributedOptimizer only (form (a) follows the optimizer's op).
+TORCH_OPTIMIZER_ONLY = TOPOLOGY + [
     (dict(topology="hierarchical", op=hvd.Sum), ValueError, ["topology", "op=hvd.Average"]),
 ]
 
@@ -170,7 +173,7 @@ TORCH_CASES = [(name, build, *case) for name, build in TORCH for case in SHARED]
     ("torch.DistributedOptimizer", _torch_optimizer, *case)
     for case in OPTIMIZER_ONLY + TORCH_OPTIMIZER_ONLY
 ]
-TORCH_CASES += [("torch.Compression", _torch_compression, *c) for c in TWO_LEVEL_ELSEWHERE + DOORS]
+TORCH_CASES += [("torch.Compression", _torch_compression, *c) for c in TOPOLOGY + DOORS]
 TORCH_CASES += [("torch.DistributedOptimizer", _torch_optimizer, *c) for c in DOORS]
 TORCH_CASES += [("torch.ddp.SparseState", _ddp_state, *c) for c in TWO_LEVEL_ELSEWHERE + DOORS]
 

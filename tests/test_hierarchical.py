@@ -407,6 +407,11 @@ def test_real_ranks_train_with_the_same_parameters(backend, tmp_path):
     assert all(np.isfinite(r["losses"]).all() for r in ranks)
     # Each rank exchanged its shards: half of every layer's elements.
     assert "sparse          584 B  2.weight" in ranks[0]["describe"], ranks[0]["describe"]
+    # Horovod form (a) runs the same two-level exchange (its dense layers too).
+    for r in ranks[1:]:
+        assert r["form_a"] == ranks[0]["form_a"]
+    assert len(set(ranks[0]["form_a"])) == len(ranks[0]["form_a"])  # it trained
+    assert "sparse          584 B  2.weight" in ranks[0]["form_a_describe"]
 
 
 def test_density_one_is_horovods_allreduce_bit_for_bit(tmp_path, monkeypatch):

@@ -26,11 +26,11 @@ from typing import Any, Dict, List, Optional, Union
 import horovod.torch as hvd
 import torch
 
-from .._options import TWO_LEVEL_REFUSED, build_configs, check_log_every
+from .._options import build_configs, check_log_every
 from ..core.config import SparsityConfig
 from ..core.engine import Engine
 from ._amp import check_scaler
-from ._engine import HorovodCollectives, build_engine, named_trainable
+from ._engine import HorovodCollectives, build_engine, check_topology, named_trainable
 
 __all__ = ["Compression"]
 
@@ -53,6 +53,11 @@ class Compression:
             them), so only sparse messages follow the plan.
         process_set: the Horovod process set the optimizer uses (``attach`` refuses an
             optimizer on another set: its other ranks would never call ``compress``).
+        topology, ranks_per_node: the two-level exchange, as in
+            :func:`dlgs.torch.DistributedOptimizer`. With it every layer, dense
+            ones too, goes through dlgs' exchange (Horovod allreduces only the
+            one-element placeholders), since a dense layer is reduced inside
+            the node and between nodes like the others.
         log_every: log per-layer statistics every this many steps (0: never).
         **options: other :class:`dlgs.SparsityConfig` and :class:`dlgs.MergeConfig`
             fields.
@@ -70,18 +75,20 @@ class Compression:
         process_set=hvd.global_process_set,
         log_every: int = 0,
         scaler: Optional[Any] = None,
+        topology: str = "flat",
+        ranks_per_node: Optional[int] = None,
         **options: Any,
     ):
         check_log_every(log_every)
         check_scaler(scaler)
-        cfg, planner = build_configs(
-            config,
-            density,
-            merge,
-            options,
-            door="dlgs.torch.Compression",
-            refused=TWO_LEVEL_REFUSED,
-        )
+        check_topology(topology, ranks_per_node)
+        if topology != "flat" and process_set is not hvd.global_process_set:
+            raise ValueError(
+                f"topology={topology!r} needs the global process set (its node and "
+                "cross-node sets are drawn from every rank): use topology='flat' with a "
+                "process set"
+            )
+        cfg, planner = build_configs(config, density, merge, options, door="dlgs.torch.Compression")
         params = named_trainable(named_parameters)
         if not params:
             raise ValueError("named_parameters contains no parameter that requires grad")
@@ -95,6 +102,8 @@ class Compression:
             dense_external=True,
             log_every=log_every,
             scaler=scaler,
+            topology=topology,
+            ranks_per_node=ranks_per_node,
         )
         self._exchange = self._engine.exchange
         by_name = dict(params)
@@ -236,7 +245,10 @@ class Compression:
         if self._results is None:
             # First decompress of the step: every compress has run (Horovod's
             # synchronize() starts all before waiting on any).
-            self._results = self._engine.complete(self._pending_grad, finish=False)
+            # Dense layers Horovod reduced end the step in _finish; an
+            # exchange that reduces them itself ends its own.
+            finish = not self._exchange.dense_external
+            self._results = self._engine.complete(self._pending_grad, finish=finish)
             self._left = len(self._params)
             self._engine.step_done()
         _, i, grad = ctx

@@ -5,8 +5,10 @@ per-rank data; each rank writes the digest of its parameters after every
 step, and at density 1.0 those of stock Horovod's optimizer on the same data.
 ``plain``: Horovod started without dynamic process sets (the error must say
 what to add); ``auto``: ``topology="auto"`` (timed; either exchange may be
-chosen). By default a first optimizer is built and trained before the one
-recorded."""
+chosen). By default a first two-level exchange is built and trained before
+the one recorded: Horovod form (a) (``dlgs.torch.Compression(topology=
+"hierarchical")`` in stock Horovod's optimizer), whose digests are recorded
+too; the optimizer after it reuses its process sets."""
 
 import json
 import sys
@@ -14,6 +16,8 @@ import sys
 import horovod.torch as hvd
 import torch
 from mlp_steps import dlgs_opts, horovod_opt, model_and_opt, train
+
+import dlgs.torch
 
 out, density = sys.argv[1], float(sys.argv[2])
 mode = sys.argv[3] if len(sys.argv) > 3 else ""
@@ -31,13 +35,31 @@ dlgs_opt = dlgs_opts(
 )
 
 
+def form_a(sgd, model):
+    """Form (a): stock Horovod's optimizer, dlgs' two-level exchange as its compression."""
+    compression = dlgs.torch.Compression(
+        model.named_parameters(),
+        density=density,
+        min_sparse_size=1000,
+        merge="none",
+        topology="hierarchical",
+        ranks_per_node=2,
+    )
+    opt = hvd.DistributedOptimizer(
+        sgd, named_parameters=model.named_parameters(), compression=compression
+    )
+    result["form_a_describe"] = compression.attach(opt).dlgs.describe
+    return opt
+
+
 result = {"rank": rank}
 try:
     if not mode:
-        # A two-level optimizer built before (another model, or the same one
-        # again): the next one reuses its process sets (Horovod refuses to
-        # add a set twice).
-        train(*model_and_opt(dlgs_opt), rank)
+        # A two-level exchange built before (another model, or the same one
+        # again, here through form (a)): the next one reuses its process sets
+        # (Horovod refuses to add a set twice).
+        result["form_a"], _ = train(*model_and_opt(form_a), rank)
+        result["form_a_describe"] = result["form_a_describe"]()
     model, opt = model_and_opt(dlgs_opt)
     result["dlgs"], result["losses"] = train(model, opt, rank)
     result["describe"] = opt.dlgs.describe()

@@ -31,6 +31,10 @@ class Exchange(Protocol):
     #: Steps on the device alone (:class:`~dlgs.core.exchange.device.DeviceSteps`),
     #: or None where the exchange has none.
     device: Any
+    #: :meth:`submit` hands dense layers back for the caller to reduce
+    #: (Horovod form (a)), which then ends the step with ``finish``; False
+    #: where the exchange reduces every layer itself and ends its own steps.
+    dense_external: bool
 
     # -- a step -----------------------------------------------------------------
     def submit(self, i: int, grad: Any) -> Any: ...

@@ -213,6 +213,9 @@ class HierarchicalExchange:
 
     #: No step of the two-level exchange runs on the device alone.
     device = None
+    #: It reduces every layer itself (dense ones between nodes too), so a door
+    #: whose framework reduces dense layers (Horovod form (a)) hands them in.
+    dense_external = False
 
     # What is not two-level reads the exchange between nodes: its layers
     # (this rank's shards, named as the layers), layout, statistics, step,
