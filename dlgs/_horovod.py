@@ -3,11 +3,29 @@ framework's Horovod module is a class attribute of the subclass)."""
 
 from __future__ import annotations
 
-from typing import Any, Dict
+import atexit
+import logging
+import sys
+import threading
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from .core._checks import check_int
 from .core.state.consistency import horovod_options
 
-__all__ = ["HorovodSet", "methods_of"]
+__all__ = [
+    "EXIT_BARRIER_SECONDS",
+    "TOPOLOGIES",
+    "HorovodSet",
+    "check_topology",
+    "methods_of",
+    "node_and_cross_sets",
+    "two_levels",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Values of ``topology``.
+TOPOLOGIES = ("flat", "hierarchical", "auto")
 
 # Class attributes that are not methods to copy into a generated class.
 _NOT_COPIED = {
@@ -96,3 +114,168 @@ class HorovodSet:
         return hvd.broadcast_object(
             obj, root_rank=root, name="dlgs.broadcast", process_set=self.process_set
         )
+
+
+# -- the two-level exchange's process sets (every framework's Horovod) -----------------
+
+
+def check_topology(topology: Any, ranks_per_node: Any) -> None:
+    """``ValueError``/``TypeError`` naming the option, before anything runs."""
+    if topology not in TOPOLOGIES:
+        raise ValueError(
+            f"topology must be one of {', '.join(map(repr, TOPOLOGIES))}, got {topology!r}"
+        )
+    check_int("ranks_per_node", ranks_per_node, 2, none_ok=True)
+    if ranks_per_node is not None and topology == "flat":
+        raise ValueError(
+            f"ranks_per_node={ranks_per_node!r} applies to topology='hierarchical' or 'auto' "
+            "only; with topology='flat' (the default) leave it unset"
+        )
+
+
+def two_levels(
+    hvd: Any,
+    topology: str,
+    ranks_per_node: Optional[int],
+    collectives: Callable[[Any, Any], Tuple[Any, Any]],
+) -> Optional[Callable[[], Tuple[Any, Any]]]:
+    """The core engine's ``topology``: None (flat), or what makes the node
+    and cross-node collectives (``collectives(node_set, cross_set)``, the
+    framework's) on Horovod module ``hvd``; ``"auto"`` makes them where
+    Horovod sees several ranks per node and several nodes (or
+    ``ranks_per_node`` says so), and the engine then times both exchanges and
+    keeps the faster."""
+    if topology == "auto":
+        local = ranks_per_node or hvd.local_size()
+        several = local >= 2 and hvd.size() % local == 0 and hvd.size() // local >= 2
+        topology = "hierarchical" if several else "flat"
+    if topology == "flat":
+        return None
+
+    def make():
+        node, cross = node_and_cross_sets(hvd, ranks_per_node)
+        _wait_for_every_rank_at_exit(hvd)
+        return collectives(node, cross)
+
+    return make
+
+
+def node_and_cross_sets(hvd: Any, ranks_per_node: Optional[int]) -> Tuple[Any, Any]:
+    """This rank's node and cross-node process sets, added to Horovod (a
+    collective: every rank adds every set, in the same order).
+
+    Nodes are ``ranks_per_node`` consecutive ranks, or Horovod's own
+    (``hvd.local_size()``; ranks must then be laid out node by node, as
+    horovodrun lays them out). Needs dynamic process sets
+    (``hvd.init(process_sets="dynamic")`` or ``HOROVOD_DYNAMIC_PROCESS_SETS=1``)."""
+    size, rank = hvd.size(), hvd.rank()
+    local = ranks_per_node or hvd.local_size()
+    if local < 2 or size % local or size // local < 2:
+        raise ValueError(
+            f"topology='hierarchical' needs at least 2 nodes of at least 2 ranks each, "
+            f"the same number on every node: {size} ranks with {local} per node "
+            "(give ranks_per_node, or use topology='flat')"
+        )
+    if ranks_per_node is None:
+        # One small gather: every rank where Horovod's node layout says it is.
+        here = (hvd.local_rank(), hvd.local_size(), hvd.cross_rank())
+        laid = hvd.allgather_object((rank, here), name="dlgs.topology")
+        bad = [r for r, (lr, ls, cr) in laid if ls != local or r != cr * local + lr]
+        if bad:
+            raise ValueError(
+                f"topology='hierarchical': ranks {bad[:5]} are not laid out node by node "
+                f"({local} per node as Horovod's local_size says); give ranks_per_node"
+            )
+    nodes = [list(range(n * local, (n + 1) * local)) for n in range(size // local)]
+    crosses = [list(range(j, size, local)) for j in range(local)]
+    node_sets = [_process_set(hvd, ranks) for ranks in nodes]
+    cross_sets = [_process_set(hvd, ranks) for ranks in crosses]
+    return node_sets[rank // local], cross_sets[rank % local]
+
+
+#: The process sets dlgs added, by their ranks: a second two-level exchange
+#: (another model, or one built again) reuses them, as Horovod refuses to add
+#: a set twice. Every rank builds its exchanges in the same order, so every
+#: rank finds the same sets here.
+_PROCESS_SETS: Dict[Tuple[int, ...], Any] = {}
+
+
+def _process_set(hvd: Any, ranks: List[int]) -> Any:
+    """The process set of ``ranks`` that dlgs added before and Horovod still
+    holds, or a new one (a collective: every rank adds every set, in order)."""
+    known = _PROCESS_SETS.get(tuple(ranks))
+    if known is not None and known.process_set_id is not None:  # not removed since
+        return known
+    try:
+        added = hvd.add_process_set(ranks)
+    except ValueError as err:
+        if "HOROVOD_DYNAMIC_PROCESS_SETS" in str(err):
+            raise ValueError(
+                "topology='hierarchical' adds a process set per node and per local rank: "
+                "start Horovod with hvd.init(process_sets='dynamic') (or set "
+                "HOROVOD_DYNAMIC_PROCESS_SETS=1 before hvd.init())"
+            ) from None
+        if "duplicate" in str(err):
+            raise ValueError(
+                f"topology='hierarchical' adds the process set of ranks {ranks}, which exists "
+                "already (added by the script, or at hvd.init(process_sets=...)): leave "
+                "dlgs's node and cross-node sets to dlgs"
+            ) from None
+        raise
+    _PROCESS_SETS[tuple(ranks)] = added
+    return added
+
+
+_EXIT_BARRIER: List[bool] = []
+
+#: How long the exit barrier waits for the other ranks (seconds): longer than
+#: any one step's last node collectives, so a normal exit never cuts it short.
+EXIT_BARRIER_SECONDS = 120.0
+
+
+def _failing() -> bool:
+    """Whether this interpreter is exiting on an uncaught exception (Python
+    sets ``sys.last_value`` before it runs the ``atexit`` handlers)."""
+    return (
+        getattr(sys, "last_value", None) is not None or getattr(sys, "last_exc", None) is not None
+    )
+
+
+def _wait_for_every_rank_at_exit(hvd: Any) -> None:
+    """A step's last collectives run within each node, so one node can finish
+    its last step and exit while another still completes its own; Horovod
+    then shuts down under it ("Horovod has been shut down"). At a normal
+    exit, before Horovod's own shutdown (atexit runs last-registered first),
+    every rank waits for the others in one tiny object gather.
+
+    A rank that exits on an uncaught exception must not wait: the others are
+    blocked in a collective it will never join, and only its Horovod shutting
+    down ends them (with ``HorovodInternalError``, within a fraction of a
+    second; issue 42). Where Horovod is down already (a rank failed, or the
+    script shut it down) there is nothing to wait for; and the wait is bounded
+    (:data:`EXIT_BARRIER_SECONDS`, on a daemon thread) for a rank that ends
+    with ``sys.exit(1)`` while another never comes."""
+    if _EXIT_BARRIER:
+        return
+    _EXIT_BARRIER.append(True)
+
+    def gather() -> None:
+        try:
+            hvd.allgather_object(0, name="dlgs.exit")
+        except Exception:  # noqa: BLE001 - Horovod down or not initialised: nothing to wait for
+            logger.debug("dlgs: no exit barrier (Horovod is shut down)")
+
+    def barrier() -> None:
+        if _failing():
+            logger.debug("dlgs: no exit barrier (this rank is exiting on an exception)")
+            return
+        waiting = threading.Thread(target=gather, name="dlgs-exit", daemon=True)
+        waiting.start()
+        waiting.join(EXIT_BARRIER_SECONDS)
+        if waiting.is_alive():
+            logger.warning(
+                "dlgs: the other ranks did not reach exit within %.0f s; exiting",
+                EXIT_BARRIER_SECONDS,
+            )
+
+    atexit.register(barrier)

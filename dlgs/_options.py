@@ -32,11 +32,12 @@ __all__ = [
 
 
 _TWO_LEVEL = (
-    "the two-level exchange runs in dlgs.torch.DistributedOptimizer (Horovod form (b)) only "
-    "for now; use it there, or leave the option unset for the flat exchange "
-    "(docs/options.md, 'Which door has which feature')"
+    "the two-level exchange runs behind Horovod's doors (torch forms (a) and (b), the "
+    "TensorFlow tape, Keras and Compression) on Horovod's process sets; the DDP hook's "
+    "torch.distributed groups for it are not built yet. Use Horovod, or leave the option "
+    "unset for the flat exchange (docs/options.md, 'Which door has which feature')"
 )
-#: What the doors other than torch's form (b) refuse, and why.
+#: What the DDP hook refuses, and why.
 TWO_LEVEL_REFUSED = {"topology": _TWO_LEVEL, "ranks_per_node": _TWO_LEVEL}
 
 

@@ -155,9 +155,13 @@ TORCH = [
 ]
 # Checked by every door (a SparsityConfig built directly may hold it: the simulator's).
 DOORS = [(dict(reduce_width=2.0), ValueError, ["reduce_width", "transport='reduce'"])]
-# The two-level exchange, refused by name (not as an unknown option) where it does not run yet.
+# The two-level exchange, refused by name (not as an unknown option) by the DDP hook.
 TWO_LEVEL_ELSEWHERE = [
-    (dict(topology="hierarchical"), ValueError, ["topology=", "not supported by", "form (b)"]),
+    (
+        dict(topology="hierarchical"),
+        ValueError,
+        ["topology=", "not supported by", "torch.distributed"],
+    ),
     (dict(ranks_per_node=2), ValueError, ["ranks_per_node=", "not supported by"]),
 ]
 
@@ -269,7 +273,7 @@ def _tf_build(entry, tf, keras, kw):
 
 TF_ENTRIES = ["tf.DistributedGradientTape", "keras.DistributedOptimizer", "tf.Compression"]
 TF_ONLY = (
-    TWO_LEVEL_ELSEWHERE
+    TOPOLOGY
     + DOORS
     + [
         # At construction, not inside TensorFlow's error at the first step (issue 42).
@@ -279,7 +283,7 @@ TF_ONLY = (
 TF_CASES = [(entry, *case) for entry in TF_ENTRIES for case in SHARED + TF_ONLY] + [
     (entry, *case)
     for entry in TF_ENTRIES[:2]
-    for case in OPTIMIZER_ONLY
+    for case in OPTIMIZER_ONLY + TORCH_OPTIMIZER_ONLY[len(TOPOLOGY) :]
     if "backward_passes_per_step" not in case[0] or entry == "keras.DistributedOptimizer"
 ]
 

@@ -436,3 +436,27 @@ def test_without_dynamic_process_sets_every_rank_says_what_to_add(tmp_path):
     ranks = _launch("gloo", tmp_path, 0.05, "plain")
     for r in ranks:
         assert "hvd.init(process_sets='dynamic')" in r.get("error", ""), r
+
+
+def test_tensorflow_doors_run_the_two_level_exchange(tmp_path):
+    """The tape (eagerly and in a tf.function), Keras' optimizer and Horovod's
+    tape with dlgs.tensorflow.Compression, on 2 nodes of 2: every rank holds
+    the same parameters after every step, every door the same ones (one core
+    step behind them all), and density 1.0 is Horovod's mean."""
+    pytest.importorskip("tensorflow")
+    worker = ROOT / "tests" / "parallel" / "tf_hier_worker.py"
+    horovodrun("gloo", 4, [worker, tmp_path, "two_level"], timeout=300)
+    ranks = load_ranks(tmp_path, 4)
+    for r, rec in enumerate(ranks):
+        assert rec["two_level"]["ok"], f"rank {r}:\n{rec['two_level'].get('error')}"
+    values = [rec["two_level"]["value"] for rec in ranks]
+    first = values[0]
+    for v in values[1:]:
+        assert v == first
+    for door in ("tape_function", "keras", "compression"):
+        assert first[door] == first["tape"], door
+    assert len(set(first["tape"])) == len(first["tape"])  # it trained
+    assert {first[f"{form}_exchange"] for form in ("tape", "tape_function", "dense")} == {
+        "HierarchicalExchange"
+    }
+    assert first["dense_max_diff"] <= 1e-6

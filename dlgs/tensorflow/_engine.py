@@ -34,13 +34,21 @@ import numpy as np
 import tensorflow as tf
 
 from .. import _options
-from .._horovod import HorovodSet
+from .._horovod import HorovodSet, check_topology, two_levels
 from ..core.engine import Engine as CoreEngine
 from ..core.engine import check_unique_names
 from ._graph import GraphSteps
 from ._ops import OPS, _read, as_input
 
-__all__ = ["DlgsAccessors", "Engine", "HorovodCollectives", "build_tf_configs", "variable_name"]
+__all__ = [
+    "DlgsAccessors",
+    "Engine",
+    "HorovodCollectives",
+    "HorovodNodeCollectives",
+    "build_tf_configs",
+    "topology_options",
+    "variable_name",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -59,18 +67,47 @@ def variable_name(v: Any) -> str:
 
 def build_tf_configs(
     config: Any, density: Any, merge: Any, options: Dict[str, Any], *, door: str
-) -> Tuple[Any, Any]:
-    """:func:`dlgs._options.build_configs` for a TensorFlow door: what it
+) -> Tuple[Any, Any, Tuple[str, Optional[int]]]:
+    """:func:`dlgs._options.build_configs` for a TensorFlow door, and its
+    ``(topology, ranks_per_node)`` (taken out of ``options``): what it
     refuses is refused at construction, naming the option and why (not at the
     first step, inside TensorFlow's error)."""
-    cfg, planner = _options.build_configs(
-        config, density, merge, options, door=door, refused=_options.TWO_LEVEL_REFUSED
-    )
+    options = dict(options)
+    topology = (options.pop("topology", "flat"), options.pop("ranks_per_node", None))
+    check_topology(*topology)
+    cfg, planner = _options.build_configs(config, density, merge, options, door=door)
     if cfg.kernels == "triton":
         raise ValueError(
             "kernels='triton' is for PyTorch tensors; TensorFlow uses kernels='auto' or 'torch'"
         )
-    return cfg, planner
+    return cfg, planner, topology
+
+
+def topology_options(
+    topology: Tuple[str, Optional[int]], op: Any = None, process_set: Any = None
+) -> Dict[str, Any]:
+    """The :class:`Engine` options of a door's ``(topology, ranks_per_node)``:
+    the two-level exchange averages over every rank (``op=hvd.Average``, the
+    global process set), refused otherwise by name."""
+    kind, ranks_per_node = topology
+    if kind == "flat":
+        return {}
+    if (op is not None and op != hvd.Average) or (
+        process_set is not None and process_set is not hvd.global_process_set
+    ):
+        raise ValueError(
+            f"topology={kind!r} needs op=hvd.Average and the global process set "
+            "(use topology='flat' with a process set or op=hvd.Sum)"
+        )
+    return {
+        "topology": two_levels(hvd, kind, ranks_per_node, _node_and_cross),
+        "choose_topology": kind == "auto",
+    }
+
+
+def _node_and_cross(node, cross):
+    """The two-level exchange's collectives on its Horovod process sets."""
+    return HorovodNodeCollectives(node), HorovodCollectives(process_set=cross)
 
 
 def _dtype(v: Any) -> tf.DType:
@@ -183,6 +220,52 @@ class HorovodCollectives(HorovodSet):
             return [int(v) for v in out.numpy()]
 
         return self._submit(run).result()
+
+
+class HorovodNodeCollectives:
+    """:class:`dlgs.core.transport.hierarchical.NodeCollectives` on
+    ``horovod.tensorflow`` (eager): the reduce-scatter (average), allgather and
+    allreduce among one node's ranks, each run on this set's own thread in
+    submission order (as :class:`HorovodCollectives`; a node's collectives
+    never wait behind the cross-node ones, which each rank starts as its
+    node's complete)."""
+
+    def __init__(self, process_set):
+        self.process_set = process_set
+        self.size = process_set.size()
+        self.rank = process_set.rank()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="dlgs-tf-node")
+
+    def _start(self, fn, tensor, name) -> Future:
+        return self._pool.submit(fn, _read(tensor), name)  # read now: the buffer is reused
+
+    def reducescatter_async(self, tensor, name):
+        def run(t, n):
+            return hvd.reducescatter(
+                t, op=hvd.Average, name=n, ignore_name_scope=True, process_set=self.process_set
+            )
+
+        return self._start(run, tensor, name)
+
+    def allgather_async(self, tensor, name):
+        def run(t, n):
+            return hvd.allgather(t, name=n, ignore_name_scope=True, process_set=self.process_set)
+
+        return self._start(run, tensor, name)
+
+    def allreduce_async(self, tensor, name):
+        def run(t, n):
+            return hvd.allreduce(
+                t, op=hvd.Average, name=n, ignore_name_scope=True, process_set=self.process_set
+            )
+
+        return self._start(run, tensor, name)
+
+    def synchronize(self, handle):
+        return handle.result()
+
+    def poll(self, handle):
+        return handle.done()
 
 
 class Engine(CoreEngine):

@@ -199,8 +199,8 @@ class GraphSteps:
         self.host_steps += 1
         engine = self._engine
         ex = engine.exchange
-        if not self._in_graph:
-            return
+        if not self._in_graph or ex.device is None:
+            return  # (no step of the two-level exchange runs on the device: no budget)
         ex.device.prepare()
         traceable = self.reason(now=False) is None
         version = ex.layout_version if traceable else -1

@@ -52,6 +52,7 @@ from ._engine import (
     _shape,
     build_tf_configs,
     engine_named,
+    topology_options,
     variable_name,
 )
 
@@ -98,9 +99,10 @@ class Compression:
     ):
         _options.check_log_every(log_every)
         check_scaler(scaler)
-        cfg, planner = build_tf_configs(
+        cfg, planner, topology = build_tf_configs(
             config, density, merge, options, door="dlgs.tensorflow.Compression"
         )
+        two_level = topology_options(topology, process_set=process_set)
         if isinstance(variables, (str, bytes)) or not hasattr(variables, "__iter__"):
             raise TypeError("variables must be a list of variables, e.g. model.trainable_variables")
         self._variables = list(variables)
@@ -110,6 +112,7 @@ class Compression:
             raise ValueError(f"name must be a non-empty str, got {name!r}")
         key = (
             "compression",
+            topology,
             cfg,
             planner.config,
             id(process_set),
@@ -128,6 +131,7 @@ class Compression:
                 prefix=name,
                 log_every=log_every,
                 loss_scale=scale_reader(scaler),
+                **two_level,
             ),
         )
         if scaler is not None:

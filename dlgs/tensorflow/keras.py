@@ -29,7 +29,13 @@ import keras
 from .. import _options
 from ..core.config import SparsityConfig
 from ._amp import scale_reader
-from ._engine import DlgsAccessors, Engine, HorovodCollectives, build_tf_configs
+from ._engine import (
+    DlgsAccessors,
+    Engine,
+    HorovodCollectives,
+    build_tf_configs,
+    topology_options,
+)
 from .tape import _check_compression
 
 __all__ = ["DistributedOptimizer"]
@@ -152,7 +158,10 @@ def DistributedOptimizer(
     prefix = "dlgs.keras" if name is None else name
     if not isinstance(prefix, str) or not prefix:
         raise ValueError(f"name must be None or a non-empty str, got {name!r}")
-    cfg, planner = build_tf_configs(config, density, merge, options, door="dlgs.tensorflow.keras")
+    cfg, planner, topology = build_tf_configs(
+        config, density, merge, options, door="dlgs.tensorflow.keras"
+    )
+    two_level = topology_options(topology, op, process_set)
     average = op == hvd.Average
     pre, post = _options.horovod_scales(average, gradient_predivide_factor)
     comm = HorovodCollectives(op, pre, post, process_set, compression, device_dense, device_sparse)
@@ -170,5 +179,6 @@ def DistributedOptimizer(
         prefix=prefix,
         log_every=log_every,
         loss_scale=scale_reader(wrapped) if isinstance(wrapped, _LSO) else None,
+        **two_level,
     )
     return wrapped

@@ -35,6 +35,7 @@ from ._engine import (
     HorovodCollectives,
     build_tf_configs,
     engine_named,
+    topology_options,
     variable_name,
 )
 
@@ -159,10 +160,12 @@ def DistributedGradientTape(
     check_scaler(scaler)
     if not isinstance(name, str) or not name:
         raise ValueError(f"name must be a non-empty str, got {name!r}")
-    cfg, planner = build_tf_configs(
+    cfg, planner, topology = build_tf_configs(
         config, density, merge, options, door="dlgs.tensorflow.DistributedGradientTape"
     )
+    two_level = topology_options(topology, op, process_set)
     key = (
+        topology,
         cfg,
         planner.config,
         op,
@@ -190,6 +193,7 @@ def DistributedGradientTape(
             extra_options={"scale_local_gradients": bool(scale_local_gradients)},
             log_every=log_every,
             loss_scale=scale_reader(scaler),
+            **two_level,
         )
 
     engine = engine_named(name, ("tape", key), make)

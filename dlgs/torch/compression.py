@@ -26,11 +26,12 @@ from typing import Any, Dict, List, Optional, Union
 import horovod.torch as hvd
 import torch
 
+from .._horovod import check_topology
 from .._options import build_configs, check_log_every
 from ..core.config import SparsityConfig
 from ..core.engine import Engine
 from ._amp import check_scaler
-from ._engine import HorovodCollectives, build_engine, check_topology, named_trainable
+from ._engine import HorovodCollectives, build_engine, named_trainable
 
 __all__ = ["Compression"]
 

@@ -25,7 +25,7 @@ import torch
 from horovod.torch.optimizer import _DistributedOptimizer
 from torch.autograd import Variable
 
-from .._horovod import methods_of
+from .._horovod import check_topology, methods_of
 from .._options import (
     build_configs,
     check_int,
@@ -39,7 +39,7 @@ from ..core.config import SparsityConfig
 from ..core.engine import Engine
 from ._amp import check_scaler
 from ._common import copy_back
-from ._engine import HorovodCollectives, build_engine, check_topology, named_trainable
+from ._engine import HorovodCollectives, build_engine, named_trainable
 
 __all__ = ["DistributedOptimizer"]
 
