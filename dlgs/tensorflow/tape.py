@@ -140,8 +140,12 @@ def DistributedGradientTape(
             non-finite on every rank, so the optimizer skips the same steps
             everywhere and the skipped step leaves dlgs' state untouched.
             Without it, a scaled loss mixes scales in the residuals.
-        **options: any other :class:`dlgs.SparsityConfig` field, and any
-            :class:`dlgs.MergeConfig` field but ``strategy``.
+        **options: any other :class:`dlgs.SparsityConfig` field, any
+            :class:`dlgs.MergeConfig` field but ``strategy``, and ``topology``
+            / ``ranks_per_node``: the two-level exchange, as in
+            :func:`dlgs.torch.DistributedOptimizer` (``op=hvd.Average``, the
+            global process set, ``hvd.init(process_sets="dynamic")``; inside
+            a ``tf.function`` its steps run on the host path).
 
     Raises:
         ValueError / TypeError: bad options (naming the option and the accepted
