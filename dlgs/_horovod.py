@@ -17,6 +17,7 @@ __all__ = [
     "TOPOLOGIES",
     "HorovodSet",
     "check_topology",
+    "check_two_level_set",
     "methods_of",
     "node_and_cross_sets",
     "two_levels",
@@ -130,6 +131,22 @@ def check_topology(topology: Any, ranks_per_node: Any) -> None:
         raise ValueError(
             f"ranks_per_node={ranks_per_node!r} applies to topology='hierarchical' or 'auto' "
             "only; with topology='flat' (the default) leave it unset"
+        )
+
+
+def check_two_level_set(hvd: Any, topology: str, op: Any = None, process_set: Any = None) -> None:
+    """The two-level exchange averages over every rank of the job: with
+    ``topology`` other than ``"flat"``, ``op`` (where the door takes one)
+    must be ``hvd.Average`` and ``process_set`` the global set; ``ValueError``
+    naming both otherwise."""
+    if topology == "flat":
+        return
+    if (op is not None and op != hvd.Average) or (
+        process_set is not None and process_set is not hvd.global_process_set
+    ):
+        raise ValueError(
+            f"topology={topology!r} needs op=hvd.Average and the global process set "
+            "(use topology='flat' with a process set or op=hvd.Sum)"
         )
 
 

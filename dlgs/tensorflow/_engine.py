@@ -34,7 +34,7 @@ import numpy as np
 import tensorflow as tf
 
 from .. import _options
-from .._horovod import HorovodSet, check_topology, two_levels
+from .._horovod import HorovodSet, check_topology, check_two_level_set, two_levels
 from ..core.engine import Engine as CoreEngine
 from ..core.engine import check_unique_names
 from ._graph import GraphSteps
@@ -90,15 +90,9 @@ def topology_options(
     the two-level exchange averages over every rank (``op=hvd.Average``, the
     global process set), refused otherwise by name."""
     kind, ranks_per_node = topology
+    check_two_level_set(hvd, kind, op, process_set)
     if kind == "flat":
         return {}
-    if (op is not None and op != hvd.Average) or (
-        process_set is not None and process_set is not hvd.global_process_set
-    ):
-        raise ValueError(
-            f"topology={kind!r} needs op=hvd.Average and the global process set "
-            "(use topology='flat' with a process set or op=hvd.Sum)"
-        )
     return {
         "topology": two_levels(hvd, kind, ranks_per_node, _node_and_cross),
         "choose_topology": kind == "auto",
@@ -236,30 +230,25 @@ class HorovodNodeCollectives:
         self.rank = process_set.rank()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="dlgs-tf-node")
 
-    def _start(self, fn, tensor, name) -> Future:
-        return self._pool.submit(fn, _read(tensor), name)  # read now: the buffer is reused
+    def _start(self, collective, tensor, name, **options) -> Future:
+        # The tensor is read now: the buffer is reused.
+        return self._pool.submit(
+            collective,
+            _read(tensor),
+            name=name,
+            ignore_name_scope=True,
+            process_set=self.process_set,
+            **options,
+        )
 
     def reducescatter_async(self, tensor, name):
-        def run(t, n):
-            return hvd.reducescatter(
-                t, op=hvd.Average, name=n, ignore_name_scope=True, process_set=self.process_set
-            )
-
-        return self._start(run, tensor, name)
+        return self._start(hvd.reducescatter, tensor, name, op=hvd.Average)
 
     def allgather_async(self, tensor, name):
-        def run(t, n):
-            return hvd.allgather(t, name=n, ignore_name_scope=True, process_set=self.process_set)
-
-        return self._start(run, tensor, name)
+        return self._start(hvd.allgather, tensor, name)
 
     def allreduce_async(self, tensor, name):
-        def run(t, n):
-            return hvd.allreduce(
-                t, op=hvd.Average, name=n, ignore_name_scope=True, process_set=self.process_set
-            )
-
-        return self._start(run, tensor, name)
+        return self._start(hvd.allreduce, tensor, name, op=hvd.Average)
 
     def synchronize(self, handle):
         return handle.result()

@@ -26,7 +26,7 @@ from typing import Any, Dict, List, Optional, Union
 import horovod.torch as hvd
 import torch
 
-from .._horovod import check_topology
+from .._horovod import check_topology, check_two_level_set
 from .._options import build_configs, check_log_every
 from ..core.config import SparsityConfig
 from ..core.engine import Engine
@@ -83,12 +83,7 @@ class Compression:
         check_log_every(log_every)
         check_scaler(scaler)
         check_topology(topology, ranks_per_node)
-        if topology != "flat" and process_set is not hvd.global_process_set:
-            raise ValueError(
-                f"topology={topology!r} needs the global process set (its node and "
-                "cross-node sets are drawn from every rank): use topology='flat' with a "
-                "process set"
-            )
+        check_two_level_set(hvd, topology, process_set=process_set)  # op: the optimizer's
         cfg, planner = build_configs(config, density, merge, options, door="dlgs.torch.Compression")
         params = named_trainable(named_parameters)
         if not params:

@@ -25,7 +25,7 @@ import torch
 from horovod.torch.optimizer import _DistributedOptimizer
 from torch.autograd import Variable
 
-from .._horovod import check_topology, methods_of
+from .._horovod import check_topology, check_two_level_set, methods_of
 from .._options import (
     build_configs,
     check_int,
@@ -343,11 +343,7 @@ def DistributedOptimizer(
     check_log_every(log_every)
     check_scaler(scaler)
     check_topology(topology, ranks_per_node)
-    if topology != "flat" and (op != hvd.Average or process_set is not hvd.global_process_set):
-        raise ValueError(
-            f"topology={topology!r} needs op=hvd.Average and the global process set "
-            "(use topology='flat' with a process set or op=hvd.Sum)"
-        )
+    check_two_level_set(hvd, topology, op, process_set)
     cfg, planner = build_configs(config, density, merge, options)
     if not cfg.auto and cfg.density == 1.0 and not cfg.warmup:
         topology = "flat"  # every layer dense: Horovod's own allreduce, bit for bit

@@ -152,17 +152,15 @@ def agree_shared(
     if comm.size <= 1:
         return None
     gathered = comm.allgather_object((loaded, mine, group), name)
-    grouped = [g for _, _, g in gathered]
+    keys = SHARED_KEYS if group is None else tuple(k for k in SHARED_KEYS if k not in GROUP_KEYS)
+    verdict = resolve([SyncRecord(lo, _keys(part, keys)) for lo, part, _ in gathered])
+    adopt = _adopted(comm, gathered, verdict, keys)
     if group is None:
-        verdict = resolve([SyncRecord(lo, part) for lo, part, _ in gathered])
-        return _adopted(comm, gathered, verdict, SHARED_KEYS)
-    whole = tuple(k for k in SHARED_KEYS if k not in GROUP_KEYS)
-    verdict = resolve([SyncRecord(lo, _keys(part, whole)) for lo, part, _ in gathered])
-    members = [r for r, g in enumerate(grouped) if g == group]
+        return adopt
+    members = [r for r, (_, _, g) in enumerate(gathered) if g == group]
     inside = resolve(
         [SyncRecord(gathered[r][0], _keys(gathered[r][1], GROUP_KEYS)) for r in members]
     )
-    adopt = _adopted(comm, gathered, verdict, whole)
     if inside.root is not None and members.index(comm.rank) in inside.adopters:
         theirs = _keys(gathered[members[inside.root]][1], GROUP_KEYS)
         return dict(adopt if adopt is not None else mine, **theirs)
