@@ -15,7 +15,7 @@ step issues. This benchmark counts them with ``torch.profiler`` on real ranks
   communication): what the method adds. ``budget``: issue 13's goal for dlgs,
   10 per sparse layer + 2 per dense layer + 20 per message.
 * ``hook_ms``: host time inside dlgs' gradient hooks per step (selection,
-  packing, starting collectives; ``.dlgs.exchange.last_submit_seconds``),
+  packing, starting collectives; ``.dlgs.exchange.last_step.submit_seconds``),
   ``step_ms``: host time inside ``opt.step()`` (waiting, unpacking, the update),
   both medians of the timed (unprofiled) steps, of the rank with the larger one.
 
@@ -211,7 +211,7 @@ def measure(model_name: str, method: str, args) -> Dict[str, Any]:
         steps.append(step())
         iters.append(time.perf_counter() - t0)
         if engine is not None:
-            hooks.append(engine.exchange.last_submit_seconds)
+            hooks.append(engine.exchange.last_step.submit_seconds)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         for _ in range(args.profiled):

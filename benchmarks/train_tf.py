@@ -281,7 +281,7 @@ def run_method(
                 out.backward.append(t2 - t1)
                 out.step_wait.append(t3 - t2)
             if sparse and compiled is None:  # a traced step's submit is not timed
-                out.sparsify.append(last["tape"].dlgs.exchange.last_submit_seconds)
+                out.sparsify.append(last["tape"].dlgs.exchange.last_step.submit_seconds)
         elif i == warmup - 1 and merging and not last["tape"].dlgs.planner.settled:
             raise RuntimeError(
                 f"{method}: no final merge plan after {warmup} warm-up steps "

@@ -192,7 +192,7 @@ def run_method(
             out.backward.append(t2 - t1)
             out.step_wait.append(t3 - t2)
             if sparse:
-                out.sparsify.append(dlgs_of.exchange.last_submit_seconds)
+                out.sparsify.append(dlgs_of.exchange.last_step.submit_seconds)
         elif i == warmup - 1 and sparse and dlgs_of.planner.strategy != "none":
             if not dlgs_of.planner.settled:
                 raise RuntimeError(

@@ -409,7 +409,7 @@ def test_each_layer_is_sent_at_its_own_density_and_reconstructed_exactly():
         return out
 
     def record(rank, ex, out):
-        plans = [(layer.plan.k, ex.is_sparse(layer)) for layer in ex.layers]
+        plans = [(layer.plan.k, layer.sparse) for layer in ex.layers]
         return plans, [np.array(out[i]) for i in range(len(SIZES))]
 
     recs = run_steps(LocalWorld(2, average=False), _own_densities, grads, 2, record)

@@ -103,7 +103,7 @@ def test_changed_thresholding_restarts_with_a_warning(saved_opts, new_opts, word
     ex = opt.dlgs.exchange
     if new_opts.get("controller") == "fixed":
         for layer in ex.layers:
-            if ex.is_sparse(layer):
+            if layer.sparse:
                 assert float(layer.controller_state["theta"]) == new_opts["threshold"]
     for _ in range(3):  # trains on (no KeyError from a foreign controller state)
         step(model, opt)
@@ -120,7 +120,7 @@ def test_state_of_another_world_size_resets_residuals(caplog):
         opt.load_state_dict(state)
     assert any("residuals reset" in r.getMessage() for r in caplog.records)
     ex = opt.dlgs.exchange
-    assert all(float(layer.residual.abs().sum()) == 0 for layer in ex.layers if ex.is_sparse(layer))
+    assert all(float(layer.residual.abs().sum()) == 0 for layer in ex.layers if layer.sparse)
 
 
 def test_profile_of_another_world_size_is_measured_again(caplog):

@@ -117,7 +117,7 @@ def test_what_keeps_a_step_on_the_host_is_named():
         _step(top, _grads(rank, 0), device=False)
         calls = []
         top.listeners.append(lambda: calls.append(1))
-        top.set_groups([[0, 2]])
+        top.set_plan([([0, 2], None)])
         reasons.append(top.device.ready())
         _step(top, _grads(rank, 1), device=False)  # lays out and verifies the new plan
         reasons.append(top.device.ready())
@@ -139,7 +139,7 @@ def test_what_keeps_a_step_on_the_host_is_named():
         assert "laid out anew" in reasons[0]  # before the first step
         assert "not on the device" in reasons[1] and dynamic is None
         assert "laid out anew" in reasons[2] and reasons[3] is None and "timed" in reasons[4]
-        assert calls == 2  # set_groups and trace_next_step told the listener
+        assert calls == 2  # set_plan and trace_next_step told the listener
         assert "anchors" in reasons[5]
 
 

@@ -221,7 +221,7 @@ def test_a_dense_plan_applies_in_the_compression_form():
         sent = [ex.submit(i, g[i]) for i in range(2)]
         ex.wait(finish=False)
         ex.finish([(i, s) for i, s in enumerate(sent)])
-        return [len(ex.groups), [ex.is_sparse(layer) for layer in ex.layers], sent]
+        return [len(ex.groups), [layer.sparse for layer in ex.layers], sent]
 
     for groups, sparse, sent in world.run(body):
         assert groups == 2 and sparse == [False, False]

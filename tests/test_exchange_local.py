@@ -97,7 +97,7 @@ def test_several_messages_from_three_ranks_are_unpacked_together_exactly(value_d
             density=0.05, min_sparse_size=1024, controller="topk", value_dtype=value_dtype
         )
         ex = SparseExchange(OPS, comm, cfg, sizes, average=False)
-        ex.set_groups([[0, 2]])
+        ex.set_plan([([0, 2], None)])
         return ex
 
     def record(rank, ex, out):
@@ -131,7 +131,7 @@ def test_nonfinite_on_one_rank_is_seen_everywhere_and_undone_exactly(controller,
     def make(rank, comm):
         ex = exchange(comm, **opts)
         if merged:
-            ex.set_groups([sorted(SPARSE)])
+            ex.set_plan([(sorted(SPARSE), None)])
         return ex
 
     snaps = {}
@@ -362,12 +362,12 @@ def test_exchange_matches_the_reference_step_by_step(case, ranks):
                     "theta": {
                         i: float(layer.threshold)
                         for i, layer in enumerate(ex.layers)
-                        if ex.is_sparse(layer)
+                        if layer.sparse
                     },
                     "residual": {
                         i: layer.residual[:-1].copy()
                         for i, layer in enumerate(ex.layers)
-                        if ex.is_sparse(layer)
+                        if layer.sparse
                     },
                 }
             )

@@ -304,7 +304,7 @@ def exchange_run(parts, config, grads, steps, record, groups=None, plan=None):
     def make(rank):
         ex = SparseExchange(OPS, TorchComm(world, rank), config, LAYERS, average=False)
         if groups is not None:
-            ex.set_groups(groups)
+            ex.set_plan([(g, None) for g in groups])
         if plan is not None:
             ex.set_plan(plan)
         return ex

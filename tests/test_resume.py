@@ -89,7 +89,7 @@ def _trained_state(rank, comm, steps=3):
     """A checkpoint of an exchange trained ``steps`` steps with two sparse
     layers merged (a plan every rank must share), and its last outputs."""
     ex = exchange(comm)
-    ex.set_groups([[0, 2]])
+    ex.set_plan([([0, 2], None)])
     for s in range(steps):
         step(ex, gaussian(rank, s))
     return copy.deepcopy(ex.state_dict())
@@ -159,7 +159,7 @@ def test_every_rank_loading_its_own_file_resumes_exactly_with_no_warning(caplog)
 
     def body(rank, comm):
         ex = exchange(comm)
-        ex.set_groups([[0, 2]])
+        ex.set_plan([([0, 2], None)])
         for s in range(3):
             step(ex, gaussian(rank, s))
         state = copy.deepcopy(ex.state_dict())

@@ -225,7 +225,7 @@ def test_the_torch_backend_runs_the_engine_without_horovod():
         g[torch.randperm(5000, generator=torch.Generator().manual_seed(0))[:50]] = 1.5
         ex.submit(0, g)
         out = ex.wait()[0]
-        assert ex.is_sparse(ex.layers[0]) and torch.equal(out, g), "not exact"
+        assert ex.layers[0].sparse and torch.equal(out, g), "not exact"
         try:
             dlgs.torch.DistributedOptimizer
         except ImportError:

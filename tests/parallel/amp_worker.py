@@ -223,7 +223,7 @@ def fault_injection():
         )
         ex = opt.dlgs.exchange
         if name == "merged":
-            ex.set_groups([[i for i, p in enumerate(ex.layer_plans()) if p.sparse]])
+            ex.set_plan([([i for i, p in enumerate(ex.layer_plans()) if p.sparse], None)])
         params = dict(model.named_parameters())
         target = ex.layers[ex.index("1.weight")]
         g = torch.Generator().manual_seed(11 + hvd.rank())
@@ -243,7 +243,7 @@ def fault_injection():
             )
             if snap is not None:
                 rec["unchanged_by_bad_step"].append(_changed(ex, snap))
-            if target.count is not None and ex.is_sparse(target):
+            if target.count is not None and target.sparse:
                 rec["ratio"].append(int(target.count) / target.plan.k)
         rec["state_finite"] = _state_finite(ex)
         rec["messages"] = len(ex.groups)
@@ -308,7 +308,7 @@ def scaled_conservation():
                     vel[i][sent != 0] = 0.0
         worst, size, sparse_layers = 0.0, 0.0, 0
         for i, layer in enumerate(ex.layers):
-            if layer.residual is None or not ex.is_sparse(layer):
+            if layer.residual is None or not layer.sparse:
                 continue
             sparse_layers += 1
             resid = layer.residual[: layer.numel].double()

@@ -139,7 +139,7 @@ def amp_fit_run(form: str, data):
     }
     if form != "horovod":
         ex = opt.dlgs.exchange
-        out["sparse_layers"] = sorted(lay.name for lay in ex.layers if ex.is_sparse(lay))
+        out["sparse_layers"] = sorted(lay.name for lay in ex.layers if lay.sparse)
         out["nonfinite_steps"] = ex.nonfinite_steps
     return out
 
@@ -290,7 +290,9 @@ def fault_injection():
                 if ex is None:
                     ex = tape.dlgs.exchange
                     if case == "merged":
-                        ex.set_groups([[i for i, p in enumerate(ex.layer_plans()) if p.sparse]])
+                        ex.set_plan(
+                            [([i for i, p in enumerate(ex.layer_plans()) if p.sparse], None)]
+                        )
             if snap is not None:
                 rec["unchanged_by_bad_step"].append(_changed(ex, snap))
             finite = comp.dlgs.last_step_finite if comp is not None else tape.dlgs.last_step_finite
@@ -303,11 +305,11 @@ def fault_injection():
                 rec["scaler_skipped"].append(float(scaler.dynamic_scale.numpy()) < scale)
             # Horovod's tape takes the tf.Variables, named "mlp/d1/kernel:0".
             target_layer = ex.layers[ex.index(sparse_layer + (":0" if comp else ""))]
-            if target_layer.count is not None and ex.is_sparse(target_layer):
+            if target_layer.count is not None and target_layer.sparse:
                 rec["ratio"].append(int(target_layer.count) / target_layer.plan.k)
         rec["state_finite"] = bool(_state_finite(ex))
         rec["messages"] = len(ex.groups)
-        rec["sparse_layers"] = sorted(lay.name for lay in ex.layers if ex.is_sparse(lay))
+        rec["sparse_layers"] = sorted(lay.name for lay in ex.layers if lay.sparse)
         out[case] = rec
     return out
 
@@ -365,7 +367,7 @@ def scaled_conservation():
                     vel[i][sent != 0] = 0.0
         worst, size, sparse_layers = 0.0, 0.0, 0
         for i, lay in enumerate(ex.layers):
-            if lay.residual is None or not ex.is_sparse(lay):
+            if lay.residual is None or not lay.sparse:
                 continue
             sparse_layers += 1
             resid = lay.residual.numpy()[: lay.numel].astype(np.float64)

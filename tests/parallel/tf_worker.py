@@ -277,7 +277,7 @@ def exact_reconstruction():
                 tape, got = fn(gs)
             if case == "merged_groups" and s == 0:
                 ex = tape.dlgs.exchange
-                ex.set_groups([[i for i, p in enumerate(ex.layer_plans()) if p.sparse]])
+                ex.set_plan([([i for i, p in enumerate(ex.layer_plans()) if p.sparse], None)])
             for j, (g, r) in enumerate(zip(gs, got)):
                 expect = hvd.allreduce(tf.constant(g), op=op, name=f"ref.{case}.{s}.{j}")
                 worst = max(worst, float(np.abs(r.numpy() - expect.numpy()).max()))
@@ -291,7 +291,7 @@ def exact_reconstruction():
         if tape is not None and tape.dlgs.exchange is not None:
             ex = tape.dlgs.exchange
             rec["sparse_messages"] = sum(1 for g in ex.groups if g.sparse)
-            rec["sparse_layers"] = sum(1 for lay in ex.layers if ex.is_sparse(lay))
+            rec["sparse_layers"] = sum(1 for lay in ex.layers if lay.sparse)
         out[case] = rec
     return out
 
@@ -414,14 +414,10 @@ def against_reference():
                 lays = list(enumerate(ex.layers))
                 outs.append([np.asarray(got[order[i]]).ravel() for i, _ in lays])
                 thetas.append(
-                    {
-                        i: float(np.asarray(_read(lay.threshold)))
-                        for i, lay in lays
-                        if ex.is_sparse(lay)
-                    }
+                    {i: float(np.asarray(_read(lay.threshold))) for i, lay in lays if lay.sparse}
                 )
                 residuals.append(
-                    {i: _read(lay.residual).numpy()[:-1] for i, lay in lays if ex.is_sparse(lay)}
+                    {i: _read(lay.residual).numpy()[:-1] for i, lay in lays if lay.sparse}
                 )
                 grads.append(
                     [
@@ -500,7 +496,7 @@ def fit_identical():
         out[case] = {
             "digests": digests,
             "finite": bool(np.isfinite(flat(model)).all()),
-            "sparse_layers": sum(1 for lay in ex.layers if ex.is_sparse(lay)),
+            "sparse_layers": sum(1 for lay in ex.layers if lay.sparse),
             "planned": opt.dlgs.planner.plan is not None,
         }
     # The custom loop inside tf.function, sparse.
@@ -771,7 +767,7 @@ def _graph_case(label, mode, opts, steps):
         digests.append(digest(model))
         engine = dlgs.tensorflow.exchange(name)
         if s == 5:  # a new plan between steps: one host step, one trace
-            engine.exchange.set_groups([[0, 1, 2, 3]])
+            engine.exchange.set_plan([([0, 1, 2, 3], None)])
     ex = engine.exchange
     graph = engine.graph
     return {

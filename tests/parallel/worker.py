@@ -206,7 +206,7 @@ def _layout_against_plan(planner, ex) -> dict:
         if g.sparse:
             plan_sparse.append(members)
     return {
-        "modes_equal": plan_modes == {i: ex.is_sparse(lay) for i, lay in enumerate(ex.layers)},
+        "modes_equal": plan_modes == {i: lay.sparse for i, lay in enumerate(ex.layers)},
         "sparse_messages_equal": sorted(plan_sparse)
         == sorted(sorted(g.members) for g in ex.groups if g.sparse),
         "mixed": bool(plan_sparse) and not all(g.sparse for g in planner.plan.groups),
@@ -434,7 +434,7 @@ def exact_reconstruction():
         )
         ex = opt.dlgs.exchange
         if name in ("merged_groups", "merged_bitmap"):
-            ex.set_groups([[i for i, p in enumerate(ex.layer_plans()) if p.sparse]])
+            ex.set_plan([([i for i, p in enumerate(ex.layer_plans()) if p.sparse], None)])
         if name == "merged_dense":
             ex.set_plan([(list(range(len(ex.layers))), False)])
         plans = {layer.name: plan for layer, plan in zip(ex.layers, ex.layer_plans())}
@@ -651,17 +651,13 @@ def against_reference():
                     [params[layer.name].grad.reshape(-1).numpy().copy() for layer in ex.layers]
                 )
                 thetas.append(
-                    {
-                        i: float(layer.threshold)
-                        for i, layer in enumerate(ex.layers)
-                        if ex.is_sparse(layer)
-                    }
+                    {i: float(layer.threshold) for i, layer in enumerate(ex.layers) if layer.sparse}
                 )
                 residuals.append(
                     {
                         i: layer.residual[:-1].numpy().copy()
                         for i, layer in enumerate(ex.layers)
-                        if ex.is_sparse(layer)
+                        if layer.sparse
                     }
                 )
                 every = [_reference_grads(ex, s, r, passes) for r in range(size)]
@@ -925,7 +921,7 @@ def op_counts():
         if engine is None:
             return {"ops": ops}
         ex = engine.exchange
-        sparse = sum(1 for layer in ex.layers if ex.is_sparse(layer))
+        sparse = sum(1 for layer in ex.layers if layer.sparse)
         return {
             "ops": ops,
             "sparse": sparse,

@@ -58,9 +58,9 @@ class DeviceSteps:
             return "a step is under way"
         if laid is None or ex.layout_due:
             return "the messages are laid out anew at the next step"
-        if ex.agreement_pending:
+        if ex.agreement.pending:
             return "the ranks agree on the step and plan at the next step"
-        if ex.trace_pending:
+        if ex.current.timed_next:
             return "the next step is timed layer by layer"
         if laid.bank is not None:
             name = ex.config.controller.value

@@ -41,18 +41,15 @@ import logging
 import time
 from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
-import numpy as np
-
 from ..backend import ArrayOps
 from ..config import SparsityConfig
-from ..planning.layout import plan_messages
 from ..selection.controller import make_controller
 from ..state.persist import ExchangeCheckpoints, SharedState
 from ..state.resume import Agreement
 from ..transport.flat import Transport, make_transport
 from ..wire import LayerPlan, plan_layers
 from .device import DeviceSteps
-from .messages import Messages, lay_out
+from .messages import Messages, lay_out_plan
 from .nonfinite import NonFiniteLog
 from .records import LayerRecord, MessageRecord, StepHook, StepRecord, check_layers
 from .sending import LayerSender
@@ -191,7 +188,6 @@ class SparseExchange:
         self.step_hooks: List[StepHook] = []
         #: The last finished step's :class:`StepRecord` (None before the first).
         self.last_step: Optional[StepRecord] = None
-        self._trace_next = False
         #: The steps' verdicts: the last one's, the non-finite ones counted.
         self.verdicts = NonFiniteLog(lambda: self.loss_scale is not None)
         #: What every rank must agree on (step, plan, profile, density) is
@@ -248,30 +244,12 @@ class SparseExchange:
         (all layers, dense ones included). Reading it after a step with no
         sparse layer and no momentum correction checks that step's dense outputs
         then (read it before ``zero_grad``) and synchronises the device once."""
-        log = self.verdicts
-        if log.lazy:
-            lazy, log.lazy = log.lazy, []
-            if not verdict(self.ops, None, lazy, on_device=False)[0]:
-                log.found_late()
-        return log.last
+        return self.verdicts.last_finite(self.ops)
 
     @property
     def nonfinite_steps(self) -> int:
         """Steps whose gradients were non-finite somewhere (state left untouched)."""
         return self.verdicts.steps
-
-    @property
-    def last_submit_seconds(self) -> Optional[float]:
-        """Host seconds spent inside submit() in the last step: selection,
-        packing and starting collectives (on a GPU: launching them)."""
-        return self.last_step.submit_seconds if self.last_step is not None else None
-
-    @property
-    def agreement_pending(self) -> bool:
-        """The next step's first :meth:`submit` agrees the step, plan and
-        density across ranks first (after construction or a load): a blocking
-        collective on every rank."""
-        return self.agreement.pending
 
     @property
     def in_step(self) -> bool:
@@ -282,11 +260,6 @@ class SparseExchange:
     def layout_due(self) -> bool:
         """The next step lays the messages out anew (a plan or density changed)."""
         return self._density is None or self.density != self._density
-
-    @property
-    def trace_pending(self) -> bool:
-        """The next step is timed layer by layer (:meth:`trace_next_step`)."""
-        return self._trace_next
 
     @property
     def density(self) -> float:
@@ -319,7 +292,7 @@ class SparseExchange:
         """Time the next step layer by layer (:class:`StepTrace` in its
         :class:`StepRecord`). Each timed layer calls ``clock()`` twice, which
         on an asynchronous device waits for it: profiling steps only."""
-        self._trace_next = True
+        self.current.timed_next = True
         self.request_host_step()
 
     def set_plan(self, plan: Optional[Plan]) -> None:
@@ -332,15 +305,6 @@ class SparseExchange:
         self.shared.set_plan(plan, len(self.records))
         self.relayout_next()
         self.request_host_step()
-
-    def set_groups(self, groups: Optional[Sequence[Sequence[int]]]) -> None:
-        """Shorthand for :meth:`set_plan` with every group's mode chosen by rule."""
-        self.set_plan(None if groups is None else [(g, None) for g in groups])
-
-    def is_sparse(self, layer: LayerInfo) -> bool:
-        """Whether ``layer`` is sent sparse under the current layout
-        (:attr:`LayerInfo.sparse`)."""
-        return layer.sparse
 
     def layer_plans(self) -> List[LayerPlan]:
         return plan_layers([layer.numel for layer in self.records], self.densities, self.config)
@@ -373,38 +337,27 @@ class SparseExchange:
             groups = on_density(self, density) if on_density is not None else None
             if groups is not None:
                 self.shared.plan = [(list(members), sparse) for members, sparse in groups]
-        plans = self.layer_plans()
-        specs = plan_messages(
-            plans,
-            [layer.name for layer in self.records],
-            self.shared.plan,
-            self.prefix,
-            self.config.value_dtype,
-            self.config.index_coding,
-            dense_alone=self.dense_external,
-        )
-        sparse = {i for m in specs if m.sparse for i in m.members}
-        self.sender.prepare(max((plans[i].numel for i in sparse), default=0), like)
-        self.messages = lay_out(
+        self.messages = lay_out_plan(
             self.ops,
             self.config,
             self.controller,
             self.records,
-            plans,
             self.densities,
-            specs,
+            self.shared.plan,
             self.transport,
-            self.sender.kernels,
+            self.sender,
             like,
             self._version,
+            prefix=self.prefix,
+            dense_alone=self.dense_external,
         )
         logger.debug(
             "dlgs layout at step %d: density %g, %d layers in %d messages (%d sparse)",
             self.step,
             density,
             len(self.records),
-            len(specs),
-            sum(1 for m in specs if m.sparse),
+            len(self.messages.records),
+            sum(1 for m in self.messages.records if m.sparse),
         )
 
     # -- the per-step path -----------------------------------------------------
@@ -419,12 +372,7 @@ class SparseExchange:
         """
         layer = self.records[i]
         ops, step = self.ops, self.current
-        if ops.numel(grad) != layer.numel:
-            raise ValueError(
-                f"gradient of {layer.name!r} has {ops.numel(grad)} elements, expected {layer.numel}"
-            )
-        if i in step.submitted:
-            raise RuntimeError(f"gradient of {layer.name!r} submitted twice in one step")
+        step.check(i, layer.name, ops.numel(grad), layer.numel)
         if not step.submitted:
             self.checkpoints.before_step()
         if self.layout_due:
@@ -434,8 +382,7 @@ class SparseExchange:
         entered = time.perf_counter()  # never synchronises a device
         if not step.open:
             scale = self.loss_scale() if self.loss_scale is not None else None
-            step.begin(ops, scale, self.comm.size, self.average, self._trace_next)
-            self._trace_next = False
+            step.begin(ops, scale, self.comm.size, self.average)
         trace = step.trace
         if trace is not None:
             t0 = self.clock()
@@ -452,20 +399,14 @@ class SparseExchange:
                 learns_on_host=laid.bank is not None,
                 threshold=self.device.threshold(i),
             )
-            message.ready += 1
-            if message.ready == len(message.members):
+            if laid.arrived(message):
                 message.handle = self.transport.start(message.position, message.chunk, message.name)
         else:
             grad = self.sender.dense(layer, grad, step)
             if self.dense_external:
                 result = message.handle = grad
-            elif len(message.members) == 1:
-                message.handle = self.comm.allreduce_async(grad, message.name)
             else:
-                ops.copy_(ops.narrow(message.dense, 0, laid.offsets[i], layer.numel), grad)
-                message.ready += 1
-                if message.ready == len(message.members):
-                    message.handle = self.comm.allreduce_async(message.dense, message.name)
+                laid.add_dense(ops, self.comm, message, i, grad)
         if trace is not None:
             trace.arrive[i] = t0
             trace.done[i] = self.clock()
@@ -510,15 +451,10 @@ class SparseExchange:
             elif self.dense_external:
                 out[message.members[0]] = message.handle
             else:
-                reduced = self.comm.synchronize(message.handle)
-                if self.config.momentum and step.scale is not None:
-                    reduced = ops.mul(reduced, step.scale)  # velocities are unscaled
-                if len(message.members) == 1:
-                    out[message.members[0]] = reduced
-                else:
-                    flat = ops.reshape(reduced, (-1,))
-                    for i in message.members:
-                        out[i] = ops.narrow(flat, 0, laid.offsets[i], self.records[i].numel)
+                # Velocities are unscaled: momentum correction's output is scaled back.
+                scale = step.scale if self.config.momentum else None
+                reduced = laid.reduced_dense(ops, self.comm, message, scale)
+                out.update(laid.members_of(ops, message, reduced, self.records))
                 step.dense_out[message.members[0]] = reduced
             message.ready, message.handle = 0, None
         if handles:
@@ -557,25 +493,16 @@ class SparseExchange:
         assert laid is not None
         theirs = [t for _, t in external] if verdicts is None else list(verdicts)
         dense = list(step.dense_out.values()) + theirs
-        words = None  # the step's count words, read with the verdict
-        tracks = bool(self.config.momentum) or any(
-            m.sparse or any(self.records[i].flush for i in m.members) for m in laid.records
-        )
+        # Nothing to undo (every layer dense, no momentum correction): the
+        # dense outputs are checked only if asked (last_step_finite), so a
+        # dense step costs neither a pass over them nor a host sync.
+        finite, words = True, None  # the step's count words, read with the verdict
+        tracks = laid.tracks(self.records, self.config.momentum)
         if tracks:
             counts = self.transport.counts if laid.sparse_members and step.flags else None
             finite, words = verdict(self.ops, counts, dense, on_device=False)
-        else:
-            # Nothing to undo (every layer dense, no momentum correction): the
-            # dense outputs are checked only if asked (last_step_finite), so a
-            # dense step costs neither a pass over them nor a host sync.
-            finite = True
-        if finite and laid.bank is not None:
-            # The controllers learn from this rank's count words (read with
-            # the verdict; an anchor step adds one read), on the host.
-            own = self.transport.own_counts(
-                np.asarray(words, np.float64), self.comm.rank, self.comm.size
-            )
-            laid.bank.update(self.ops, own)
+        if finite:
+            laid.learn(self.ops, self.transport, words, self.comm)
         for i in sorted(step.submitted):
             self.sender.settle(self.records[i], laid.sparse(self.records[i]), finite)
         if not finite:

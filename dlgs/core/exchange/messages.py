@@ -12,17 +12,20 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
+
 from ..backend import ArrayOps
 from ..config import SparsityConfig
-from ..planning.layout import MessageSpec
+from ..planning.layout import MessageSpec, plan_messages
 from ..selection.bank import ControllerBank
 from ..selection.select import FusedSelection
 from ..transport.flat import Transport
-from ..wire import LayerPlan
+from ..wire import LayerPlan, plan_layers
 from .records import LayerRecord, MessageRecord
+from .sending import LayerSender
 from .views import MessageInfo
 
-__all__ = ["Messages", "bank_of", "lay_out"]
+__all__ = ["Messages", "bank_of", "lay_out", "lay_out_plan"]
 
 
 class Messages:
@@ -70,6 +73,54 @@ class Messages:
     def sparse(self, layer: LayerRecord) -> bool:
         """Whether ``layer`` travels in a sparse message in this layout."""
         return layer.group >= 0 and self.records[layer.group].sparse
+
+    def tracks(self, layers: Sequence[LayerRecord], momentum: float) -> bool:
+        """Whether a step under this layout changes state that a non-finite
+        step must leave untouched (residuals, velocities, controllers): then
+        its verdict is read at its end."""
+        return bool(momentum) or any(
+            m.sparse or any(layers[i].flush for i in m.members) for m in self.records
+        )
+
+    def learn(self, ops: ArrayOps, transport: Transport, words: Any, comm: Any) -> None:
+        """The controllers learn from this rank's count words (read with the
+        step's verdict; an anchor step adds one read), on the host."""
+        if self.bank is not None:
+            own = transport.own_counts(np.asarray(words, np.float64), comm.rank, comm.size)
+            self.bank.update(ops, own)
+
+    @staticmethod
+    def arrived(message: MessageRecord) -> bool:
+        """One more member of ``message`` is in; whether it was the last."""
+        message.ready += 1
+        return message.ready == len(message.members)
+
+    def add_dense(
+        self, ops: ArrayOps, comm: Any, message: MessageRecord, i: int, grad: Any
+    ) -> None:
+        """Layer ``i``'s dense gradient into ``message``: its allreduce starts
+        once every member is in (at once for a layer alone)."""
+        if len(message.members) == 1:
+            message.handle = comm.allreduce_async(grad, message.name)
+            return
+        ops.copy_(ops.narrow(message.dense, 0, self.offsets[i], ops.numel(grad)), grad)
+        if self.arrived(message):
+            message.handle = comm.allreduce_async(message.dense, message.name)
+
+    @staticmethod
+    def reduced_dense(ops: ArrayOps, comm: Any, message: MessageRecord, scale: Any) -> Any:
+        """A dense message's allreduced tensor (times ``scale``, unless None)."""
+        reduced = comm.synchronize(message.handle)
+        return reduced if scale is None else ops.mul(reduced, scale)
+
+    def members_of(
+        self, ops: ArrayOps, message: MessageRecord, reduced: Any, layers: Sequence[LayerRecord]
+    ) -> List[Tuple[int, Any]]:
+        """``(layer index, its part of reduced)`` for a dense message's members."""
+        if len(message.members) == 1:
+            return [(message.members[0], reduced)]
+        flat = ops.reshape(reduced, (-1,))
+        return [(i, ops.narrow(flat, 0, self.offsets[i], layers[i].numel)) for i in message.members]
 
 
 def bank_of(
@@ -161,3 +212,50 @@ def lay_out(
         for m in records
     ]
     return Messages(records, members, offsets, modes, bank, version, sizes)
+
+
+def lay_out_plan(
+    ops: ArrayOps,
+    config: SparsityConfig,
+    controller: Any,
+    layers: List[LayerRecord],
+    densities: Sequence[float],
+    plan: Any,
+    transport: Transport,
+    sender: LayerSender,
+    like: Any,
+    version: int,
+    *,
+    prefix: str,
+    dense_alone: bool,
+) -> Messages:
+    """The messages of a merge ``plan`` (None: layer-wise) at ``densities``:
+    :func:`~dlgs.core.planning.layout.plan_messages` says which layers travel
+    together, :func:`lay_out` allocates them; ``sender`` sizes its scratch for
+    the largest sparse layer. ``dense_alone``: dense layers are never merged
+    (the caller reduces them)."""
+    plans = plan_layers([layer.numel for layer in layers], densities, config)
+    specs = plan_messages(
+        plans,
+        [layer.name for layer in layers],
+        plan,
+        prefix,
+        config.value_dtype,
+        config.index_coding,
+        dense_alone=dense_alone,
+    )
+    sparse = {i for m in specs if m.sparse for i in m.members}
+    sender.prepare(max((plans[i].numel for i in sparse), default=0), like)
+    return lay_out(
+        ops,
+        config,
+        controller,
+        layers,
+        plans,
+        densities,
+        specs,
+        transport,
+        sender.kernels,
+        like,
+        version,
+    )

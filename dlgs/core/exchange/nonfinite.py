@@ -8,6 +8,8 @@ import math
 import time
 from typing import Any, Callable, List
 
+from .step import verdict
+
 __all__ = ["NONFINITE_RUN", "NonFiniteLog"]
 
 logger = logging.getLogger(__name__)
@@ -43,11 +45,16 @@ class NonFiniteLog:
         #: asked (``last_step_finite``).
         self.lazy: List[Any] = []
 
-    def found_late(self) -> None:
-        """A step found non-finite after it ended (it kept no state to undo):
-        counted, not reported."""
-        self.steps += 1
-        self.last = False
+    def last_finite(self, ops: Any) -> bool:
+        """Whether the last step was finite on every rank; a step with nothing
+        to undo has its dense outputs checked now (one host read), and is
+        counted, not reported, when one is not."""
+        if self.lazy:
+            lazy, self.lazy = self.lazy, []
+            if not verdict(ops, None, lazy, on_device=False)[0]:
+                self.steps += 1
+                self.last = False
+        return self.last
 
     def finite(self) -> None:
         """A finite step: the run ends."""

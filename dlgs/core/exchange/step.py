@@ -36,7 +36,17 @@ class StepState:
         self.flags: List[Any] = []
         #: Dense messages' reduced outputs, by first member, to be checked.
         self.dense_out: Dict[int, Any] = {}
+        #: The next step is timed layer by layer (``trace_next_step()``).
+        self.timed_next = False
         self.drop()
+
+    def check(self, i: int, name: str, numel: int, expected: int) -> None:
+        """Layer ``i`` (``name``, ``expected`` elements) may be submitted with
+        ``numel`` elements now, or this raises."""
+        if numel != expected:
+            raise ValueError(f"gradient of {name!r} has {numel} elements, expected {expected}")
+        if i in self.submitted:
+            raise RuntimeError(f"gradient of {name!r} submitted twice in one step")
 
     def drop(self) -> None:
         """End the step: nothing of it stays (its kept state was kept by then)."""
@@ -55,12 +65,13 @@ class StepState:
         self.submit_seconds = 0.0
         self.trace: Optional[StepTrace] = None
 
-    def begin(self, ops: ArrayOps, scale: Any, world: int, average: bool, timed: bool) -> None:
+    def begin(self, ops: ArrayOps, scale: Any, world: int, average: bool) -> None:
         """At the first gradient: the step's loss scale (``None`` for 1) and
-        output factor; ``timed``: time it layer by layer."""
+        output factor; timed layer by layer if :attr:`timed_next` asked."""
         self.open = True
         self.started = time.perf_counter()
-        self.trace = StepTrace() if timed else None
+        self.trace = StepTrace() if self.timed_next else None
+        self.timed_next = False
         base = 1.0 / world if average else 1.0
         self.scale = scale
         if scale is None:
@@ -111,12 +122,7 @@ def nonfinite_names(ex: "SparseExchange", external: Sequence[Tuple[int, Any]]) -
         names += [records[i].name for i, b in zip(laid.sparse_members, flags) if b]
     parts = list(external)
     for first, t in ex.current.dense_out.items():
-        members = laid.records[records[first].group].members
-        if len(members) == 1:
-            parts.append((first, t))
-            continue
-        flat = ops.reshape(t, (-1,))
-        parts += [(j, ops.narrow(flat, 0, laid.offsets[j], records[j].numel)) for j in members]
+        parts += laid.members_of(ops, laid.records[records[first].group], t, records)
     for i, t in parts:
         if ops.to_host(ops.any_nonfinite([t])):
             names.append(records[i].name)

@@ -335,7 +335,7 @@ class HierarchicalExchange:
             self._scatter[b] = start(self._send[b], f"{self.prefix}.rs.{b}")
         # Not while the next step's agreement is due: its blocking collective
         # would wait here, in back-propagation, for ranks still in theirs.
-        if not self.inner.agreement_pending:
+        if not self.inner.agreement.pending:
             for done in [c for c, h in self._scatter.items() if self.node.poll(h)]:
                 self._forward(done)
 
