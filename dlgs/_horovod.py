@@ -11,6 +11,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .core._checks import check_int
 from .core.state.consistency import horovod_options
+from .core.transport.topology import node_ranks, several_nodes, strays
 
 __all__ = [
     "EXIT_BARRIER_SECONDS",
@@ -163,8 +164,7 @@ def two_levels(
     ``ranks_per_node`` says so), and the engine then times both exchanges and
     keeps the faster."""
     if topology == "auto":
-        local = ranks_per_node or hvd.local_size()
-        several = local >= 2 and hvd.size() % local == 0 and hvd.size() // local >= 2
+        several = several_nodes(hvd.size(), ranks_per_node or hvd.local_size())
         topology = "hierarchical" if several else "flat"
     if topology == "flat":
         return None
@@ -187,24 +187,16 @@ def node_and_cross_sets(hvd: Any, ranks_per_node: Optional[int]) -> Tuple[Any, A
     (``hvd.init(process_sets="dynamic")`` or ``HOROVOD_DYNAMIC_PROCESS_SETS=1``)."""
     size, rank = hvd.size(), hvd.rank()
     local = ranks_per_node or hvd.local_size()
-    if local < 2 or size % local or size // local < 2:
-        raise ValueError(
-            f"topology='hierarchical' needs at least 2 nodes of at least 2 ranks each, "
-            f"the same number on every node: {size} ranks with {local} per node "
-            "(give ranks_per_node, or use topology='flat')"
-        )
+    nodes, crosses = node_ranks(size, local)
     if ranks_per_node is None:
         # One small gather: every rank where Horovod's node layout says it is.
         here = (hvd.local_rank(), hvd.local_size(), hvd.cross_rank())
-        laid = hvd.allgather_object((rank, here), name="dlgs.topology")
-        bad = [r for r, (lr, ls, cr) in laid if ls != local or r != cr * local + lr]
+        bad = strays(hvd.allgather_object((rank, here), name="dlgs.topology"), local)
         if bad:
             raise ValueError(
                 f"topology='hierarchical': ranks {bad[:5]} are not laid out node by node "
                 f"({local} per node as Horovod's local_size says); give ranks_per_node"
             )
-    nodes = [list(range(n * local, (n + 1) * local)) for n in range(size // local)]
-    crosses = [list(range(j, size, local)) for j in range(local)]
     node_sets = [_process_set(hvd, ranks) for ranks in nodes]
     cross_sets = [_process_set(hvd, ranks) for ranks in crosses]
     return node_sets[rank // local], cross_sets[rank % local]

@@ -20,7 +20,6 @@ __all__ = [
     "build_config",
     "build_configs",
     "build_planner",
-    "TWO_LEVEL_REFUSED",
     "check_log_every",
     "check_op",
     "check_no_groups",
@@ -29,16 +28,6 @@ __all__ = [
     "warn_float64",
     "check_int",
 ]
-
-
-_TWO_LEVEL = (
-    "the two-level exchange runs behind Horovod's doors (torch forms (a) and (b), the "
-    "TensorFlow tape, Keras and Compression) on Horovod's process sets; the DDP hook's "
-    "torch.distributed groups for it are not built yet. Use Horovod, or leave the option "
-    "unset for the flat exchange (docs/options.md, 'Which door has which feature')"
-)
-#: What the DDP hook refuses, and why.
-TWO_LEVEL_REFUSED = {"topology": _TWO_LEVEL, "ranks_per_node": _TWO_LEVEL}
 
 
 def build_config(

@@ -155,15 +155,6 @@ TORCH = [
 ]
 # Checked by every door (a SparsityConfig built directly may hold it: the simulator's).
 DOORS = [(dict(reduce_width=2.0), ValueError, ["reduce_width", "transport='reduce'"])]
-# The two-level exchange, refused by name (not as an unknown option) by the DDP hook.
-TWO_LEVEL_ELSEWHERE = [
-    (
-        dict(topology="hierarchical"),
-        ValueError,
-        ["topology=", "not supported by", "torch.distributed"],
-    ),
-    (dict(ranks_per_node=2), ValueError, ["ranks_per_node=", "not supported by"]),
-]
 
 
 def _ddp_state(**kw):
@@ -179,7 +170,7 @@ TORCH_CASES = [(name, build, *case) for name, build in TORCH for case in SHARED]
 ]
 TORCH_CASES += [("torch.Compression", _torch_compression, *c) for c in TOPOLOGY + DOORS]
 TORCH_CASES += [("torch.DistributedOptimizer", _torch_optimizer, *c) for c in DOORS]
-TORCH_CASES += [("torch.ddp.SparseState", _ddp_state, *c) for c in TWO_LEVEL_ELSEWHERE + DOORS]
+TORCH_CASES += [("torch.ddp.SparseState", _ddp_state, *c) for c in TOPOLOGY + DOORS]
 
 
 @pytest.mark.parametrize(

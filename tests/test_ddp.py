@@ -153,3 +153,33 @@ def test_the_docs_ddp_script_runs_under_torchrun(tmp_path, monkeypatch):
         for name, tensor in ckpts[0]["model"].items():
             assert torch.equal(tensor, ckpts[1]["model"][name]), f"ranks differ at {name}"
         assert ckpts[0]["dlgs"]["step"] == 6
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ddp4")
+    torchrun(4, [ROOT / "tests/parallel/ddp_worker.py", out, "two_level"], timeout=300)
+    return value(load_ranks(out, 4), "two_level")
+
+
+def test_the_two_level_exchange_runs_behind_the_ddp_hook(four):
+    """topology='hierarchical' on torch.distributed node and cross-node groups
+    (2 nodes of 2): every rank the same parameters after every step, by the
+    allgather and by the reduction between nodes; density 1.0 is DDP's mean."""
+    first = four[0]
+    for r, rec in enumerate(four):
+        assert rec["dense"]["max_diff"] <= 1e-6, f"rank {r}: {rec['dense']['max_diff']}"
+        for case in ("allgather", "reduce", "auto"):
+            assert rec[case]["digests"] == first[case]["digests"], f"rank {r} {case}"
+    for case in ("allgather", "reduce"):
+        assert first[case]["two_level"], case
+        assert first[case]["step"] == 5
+        assert len(set(first[case]["digests"])) == 5, f"{case}: it trains"
+    assert "topology" in first["auto"]["describe"]
+    # The sparse exchange moved the parameters differently from the dense one.
+    assert first["allgather"]["digests"][0] != first["dense"]["hook"][0]
+
+
+def test_the_ddp_hooks_two_levels_need_the_default_group(four):
+    for r in (0, 1):
+        assert "default process group" in four[r]["subgroup"], four[r]["subgroup"]

@@ -17,18 +17,21 @@ buckets after the first iteration change nothing. See docs/ddp.md.
 # No ``from __future__ import annotations``: DDP compares the hook's
 # annotations with the real classes (``dist.GradBucket``, ``Future[Tensor]``).
 import logging
-from typing import Any, Dict, List, Optional, Tuple, Union
+import os
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
-from .._options import TWO_LEVEL_REFUSED, build_configs, check_log_every
+from .._horovod import check_topology
+from .._options import build_configs, check_log_every
 from ..core.config import SparsityConfig
 from ..core.engine import Engine
+from ..core.transport.topology import node_ranks, several_nodes, strays
 from ._amp import check_scaler
 from ._common import build_flat_or_two_level, copy_back, named_trainable
 
-__all__ = ["ProcessGroupCollectives", "SparseState", "sparse_hook"]
+__all__ = ["ProcessGroupCollectives", "ProcessGroupNodeCollectives", "SparseState", "sparse_hook"]
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +113,69 @@ class ProcessGroupCollectives:
         }
 
 
+class ProcessGroupNodeCollectives(ProcessGroupCollectives):
+    """:class:`dlgs.core.transport.hierarchical.NodeCollectives` on one node's
+    ``torch.distributed`` group: the reduce-scatter averages as the allreduce
+    does (divided first, then summed)."""
+
+    def reducescatter_async(self, tensor: torch.Tensor, name: str) -> _Work:
+        wire = tensor if tensor.is_contiguous() else tensor.contiguous()
+        wire.div_(self.size)
+        out = wire.new_empty(wire.numel() // self.size)
+        work = dist.reduce_scatter_tensor(
+            out, wire, op=dist.ReduceOp.SUM, group=self.group, async_op=True
+        )
+        return _Work(work, out)
+
+    def poll(self, handle: _Work) -> bool:
+        return bool(handle.work.is_completed())
+
+
+def _two_levels(
+    comm: ProcessGroupCollectives, topology: str, ranks_per_node: Optional[int]
+) -> Optional[Callable[[], Tuple[Any, Any]]]:
+    """The engine's ``topology`` for the DDP hook: None (flat), or what makes
+    the node and cross-node groups (every rank makes every group, in order).
+    Nodes are ``ranks_per_node`` consecutive ranks, or torchrun's
+    (``LOCAL_WORLD_SIZE``; ranks laid out node by node, as torchrun does)."""
+    if topology == "flat":
+        return None
+    size = comm.size
+    if comm.options()["ranks"] != list(range(dist.get_world_size())):
+        raise ValueError(
+            f"topology={topology!r} exchanges among every rank of the job: use DDP's "
+            "default process group (or topology='flat' with a process_group)"
+        )
+    local = ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+    if not local:
+        raise ValueError(
+            f"topology={topology!r}: give ranks_per_node (LOCAL_WORLD_SIZE is not set: "
+            "not launched by torchrun)"
+        )
+    if topology == "auto" and not several_nodes(size, local):
+        return None
+
+    def make() -> Tuple[Any, Any]:
+        nodes, crosses = node_ranks(size, local)
+        if ranks_per_node is None:
+            here = tuple(
+                int(os.environ.get(k, "-1"))
+                for k in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
+            )
+            bad = strays(comm.allgather_object((comm.rank, here), "dlgs.topology"), local)
+            if bad:
+                raise ValueError(
+                    f"topology='hierarchical': ranks {bad[:5]} are not laid out node by node "
+                    f"({local} per node as torchrun's LOCAL_WORLD_SIZE says); give ranks_per_node"
+                )
+        backend = dist.get_backend(comm.group)
+        node = [dist.new_group(r, backend=backend) for r in nodes][comm.rank // local]
+        cross = [dist.new_group(r, backend=backend) for r in crosses][comm.rank % local]
+        return ProcessGroupNodeCollectives(node), ProcessGroupCollectives(cross)
+
+    return make
+
+
 def _ddp_parameters(model: Any) -> List[Tuple[str, torch.nn.Parameter]]:
     """DDP's own list: the wrapped module's parameters that require grad and
     that DDP does not ignore, in registration order."""
@@ -136,6 +202,10 @@ class SparseState:
         process_group: the ranks to exchange among (None: DDP's, i.e. the
             default group); dlgs issues its collectives on a new group of the
             same ranks.
+        topology / ranks_per_node: as :func:`dlgs.torch.DistributedOptimizer`,
+            on ``torch.distributed`` groups that dlgs makes (one per node and one
+            per local rank); nodes are torchrun's (``LOCAL_WORLD_SIZE``) unless
+            ``ranks_per_node`` says. Needs DDP's default process group.
 
     Raises:
         ValueError / TypeError: bad options, naming the option and the
@@ -161,17 +231,19 @@ class SparseState:
         log_every: int = 0,
         scaler: Optional[Any] = None,
         process_group: Any = None,
+        topology: str = "flat",
+        ranks_per_node: Optional[int] = None,
         **options: Any,
     ):
         check_log_every(log_every)
         check_scaler(scaler)
+        check_topology(topology, ranks_per_node)
         # Every option checked before anything.
-        build_configs(
-            config, density, merge, options, door="the DDP hook", refused=TWO_LEVEL_REFUSED
-        )
+        build_configs(config, density, merge, options, door="the DDP hook")
         self._kwargs: Dict[str, Any] = dict(
             density=density, config=config, merge=merge, log_every=log_every, **options
         )
+        self._topology = (topology, ranks_per_node)
         self._scaler = scaler
         self._had_scaler = False
         self._saved: Optional[Dict[str, Any]] = None
@@ -219,16 +291,20 @@ class SparseState:
             kwargs.pop("config"), kwargs.pop("density"), kwargs.pop("merge"), kwargs
         )
         params = _ddp_parameters(model)
+        comm = ProcessGroupCollectives(own)
+        topology, ranks_per_node = self._topology
         self.engine = build_flat_or_two_level(
             params,
             config,
             planner,
-            ProcessGroupCollectives(own),
+            comm,
             average=True,
             prefix="dlgs.ddp",
-            extra_options={"form": "ddp"},
+            extra_options={"form": "ddp", "topology": [topology, ranks_per_node]},
             log_every=log_every,
             scaler=self._scaler,
+            topology=_two_levels(comm, topology, ranks_per_node),
+            choose_topology=topology == "auto",
         )
         exchange = self.engine.exchange
         assert exchange is not None
@@ -266,6 +342,7 @@ class SparseState:
             "kwargs": self._kwargs,
             "saved": self.state_dict(),
             "had_scaler": self._scaler is not None,
+            "topology": self._topology,
         }
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
@@ -273,6 +350,7 @@ class SparseState:
         self._saved = state["saved"] or None
         self._scaler = None
         self._had_scaler = bool(state.get("had_scaler"))
+        self._topology = tuple(state.get("topology", ("flat", None)))
         self._unbind()
 
     # -- the hook ---------------------------------------------------------------------

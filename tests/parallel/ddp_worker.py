@@ -445,6 +445,45 @@ def mismatch():
 
 
 @scenario
+def two_level():
+    """topology='hierarchical' on 2 nodes of 2 ranks (4 ranks, ranks_per_node=2):
+    every rank's parameters after every step by the allgather and by the
+    reduction between nodes, and under topology='auto'; at density 1.0 the
+    result against DDP's own (another summation order: close, not equal)."""
+    out = {}
+    two = dict(topology="hierarchical", ranks_per_node=2)
+    plain = ddp(hidden=128)
+    base = train(plain, sgd(plain), 3)
+    model = ddp(hidden=128)
+    hooked(model, density=1.0, **two)
+    dense = train(model, sgd(model), 3)
+    diff = max((a - b).abs().max().item() for a, b in zip(plain.parameters(), model.parameters()))
+    out["dense"] = {"max_diff": diff, "plain": base, "hook": dense}
+    for transport in ("allgather", "reduce"):
+        model = ddp(hidden=128)
+        state = hooked(
+            model, density=0.05, min_sparse_size=64, merge="none", transport=transport, **two
+        )
+        ex = state.dlgs.exchange
+        out[transport] = {
+            "digests": train(model, sgd(model), 5),
+            "two_level": ex.dense_external is False and hasattr(ex, "node"),
+            "step": ex.step,
+        }
+    model = ddp(hidden=128)
+    state = hooked(model, density=0.05, min_sparse_size=64, topology="auto", ranks_per_node=2)
+    out["auto"] = {"digests": train(model, sgd(model), 3), "describe": state.dlgs.describe()}
+    sub = dist.new_group([0, 1])
+    try:
+        if dist.get_rank() < 2:
+            hooked(ddp(process_group=sub), density=0.05, **two)
+        out["subgroup"] = None
+    except ValueError as err:
+        out["subgroup"] = str(err)
+    return out
+
+
+@scenario
 def bad_input():
     """Errors name the option; nothing is built."""
     out = {}

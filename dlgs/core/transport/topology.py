@@ -26,13 +26,13 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Sequence
+from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 from ..backend import ArrayOps
 from ..config import SparsityConfig
 from ..wire import plan_layers
 
-__all__ = ["REPEATS", "TopologyProbe", "probe_topology"]
+__all__ = ["REPEATS", "TopologyProbe", "node_ranks", "probe_topology", "several_nodes", "strays"]
 
 logger = logging.getLogger(__name__)
 
@@ -139,3 +139,33 @@ def _fastest(run: Callable[[str], None], name: str) -> float:
         run(f"{name}.{r}")
         best = min(best, time.perf_counter() - t0)
     return best
+
+
+# -- which ranks form the two levels (every framework's doors) -------------------
+
+
+def several_nodes(size: int, local: int) -> bool:
+    """Whether ``size`` ranks at ``local`` per node make at least 2 nodes of
+    at least 2 ranks each, the same number on every node (what the two-level
+    exchange needs; ``topology="auto"`` stays flat otherwise)."""
+    return local >= 2 and size % local == 0 and size // local >= 2
+
+
+def node_ranks(size: int, local: int) -> Tuple[List[List[int]], List[List[int]]]:
+    """The ranks of each node (``local`` consecutive ranks) and of each
+    cross-node set (the ranks with the same local rank, one per node);
+    ``ValueError`` where :func:`several_nodes` does not hold."""
+    if not several_nodes(size, local):
+        raise ValueError(
+            f"topology='hierarchical' needs at least 2 nodes of at least 2 ranks each, "
+            f"the same number on every node: {size} ranks with {local} per node "
+            "(give ranks_per_node, or use topology='flat')"
+        )
+    nodes = [list(range(n * local, (n + 1) * local)) for n in range(size // local)]
+    return nodes, [list(range(j, size, local)) for j in range(local)]
+
+
+def strays(laid: Sequence[Tuple[int, Tuple[int, int, int]]], local: int) -> List[int]:
+    """The ranks not laid out node by node: ``laid`` holds every rank's
+    ``(rank, (local rank, local size, node index))`` as its launcher says."""
+    return [r for r, (lr, ls, node) in laid if ls != local or r != node * local + lr]
