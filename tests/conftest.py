@@ -169,6 +169,7 @@ TF_SCENARIOS = {
         "fault_injection",
         "scaled_conservation",
         "amp_fit",
+        "door_cells",
     ],
     "mpi": [
         "dense_equivalence",
@@ -310,3 +311,17 @@ def pytest_sessionfinish(session):
     known.update(_measured)
     DURATIONS.parent.mkdir(exist_ok=True)
     DURATIONS.write_text(json.dumps(known, indent=0, sort_keys=True))
+
+
+def check_door_cells(per_rank) -> None:
+    """The torch doors' ``door_cells`` records (tests/parallel/torch_common.py):
+    every rank the same parameters after every step, training, under
+    transport="auto" (not the plain allgather) and density="auto" (a choice made)."""
+    first = per_rank[0]
+    for r, rec in enumerate(per_rank):
+        for cell in first:
+            assert rec[cell]["digests"] == first[cell]["digests"], f"rank {r} {cell}: ranks differ"
+    for cell, rec in first.items():
+        assert len(set(rec["digests"])) == len(rec["digests"]), f"{cell}: it trains"
+    assert first["transport_auto"]["transport"] == "auto"
+    assert first["density_auto"]["choice"] is not None

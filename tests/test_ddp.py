@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ROOT, load_ranks, torchrun, value
+from conftest import ROOT, check_door_cells, load_ranks, torchrun, value
 from test_docs import TORCHRUN, blocks
 
 SCENARIOS = [
@@ -27,6 +27,7 @@ SCENARIOS = [
     "nonfinite_step",
     "mismatch",
     "bad_input",
+    "door_cells",
 ]
 
 
@@ -183,3 +184,9 @@ def test_the_two_level_exchange_runs_behind_the_ddp_hook(four):
 def test_the_ddp_hooks_two_levels_need_the_default_group(four):
     for r in (0, 1):
         assert "default process group" in four[r]["subgroup"], four[r]["subgroup"]
+
+
+def test_ddp_door_cells_train_with_ranks_identical(ranks):
+    """The hook with transport="auto" (its collectives have an alltoall) and
+    with density="auto" (docs/options.md's table)."""
+    check_door_cells(value(ranks, "door_cells"))

@@ -8,7 +8,7 @@ numbers from both ranks.
 from __future__ import annotations
 
 import pytest
-from conftest import check_resume_recipe, run_scenarios, value
+from conftest import check_door_cells, check_resume_recipe, run_scenarios, value
 
 pytestmark = pytest.mark.parallel
 
@@ -31,6 +31,7 @@ SCENARIOS = [
     "against_reference",
     "plan_in_force",
     "op_counts",
+    "door_cells",
 ]
 
 
@@ -252,3 +253,10 @@ def test_step_after_synchronize_warns_as_horovod_and_exchanges_once(ranks):
         # one exchange each, and the last step exchanged its own gradients.
         assert rec["steps"] == 4, rec["steps"]
     assert r0["digest"] == r1["digest"]
+
+
+def test_form_a_door_cells_train_with_ranks_identical(ranks):
+    """Form (a) (Horovod's optimizer with dlgs.torch.Compression) with
+    transport="auto" and with density="auto" (docs/options.md's table):
+    14 steps, every rank the same parameters after every step."""
+    check_door_cells(value(ranks, "door_cells"))

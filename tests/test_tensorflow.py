@@ -496,3 +496,23 @@ def test_tf_resume_recipe_rank0_restores_and_ranks_stay_identical(ranks):
     """Rank 0 alone restores (tape and model.fit), hvd.broadcast_variables hands
     the weights on; no hang (the harness kills one) and identical ranks."""
     check_resume_recipe(*gloo_value(ranks, "resume_recipe"), ("tape", "fit"), steps=10)
+
+
+@pytest.mark.parallel
+def test_tf_door_cells_train_with_ranks_identical(ranks):
+    """The door x feature cells of docs/options.md that only these runs cover:
+    the tape with transport="auto" and density="auto"; Keras with the
+    reduction and density="auto"; Compression with the reduction, momentum
+    correction, a dp plan and density="auto". Each trains 14 steps with every
+    rank's parameters the same after every step, and shows its feature."""
+    r0, r1 = gloo_value(ranks, "door_cells")
+    for cell, rec in r0.items():
+        assert rec["digests"] == r1[cell]["digests"], f"{cell}: ranks differ"
+        assert len(set(rec["digests"])) == 14, f"{cell}: it trains"
+    assert r0["tape.transport_auto"]["transport"] == "auto"
+    for cell in ("keras.reduce", "compression.reduce"):
+        assert r0[cell]["transport"] == "reduce", cell
+    assert r0["compression.momentum"]["velocities"] >= 2
+    assert r0["compression.dp"]["planned"]
+    for cell in ("tape.density_auto", "keras.density_auto", "compression.density_auto"):
+        assert r0[cell]["choice"] is not None and r0[cell]["planned"], cell

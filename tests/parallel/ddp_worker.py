@@ -19,7 +19,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from scenarios import main, scenario  # tests/parallel, the script's own folder
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch_common import conservation_error, digest, mlp, own_sent, sparse_grads
+from torch_common import (
+    DOOR_CELLS,
+    conservation_error,
+    digest,
+    door_cell_record,
+    mlp,
+    own_sent,
+    sparse_grads,
+)
 
 import dlgs.torch.ddp
 from dlgs.core import RankMismatchError
@@ -442,6 +450,17 @@ def mismatch():
     except RankMismatchError as err:
         return {"error": type(err).__name__, "message": str(err)}
     return {"error": None}
+
+
+@scenario
+def door_cells():
+    """The hook under each of worker.py's ``DOOR_CELLS``: 14 steps."""
+    out = {}
+    for name, opts in DOOR_CELLS.items():
+        model = ddp(hidden=128)
+        state = hooked(model, min_sparse_size=64, **opts)
+        out[name] = door_cell_record(state.dlgs, train(model, sgd(model), 14))
+    return out
 
 
 @scenario

@@ -296,6 +296,62 @@ def exact_reconstruction():
     return out
 
 
+def compression_wrap(comp):
+    """Horovod's tape with ``dlgs.tensorflow.Compression`` as its compressor."""
+
+    def wrap(tape, m):
+        tape = hvd.DistributedGradientTape(tape, compression=comp, num_groups=1)
+        return tape, [v.value for v in m.trainable_variables]
+
+    return wrap
+
+
+_AUTO_DENSITY = dict(density="auto", merge="dp", profile_steps=2, profile_budget=1.0)
+#: Issue 43's door x feature cells of the TensorFlow doors (docs/options.md).
+TF_DOOR_CELLS = {
+    "tape.transport_auto": ("tape", dict(density=0.05, transport="auto", merge="none")),
+    "tape.density_auto": ("tape", _AUTO_DENSITY),
+    "keras.reduce": ("keras", dict(density=0.05, transport="reduce", merge="none")),
+    "keras.density_auto": ("keras", _AUTO_DENSITY),
+    "compression.reduce": ("compression", dict(density=0.05, transport="reduce", merge="none")),
+    "compression.momentum": ("compression", dict(density=0.05, momentum=0.9, merge="none")),
+    "compression.dp": ("compression", dict(density=0.05, merge="dp", profile_steps=2)),
+    "compression.density_auto": ("compression", _AUTO_DENSITY),
+}
+
+
+@scenario
+def door_cells():
+    """Each of :data:`TF_DOOR_CELLS` trains 14 steps: the parameters after
+    every step, and what the feature shows (transport, density choice, plan,
+    velocities)."""
+    out = {}
+    for cell, (door, opts) in TF_DOOR_CELLS.items():
+        model, opt = mlp(3, hidden=128), keras.optimizers.SGD(0.05)
+        opts = dict(min_sparse_size=64, name=f"cells.{cell}", **opts)
+        if door == "tape":
+            wrap = dlgs_tape(**opts)
+        elif door == "keras":
+            opt = dlgs.tensorflow.keras.DistributedOptimizer(opt, **opts)
+
+            def wrap(tape, m):
+                return tape, m.trainable_variables
+        else:
+            variables = [v.value for v in model.trainable_variables]
+            wrap = compression_wrap(dlgs.tensorflow.Compression(variables, **opts))
+        digests = run_loop(model, opt, wrap, 14)
+        engine = opt.dlgs if door == "keras" else dlgs.tensorflow.exchange(opts["name"])
+        choice = engine.planner.density_choice
+        out[cell] = {
+            "digests": digests,
+            "transport": engine.exchange.transport.name,
+            "choice": None if choice is None else choice.density,
+            "planned": engine.planner.plan is not None,
+            "velocities": sum(1 for la in engine.exchange.layers if la.velocity is not None),
+        }
+    return out
+
+
 @scenario
 def conservation():
     """Per rank: sum of sent + residual == sum of accumulated input."""

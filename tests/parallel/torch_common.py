@@ -73,3 +73,22 @@ def conservation_error(exchange, total_in: dict, total_sent: dict) -> dict:
         worst = max(worst, (total_sent[i] + resid - total_in[i]).abs().max().item())
         scale = max(scale, total_in[i].abs().max().item())
     return {"max_error": worst, "scale": scale, "sparse_layers": sparse}
+
+
+#: Issue 43's door x feature cells that form (a) and the DDP hook share with
+#: form (b): transport="auto" and density="auto" (docs/options.md).
+DOOR_CELLS = {
+    "transport_auto": dict(density=0.05, transport="auto", merge="none"),
+    "density_auto": dict(density="auto", merge="dp", profile_steps=2, profile_budget=1.0),
+}
+
+
+def door_cell_record(engine, digests) -> dict:
+    """What a door x feature cell shows: the parameters after every step, the
+    transport in use and density="auto"'s choice (None before one)."""
+    choice = engine.planner.density_choice
+    return {
+        "digests": digests,
+        "transport": engine.exchange.transport.name,
+        "choice": None if choice is None else choice.density,
+    }

@@ -19,7 +19,15 @@ import horovod.torch as hvd
 import torch
 import torch.nn.functional as F
 from scenarios import main, scenario  # tests/parallel, the script's own folder
-from torch_common import conservation_error, digest, mlp, own_sent, sparse_grads
+from torch_common import (
+    DOOR_CELLS,
+    conservation_error,
+    digest,
+    door_cell_record,
+    mlp,
+    own_sent,
+    sparse_grads,
+)
 
 import dlgs.torch
 from dlgs.core import RankMismatchError, plan_layers
@@ -404,6 +412,24 @@ def auto_density():
         "resumed_densities": sorted(set(opt2.dlgs.exchange.densities)),
         "resumed_reverted": opt2.dlgs.planner.density_choice.reverted,
     }
+
+
+@scenario
+def door_cells():
+    """Form (a) (Horovod's optimizer with dlgs.torch.Compression) under each
+    of :data:`DOOR_CELLS`: 14 steps."""
+    out = {}
+    for name, opts in DOOR_CELLS.items():
+        model = mlp(13, hidden=128)
+        comp = dlgs.torch.Compression(model.named_parameters(), min_sparse_size=64, **opts)
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.01),
+            named_parameters=model.named_parameters(),
+            compression=comp,
+        )
+        comp.attach(opt)  # Horovod's checkpoint recipe holds dlgs' state too
+        out[name] = door_cell_record(comp.dlgs, train(model, opt, 14))
+    return out
 
 
 @scenario
