@@ -107,6 +107,24 @@ def test_keras_optimizer_rejects_bad_options_naming_them(kwargs, exc, words):
         assert w in str(err.value), str(err.value)
 
 
+def test_every_door_refuses_horovod_elastic_saying_why(monkeypatch):
+    """Under Horovod Elastic (horovodrun sets HOROVOD_ELASTIC=1) a reset would
+    restore TensorFlowKerasState, which does not hold dlgs' residuals: every
+    TensorFlow door refuses at construction, naming Elastic and the reason."""
+    monkeypatch.setenv("HOROVOD_ELASTIC", "1")
+    with tf.GradientTape() as tape:
+        pass
+    variables = [tf.Variable(tf.zeros([4]))]
+    for build in (
+        lambda: dlgs.tensorflow.DistributedGradientTape(tape, name="elastic.tape"),
+        lambda: dlgs.tensorflow.keras.DistributedOptimizer(keras.optimizers.SGD(0.1)),
+        lambda: dlgs.tensorflow.Compression(variables, name="elastic.c"),
+    ):
+        with pytest.raises(ValueError) as err:
+            build()
+        assert "Horovod Elastic" in str(err.value) and "residuals" in str(err.value)
+
+
 def test_wrong_types_and_unsupported_arguments():
     with pytest.raises(TypeError, match="tf.GradientTape"):
         dlgs.tensorflow.DistributedGradientTape(object())
@@ -439,6 +457,8 @@ def test_tf_checkpoint_resumes_bit_identically(ranks):
 def test_tf_a_load_on_one_rank_in_the_middle_of_fit_goes_on_with_ranks_identical(ranks):
     r0, r1 = gloo_value(ranks, "one_rank_load")
     assert r0 == r1 and r0["step"] == 9, (r0, r1)
+    for door in ("tape", "compression"):
+        assert r0[door]["step"] == 9 and len(set(r0[door]["digests"])) == 9, door
 
 
 @pytest.mark.parallel

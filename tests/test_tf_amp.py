@@ -221,7 +221,7 @@ def test_tf_nonfinite_gradient_on_one_rank_is_seen_and_undone_everywhere(ranks):
     for case, rec in r0.items():
         assert len(rec["sparse_layers"]) == 3, (case, rec["sparse_layers"])
     # The loss scaler, fed the tape's output, skips exactly those steps on every rank.
-    for rec in (r0["scaler"], r1["scaler"]):
+    for rec in (r0["scaler"], r1["scaler"], r0["compression_scaler"], r1["compression_scaler"]):
         assert [s for s, x in enumerate(rec["scaler_skipped"]) if x] == sorted(FAULT_STEPS)
 
 

@@ -24,7 +24,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, triton_env, triton_installed
+from conftest import ROOT, TRITON_PATH, horovodrun, triton_env, triton_installed
 
 pytestmark = pytest.mark.skipif(
     not triton_installed(), reason="Triton is not installed (tools/install.sh, x86-64 Linux)"
@@ -80,6 +80,59 @@ print("ok")
 """
 
 
+# Every torch door with kernels="triton" on 2 ranks (horovodrun; the DDP hook
+# on a torch.distributed Gloo group of the same ranks): the door's exchange
+# selects with the fused kernels (launches counted) and the model trains.
+DOORS = r"""
+import json, sys, tempfile, torch, torch.distributed as dist, horovod.torch as hvd
+import torch.nn.functional as F
+import dlgs.torch, dlgs.torch.ddp
+hvd.init()
+dist.init_process_group(
+    "gloo", init_method=f"file://{sys.argv[2]}", rank=hvd.rank(), world_size=hvd.size()
+)
+opts = dict(density=0.05, min_sparse_size=256, merge="none", kernels="triton")
+SGD = torch.optim.SGD
+
+
+def net():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+
+
+def train(model, opt, engine):
+    before = [p.detach().clone() for p in model.parameters()]
+    for s in range(3):
+        opt.zero_grad()
+        x, y = torch.randn(8, 64), torch.randint(0, 10, (8,))
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    kernels = engine.exchange.sender.kernels
+    moved = any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    return type(kernels).__name__, kernels.launches if kernels else 0, moved
+
+
+out = {}
+m = net()
+named = m.named_parameters
+opt = dlgs.torch.DistributedOptimizer(SGD(m.parameters(), lr=0.1), named_parameters=named(), **opts)
+out["b"] = train(m, opt, opt.dlgs)
+m = net()
+comp = dlgs.torch.Compression(m.named_parameters(), **opts)
+opt = hvd.DistributedOptimizer(
+    SGD(m.parameters(), lr=0.1), named_parameters=m.named_parameters(), compression=comp
+)
+comp.attach(opt)
+out["a"] = train(m, opt, comp.dlgs)
+m = torch.nn.parallel.DistributedDataParallel(net())
+state = dlgs.torch.ddp.SparseState(m, **opts)
+m.register_comm_hook(state, dlgs.torch.ddp.sparse_hook)
+out["ddp"] = train(m, SGD(m.parameters(), lr=0.1), state.dlgs)
+if hvd.rank() == 0:
+    json.dump(out, open(sys.argv[1], "w"))
+"""
+
+
 def _child(code: str, interpret: str = "1") -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-c", code],
@@ -125,3 +178,16 @@ def test_forcing_triton_on_a_cpu_tensor_without_the_interpreter_says_why():
     )
     proc = _child(code, interpret="0")
     assert "TRITON_INTERPRET=1" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+
+
+def test_every_torch_door_selects_with_the_fused_kernels(tmp_path, monkeypatch):
+    """Forms (b) and (a) and the DDP hook with kernels="triton" on 2 real
+    ranks: the door's exchange runs the fused kernels and the model trains."""
+    script, out = tmp_path / "doors.py", tmp_path / "doors.json"
+    script.write_text(DOORS)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    horovodrun("gloo", 2, [script, out, tmp_path / "store"], timeout=300, extra_path=TRITON_PATH)
+    found = json.loads(out.read_text())
+    for door in ("b", "a", "ddp"):
+        kind, launches, moved = found[door]
+        assert kind == "TritonSelection" and launches > 0 and moved, (door, found[door])

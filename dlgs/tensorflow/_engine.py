@@ -22,6 +22,7 @@ graph ops.
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import re
 import threading
@@ -72,6 +73,14 @@ def build_tf_configs(
     ``(topology, ranks_per_node)`` (taken out of ``options``): what it
     refuses is refused at construction, naming the option and why (not at the
     first step, inside TensorFlow's error)."""
+    if os.environ.get("HOROVOD_ELASTIC") == "1":  # set by horovodrun for elastic jobs
+        raise ValueError(
+            f"{door} does not run under Horovod Elastic: a reset would restore the model and "
+            "optimizer from hvd.elastic's TensorFlowKerasState but not dlgs' residuals and "
+            "thresholds, which that state does not hold, so ranks would go on from different "
+            "states. Use Horovod's own optimizer or tape for elastic TensorFlow jobs, or dlgs' "
+            "torch forms (docs/options.md, 'Which door has which feature')"
+        )
     options = dict(options)
     topology = (options.pop("topology", "flat"), options.pop("ranks_per_node", None))
     check_topology(*topology)

@@ -223,8 +223,8 @@ FAULT_LAYERS = ("mlp/d1/kernel", "mlp/d2/bias")  # sparse, dense
 def fault_injection():
     """A NaN and an Inf on one rank only, in one sparse layer, then a NaN in a
     dense layer: every controller, momentum correction, a merged group,
-    Horovod's tape with dlgs.tensorflow.Compression, and the tape with a loss
-    scaler whose skipped steps are checked end to end."""
+    Horovod's tape with dlgs.tensorflow.Compression, and the tape and the
+    Compression with a loss scaler whose skipped steps are checked end to end."""
     sparse_layer, dense_layer = FAULT_LAYERS
     # step -> (rank, layer, value)
     faults = {
@@ -241,6 +241,7 @@ def fault_injection():
         "merged": dict(density=0.05),
         "compression": dict(density=0.05),
         "scaler": dict(density=0.05),
+        "compression_scaler": dict(density=0.05),
     }
     steps = 20
     out = {}
@@ -249,18 +250,19 @@ def fault_injection():
         variables = model.trainable_variables
         names = [v.path for v in variables]
         scaler = None
-        if case == "scaler":
+        if case.endswith("scaler"):
             scaler = keras.optimizers.LossScaleOptimizer(
                 keras.optimizers.SGD(0.0), initial_scale=2.0**12
             )
             scaler.build(variables)
         comp = None
-        if case == "compression":
+        if case.startswith("compression"):
             comp = dlgs.tensorflow.Compression(
                 [v.value for v in variables],
                 min_sparse_size=1024,
                 merge="none",
                 name=f"fi.{case}",
+                scaler=scaler,
                 **opts,
             )
         g = np.random.default_rng(11 + hvd.rank())

@@ -696,26 +696,29 @@ def resume_recipe():
 
 class _LoadOnRank1(keras.callbacks.Callback):
     """Saves dlgs' state after batch ``save`` and loads it on rank 1 alone after
-    batch ``load``: a one-rank load after training began (issue 42)."""
+    batch ``load``: a one-rank load after training began (issue 42). ``opt``:
+    a door with ``.dlgs`` or the engine itself."""
 
     def __init__(self, opt, save=2, load=5):
         super().__init__()
         self.opt, self.save, self.load, self.saved = opt, save, load, None
 
     def on_train_batch_end(self, batch, logs=None):
+        engine = getattr(self.opt, "dlgs", self.opt)
         if batch == self.save:  # a copy: the state holds the live variables
-            state = self.opt.dlgs.state_dict()
+            state = engine.state_dict()
             self.saved = tf.nest.map_structure(
                 lambda v: np.array(v) if isinstance(v, (tf.Variable, tf.Tensor)) else v, state
             )
         if batch == self.load and hvd.rank() == 1:
-            self.opt.dlgs.load_state_dict(self.saved)
+            engine.load_state_dict(self.saved)
 
 
 @scenario
 def one_rank_load():
     """Rank 1 alone loads its earlier dlgs state in the middle of model.fit
-    (compiled: the exchange in the graph); every rank goes on, identical."""
+    (compiled: the exchange in the graph), and between steps of the tape's and
+    the Compression form's custom loops; every rank goes on, identical."""
     opt = dlgs.tensorflow.keras.DistributedOptimizer(
         keras.optimizers.SGD(0.05),
         name="one_rank_load",
@@ -742,7 +745,24 @@ def one_rank_load():
         verbose=0,
         callbacks=[_LoadOnRank1(opt), digests],
     )
-    return {"digests": digests.digests, "step": opt.dlgs.exchange.step}
+    out = {"digests": digests.digests, "step": opt.dlgs.exchange.step}
+    # The tape and Horovod's tape with dlgs.tensorflow.Compression: the same
+    # load between steps of a custom loop.
+    for door in ("tape", "compression"):
+        model, name = mlp(4), f"one_rank_load.{door}"
+        opts = dict(density=0.05, min_sparse_size=64, merge="none", name=name)
+        if door == "tape":
+            wrap = dlgs_tape(**opts)
+        else:
+            variables = [v.value for v in model.trainable_variables]
+            wrap = compression_wrap(dlgs.tensorflow.Compression(variables, **opts))
+        opt, loads, found = keras.optimizers.SGD(0.05), _LoadOnRank1(None), []
+        for s in range(9):
+            found += run_loop(model, opt, wrap, 1, start=s)
+            loads.opt = dlgs.tensorflow.exchange(name)  # its .dlgs: the engine itself
+            loads.on_train_batch_end(s)
+        out[door] = {"digests": found, "step": loads.opt.exchange.step}
+    return out
 
 
 @scenario
