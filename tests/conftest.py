@@ -292,6 +292,9 @@ def check_resume_recipe(r0: dict, r1: dict, forms, steps: int) -> None:
 #: with whether it is marked slow: ``python tools/run_tests.py`` estimates the
 #: slow tests' time from them.
 DURATIONS = ROOT / ".pytest_cache" / "dlgs-durations.json"
+#: The slow tests' seconds as last measured on this project's machine, kept in
+#: the repository: what a fresh clone (CI) estimates them from.
+SLOW_DURATIONS = ROOT / "tests" / "slow-durations.json"
 _measured: dict = {}
 
 
@@ -311,6 +314,9 @@ def pytest_sessionfinish(session):
     known.update(_measured)
     DURATIONS.parent.mkdir(exist_ok=True)
     DURATIONS.write_text(json.dumps(known, indent=0, sort_keys=True))
+    slow = {k: round(v["seconds"], 1) for k, v in _measured.items() if v["slow"]}
+    if slow:  # tracked: a fresh clone's estimate (commit it after a run of the slow tests)
+        SLOW_DURATIONS.write_text(json.dumps(slow, indent=0, sort_keys=True) + "\n")
 
 
 def check_door_cells(per_rank) -> None:
