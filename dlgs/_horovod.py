@@ -9,15 +9,12 @@ import sys
 import threading
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from .core._checks import check_int
 from .core.state.consistency import horovod_options
 from .core.transport.topology import node_ranks, several_nodes, strays
 
 __all__ = [
     "EXIT_BARRIER_SECONDS",
-    "TOPOLOGIES",
     "HorovodSet",
-    "check_topology",
     "check_two_level_set",
     "methods_of",
     "node_and_cross_sets",
@@ -25,9 +22,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-#: Values of ``topology``.
-TOPOLOGIES = ("flat", "hierarchical", "auto")
 
 # Class attributes that are not methods to copy into a generated class.
 _NOT_COPIED = {
@@ -119,20 +113,6 @@ class HorovodSet:
 
 
 # -- the two-level exchange's process sets (every framework's Horovod) -----------------
-
-
-def check_topology(topology: Any, ranks_per_node: Any) -> None:
-    """``ValueError``/``TypeError`` naming the option, before anything runs."""
-    if topology not in TOPOLOGIES:
-        raise ValueError(
-            f"topology must be one of {', '.join(map(repr, TOPOLOGIES))}, got {topology!r}"
-        )
-    check_int("ranks_per_node", ranks_per_node, 2, none_ok=True)
-    if ranks_per_node is not None and topology == "flat":
-        raise ValueError(
-            f"ranks_per_node={ranks_per_node!r} applies to topology='hierarchical' or 'auto' "
-            "only; with topology='flat' (the default) leave it unset"
-        )
 
 
 def check_two_level_set(hvd: Any, topology: str, op: Any = None, process_set: Any = None) -> None:

@@ -27,6 +27,8 @@ __all__ = [
     "horovod_scales",
     "warn_float64",
     "check_int",
+    "check_topology",
+    "TOPOLOGIES",
 ]
 
 
@@ -161,3 +163,21 @@ def check_predivide(factor: Any, op: Any, average: Any) -> None:
     check_float("gradient_predivide_factor", factor, low=0, low_open=True)
     if factor != 1.0 and op != average:
         raise ValueError("gradient_predivide_factor is only supported with op=hvd.Average")
+
+
+#: Values of ``topology`` (every door).
+TOPOLOGIES = ("flat", "hierarchical", "auto")
+
+
+def check_topology(topology: Any, ranks_per_node: Any) -> None:
+    """``ValueError``/``TypeError`` naming the option, before anything runs."""
+    if topology not in TOPOLOGIES:
+        raise ValueError(
+            f"topology must be one of {', '.join(map(repr, TOPOLOGIES))}, got {topology!r}"
+        )
+    check_int("ranks_per_node", ranks_per_node, 2, none_ok=True)
+    if ranks_per_node is not None and topology == "flat":
+        raise ValueError(
+            f"ranks_per_node={ranks_per_node!r} applies to topology='hierarchical' or 'auto' "
+            "only; with topology='flat' (the default) leave it unset"
+        )

@@ -84,7 +84,7 @@ print("ok")
 # on a torch.distributed Gloo group of the same ranks): the door's exchange
 # selects with the fused kernels (launches counted) and the model trains.
 DOORS = r"""
-import json, sys, tempfile, torch, torch.distributed as dist, horovod.torch as hvd
+import json, sys, torch, torch.distributed as dist, horovod.torch as hvd
 import torch.nn.functional as F
 import dlgs.torch, dlgs.torch.ddp
 hvd.init()

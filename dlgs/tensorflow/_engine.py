@@ -35,7 +35,8 @@ import numpy as np
 import tensorflow as tf
 
 from .. import _options
-from .._horovod import HorovodSet, check_topology, check_two_level_set, two_levels
+from .._horovod import HorovodSet, check_two_level_set, two_levels
+from .._options import check_topology
 from ..core.engine import Engine as CoreEngine
 from ..core.engine import check_unique_names
 from ._graph import GraphSteps

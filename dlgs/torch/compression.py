@@ -26,8 +26,8 @@ from typing import Any, Dict, List, Optional, Union
 import horovod.torch as hvd
 import torch
 
-from .._horovod import check_topology, check_two_level_set
-from .._options import build_configs, check_log_every
+from .._horovod import check_two_level_set
+from .._options import build_configs, check_log_every, check_topology
 from ..core.config import SparsityConfig
 from ..core.engine import Engine
 from ._amp import check_scaler

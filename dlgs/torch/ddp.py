@@ -23,8 +23,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from .._horovod import check_topology
-from .._options import build_configs, check_log_every
+from .._options import build_configs, check_log_every, check_topology
 from ..core.config import SparsityConfig
 from ..core.engine import Engine
 from ..core.transport.topology import node_ranks, several_nodes, strays
@@ -116,7 +115,8 @@ class ProcessGroupCollectives:
 class ProcessGroupNodeCollectives(ProcessGroupCollectives):
     """:class:`dlgs.core.transport.hierarchical.NodeCollectives` on one node's
     ``torch.distributed`` group: the reduce-scatter averages as the allreduce
-    does (divided first, then summed)."""
+    does (divided first, then summed), dividing its input in place (the
+    two-level exchange's bucket, rewritten every step)."""
 
     def reducescatter_async(self, tensor: torch.Tensor, name: str) -> _Work:
         wire = tensor if tensor.is_contiguous() else tensor.contiguous()
@@ -147,13 +147,13 @@ def _two_levels(
             "default process group (or topology='flat' with a process_group)"
         )
     local = ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+    if topology == "auto" and not several_nodes(size, local):
+        return None  # one node, or the nodes unknown: flat
     if not local:
         raise ValueError(
-            f"topology={topology!r}: give ranks_per_node (LOCAL_WORLD_SIZE is not set: "
+            "topology='hierarchical': give ranks_per_node (LOCAL_WORLD_SIZE is not set: "
             "not launched by torchrun)"
         )
-    if topology == "auto" and not several_nodes(size, local):
-        return None
 
     def make() -> Tuple[Any, Any]:
         nodes, crosses = node_ranks(size, local)

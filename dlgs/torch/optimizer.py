@@ -25,7 +25,7 @@ import torch
 from horovod.torch.optimizer import _DistributedOptimizer
 from torch.autograd import Variable
 
-from .._horovod import check_topology, check_two_level_set, methods_of
+from .._horovod import check_two_level_set, methods_of
 from .._options import (
     build_configs,
     check_int,
@@ -33,6 +33,7 @@ from .._options import (
     check_no_groups,
     check_op,
     check_predivide,
+    check_topology,
     horovod_scales,
 )
 from ..core.config import SparsityConfig
