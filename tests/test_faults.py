@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, List, Tuple
 
 import pytest
@@ -68,7 +69,7 @@ def _elastic(tmp_path, form):
     blacklist's cool-down. Each step's records, by reset."""
     out = tmp_path / form
     out.mkdir()
-    discover = tmp_path / "discover.sh"
+    discover = out / "discover.sh"
     discover.write_text("#!/bin/bash\necho localhost:1\necho 127.0.0.1:1\n")
     discover.chmod(0o755)
     cmd = [
@@ -119,8 +120,12 @@ def test_horovod_elastic_survives_a_failure_and_a_regrow_as_plain_horovod_does(t
     ranks. The same outcome as stock hvd.DistributedOptimizer: the job ends
     well, each reset resumes from the last commit, the ranks of every world
     hold the same parameters after every step, and the last batch is reached."""
-    for form in ("horovod", "b", "a"):
-        records = _elastic(tmp_path, form)
+    forms = ("horovod", "b", "a")
+    # The three jobs run at once: each mostly waits (start-up, the blacklist's
+    # cool-down, host discovery), and each has its own rendezvous and files.
+    with ThreadPoolExecutor(len(forms)) as pool:
+        runs = list(pool.map(lambda form: _elastic(tmp_path, form), forms))
+    for form, records in zip(forms, runs):
         worlds = _worlds(records)
         assert [size for size, _ in worlds] == [2, 1, 2], (form, worlds)
         # The failure hit at batch 14: the survivor goes on from the commit at 12.

@@ -28,7 +28,7 @@ import re
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import horovod.tensorflow as hvd
 import numpy as np
@@ -39,10 +39,12 @@ from .._horovod import HorovodSet, check_two_level_set, two_levels
 from .._options import check_topology
 from ..core.engine import Engine as CoreEngine
 from ..core.engine import check_unique_names
+from ..core.registry import Registry
 from ._graph import GraphSteps
 from ._ops import OPS, _read, as_input
 
 __all__ = [
+    "ENGINES",
     "DlgsAccessors",
     "Engine",
     "HorovodCollectives",
@@ -377,26 +379,10 @@ class Engine(CoreEngine):
         return _to_numpy(super().state_dict())
 
 
-_ENGINES: Dict[str, Tuple[Any, Engine]] = {}
-_ENGINES_LOCK = threading.Lock()
-
-
-def engine_named(name: str, key: Any, make: Callable[[], Engine]) -> Engine:
-    """The engine this process keeps under ``name``, built by ``make`` the
-    first time: objects re-created every step (tapes, compressors) with one
-    name continue one exchange, so residuals, thresholds and the plan persist.
-    ``key`` holds their options; other options under an existing name raise
-    ``ValueError`` (give another model another name)."""
-    with _ENGINES_LOCK:
-        found = _ENGINES.get(name)
-        if found is not None and found[0] != key:
-            raise ValueError(
-                f"a dlgs exchange named {name!r} already exists with other options or "
-                "variables; pass the same options every step, or another name= for another model"
-            )
-        if found is None:
-            found = _ENGINES[name] = (key, make())
-        return found[1]
+#: The engines this process keeps by name: objects re-created every step
+#: (tapes, compressors) with one name continue one exchange, so residuals,
+#: thresholds and the plan persist (``ENGINES.named(name, options, make)``).
+ENGINES: Registry[Engine] = Registry("the first DistributedGradientTape / Compression of that name")
 
 
 def exchange(name: str = "dlgs.tape") -> Engine:
@@ -414,14 +400,7 @@ def exchange(name: str = "dlgs.tape") -> Engine:
     Raises:
         KeyError: nothing was created under ``name`` in this process.
     """
-    with _ENGINES_LOCK:
-        found = _ENGINES.get(name)
-        if found is None:
-            raise KeyError(
-                f"no dlgs exchange named {name!r} in this process (known: {sorted(_ENGINES)}); "
-                "it is created with the first DistributedGradientTape / Compression of that name"
-            )
-        return found[1]
+    return ENGINES[name]
 
 
 class ExchangeState(tf.train.experimental.PythonState):

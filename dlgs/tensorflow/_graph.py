@@ -37,6 +37,7 @@ from typing import Any, Callable, List, Optional
 
 import tensorflow as tf
 
+from ..core.exchange.schedule import DeviceSchedule
 from ._ops import _read, as_input
 
 __all__ = ["GraphSteps", "function"]
@@ -44,11 +45,13 @@ __all__ = ["GraphSteps", "function"]
 logger = logging.getLogger(__name__)
 
 _LOCAL = threading.local()  # the dlgs.tensorflow.function being traced
-_UNLIMITED = 1 << 62  # a budget of -1 (no limit), as the allreduce's minimum sees it
 
 
 class GraphSteps:
-    """The device branch of one engine's exchange (see the module).
+    """The device branch of one engine's exchange (see the module). When it
+    may run is the core's :class:`~dlgs.core.exchange.schedule.DeviceSchedule`
+    (:attr:`schedule`); this class holds the variables the branches read and
+    the traced ops.
 
     Attributes:
         traces: how many times the device branch was traced.
@@ -58,20 +61,13 @@ class GraphSteps:
 
     def __init__(self, engine: Any):
         self._engine = weakref.proxy(engine)
+        self.schedule = DeviceSchedule(self._engine)
         self.traces = 0
         self.host_steps = 0
         self.device_steps = 0
         self._vars: Optional[dict] = None
-        self._retrace: Optional[Callable[[], None]] = None
-        self._asked = -1  # the layout version a retrace was asked for
-        self._stale_logged = -1
         self._listening = False
         self._pulling = False
-        self._traced_version = -1
-        # The step was traced inside a graph at least once: from then on every
-        # host step agrees on the budget (every rank traces the same function
-        # at the same step, so every rank issues that collective alike).
-        self._in_graph = False
 
     # -- the variables ------------------------------------------------------------
     def _variables(self) -> dict:
@@ -87,46 +83,19 @@ class GraphSteps:
         return self._vars
 
     # -- tracing -------------------------------------------------------------------
-    def reason(self, now: bool = True) -> Optional[str]:
-        """Why the next step cannot run on the device (``now=False``: why the
-        device branch cannot be traced for the layout in force), or None:
-        the core decides (:meth:`dlgs.core.engine.Engine.device_reason`)."""
-        return self._engine.device_reason(now)
-
     def step(self, grads: List[tf.Tensor], host: Callable[[], List[tf.Tensor]]) -> List[tf.Tensor]:
         """The traced step's reduced gradients: the ``tf.cond`` of the device
         branch and ``host`` (the ``py_function``), or ``host`` alone when the
-        device branch cannot be traced (:meth:`reason`)."""
-        self._in_graph = True
-        target = getattr(_LOCAL, "retrace", None)
-        model = _keras_model()
-        if target is not None:
-            self._retrace = target
-        elif model is not None:
-            ref = weakref.ref(model)
-
-            def retrace() -> None:
-                found = ref()
-                if found is not None:
-                    found.make_train_function(force=True)
-
-            self._retrace = retrace
-        ex = self._engine.exchange
-        why = self.reason(now=False)
-        if why is not None:
-            logger.debug("dlgs: the exchange stays on the host in this trace: %s", why)
+        device branch cannot be traced (the core's ``DeviceSchedule.trace``)."""
+        self.schedule.on_layout = _retrace_callback() or self.schedule.on_layout
+        version = self.schedule.trace()
+        if version is None:
             return host()
         v = self._variables()
-        version = ex.layout_version
+        ex = self._engine.exchange
         self._listen(ex)
         use = tf.logical_and(tf.equal(v["version"], version), tf.not_equal(v["budget"], 0))
         self.traces += 1
-        self._traced_version = version
-        logger.info(
-            "dlgs: the exchange is traced into the graph (layout %d, %d messages)",
-            version,
-            len(ex.groups),
-        )
         ex.device.keep_buffers()
         return tf.cond(use, lambda: self._device(grads), host)
 
@@ -194,62 +163,36 @@ class GraphSteps:
             self._pulling = False
 
     def after_host_step(self) -> None:
-        """After a host step: how many device steps may follow, for which
-        layout, and a retrace where the layout changed (eager only)."""
+        """After a host step: set what the core's schedule decided (eager only)."""
         self.host_steps += 1
-        engine = self._engine
-        ex = engine.exchange
-        if not self._in_graph or ex.device is None:
-            return  # (no step of the two-level exchange runs on the device: no budget)
-        ex.device.prepare()
-        traceable = self.reason(now=False) is None
-        version = ex.layout_version if traceable else -1
-        # Every rank must take the same branch: the smallest budget of all. A
-        # rank whose next step needs the host, or whose graph is not for its
-        # layout, counts as 0; anchors or log_every may differ between ranks
-        # (e.g. after a resume in which one rank loaded).
-        ready = self.reason() is None and self._traced_version == ex.layout_version
-        budget = self._agree(engine, ex, engine.device_budget() if ready else 0)
-        if traceable:
+        decided = self.schedule.after_host_step()
+        if decided is None:
+            return  # (not traced yet, or the two-level exchange: no device steps)
+        if decided.traceable:
             self._variables()  # eagerly: a trace that creates variables is traced twice
         if self._vars is not None:
-            self._vars["version"].assign(version)
-            self._vars["budget"].assign(budget)
-        # Traced again once the planner has settled this layout (not for each
-        # layout it tries while profiling), whatever the very next step needs.
-        settled = traceable and engine.planner_settled()
-        if settled and self._asked != version and not self._traced_for(version):
-            self._asked = version
-            if self._retrace is not None:
-                logger.info(
-                    "dlgs at step %d: the layout is settled (version %d): the training step "
-                    "is traced again to run the exchange in the graph",
-                    ex.step,
-                    version,
-                )
-                self._retrace()
-            elif self._stale_logged != version:
-                self._stale_logged = version
-                logger.info(
-                    "dlgs at step %d: the layout changed; this tf.function keeps exchanging on "
-                    "the host until it is traced again (trace the step with "
-                    "dlgs.tensorflow.function to do that by itself)",
-                    ex.step,
-                )
+            self._vars["version"].assign(decided.version)
+            self._vars["budget"].assign(decided.budget)
 
-    @staticmethod
-    def _agree(engine: Any, ex: Any, budget: int) -> int:
-        """The smallest ``budget`` over the process set (-1: none), in one
-        eager 1-element allreduce per host step."""
-        comm = engine.comm
-        if comm.size <= 1:
-            return budget
-        local = _UNLIMITED if budget < 0 else budget
-        (agreed,) = comm.allreduce_min([local], f"{ex.prefix}.graph_budget")
-        return -1 if agreed >= _UNLIMITED else agreed
 
-    def _traced_for(self, version: int) -> bool:
-        return self._vars is not None and self._traced_version == version
+def _retrace_callback() -> Optional[Callable[[], None]]:
+    """What traces the step being traced again: the :func:`function` being
+    traced, or ``model.fit``'s ``make_train_function(force=True)``; None for a
+    plain ``tf.function``."""
+    target = getattr(_LOCAL, "retrace", None)
+    if target is not None:
+        return target
+    model = _keras_model()
+    if model is None:
+        return None
+    ref = weakref.ref(model)
+
+    def retrace() -> None:
+        found = ref()
+        if found is not None:
+            found.make_train_function(force=True)
+
+    return retrace
 
 
 def _keras_model() -> Any:
@@ -261,7 +204,7 @@ def _keras_model() -> Any:
         import keras
     except ImportError:  # pragma: no cover - keras comes with the TF adapter
         return None
-    frame = sys._getframe(2)  # noqa: SLF001 - a stack walk, to go (issue 43)
+    frame = sys._getframe(3)  # noqa: SLF001 - a stack walk (Keras passes no model)
     for _ in range(24):
         if frame is None:
             return None

@@ -47,11 +47,11 @@ from .. import _options
 from ..core.config import SparsityConfig
 from ._amp import check_scaler, scale_reader
 from ._engine import (
+    ENGINES,
     Engine,
     HorovodCollectives,
     _shape,
     build_tf_configs,
-    engine_named,
     topology_options,
     variable_name,
 )
@@ -120,7 +120,7 @@ class Compression:
             scaler is not None,
             tuple(variable_name(v) for v in self._variables),
         )
-        self._engine = engine_named(
+        self._engine = ENGINES.named(
             name,
             key,
             lambda: Engine(

@@ -30,11 +30,11 @@ from .._horovod import methods_of
 from ..core.config import SparsityConfig
 from ._amp import check_scaler, scale_reader
 from ._engine import (
+    ENGINES,
     DlgsAccessors,
     Engine,
     HorovodCollectives,
     build_tf_configs,
-    engine_named,
     topology_options,
     variable_name,
 )
@@ -200,7 +200,7 @@ def DistributedGradientTape(
             **two_level,
         )
 
-    engine = engine_named(name, ("tape", key), make)
+    engine = ENGINES.named(name, ("tape", key), make)
     if scaler is not None:
         engine.loss_scale = scale_reader(scaler)  # the scaler of this step
     # DlgsAccessors' own members and the deprecated names it inherits.

@@ -11,6 +11,7 @@ from __future__ import annotations
 import faulthandler
 import json
 import os
+import time
 import traceback
 from pathlib import Path
 from typing import Callable, Dict, Sequence
@@ -32,8 +33,11 @@ def main(argv: Sequence[str], hvd) -> None:
     hvd.init()
     results = {}
     for name in argv[2:]:
+        began = time.perf_counter()
         try:
             results[name] = {"ok": True, "value": SCENARIOS[name]()}
         except Exception:  # recorded for the pytest side, which reports it
             results[name] = {"ok": False, "error": traceback.format_exc()}
+        # Where a launch's time goes (the suite's budget; issue 43).
+        results[name]["seconds"] = round(time.perf_counter() - began, 2)
     (out_dir / f"rank{hvd.rank()}.json").write_text(json.dumps(results))

@@ -160,7 +160,7 @@ def run_one(snippet) -> dict:
         # (the default names included) start new exchanges, as in a new process.
         from dlgs.tensorflow import _engine
 
-        _engine._ENGINES.clear()  # noqa: SLF001 - the registry a new process starts with
+        _engine.ENGINES.clear()  # the registry a new process starts with
     ns = {"__name__": "__snippet__", "np": np}
     exec(compile(prelude, f"<{snippet['harness']} prelude>", "exec"), ns)
     before = _digest(_params(ns))
