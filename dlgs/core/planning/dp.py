@@ -67,7 +67,14 @@ __all__ = [
 
 @dataclass(frozen=True)
 class CostModel:
-    """Time of one collective: ``alpha + beta * nbytes`` seconds.
+    """Time of one collective: ``alpha + beta * nbytes`` seconds, or the least
+    of several such lines where the library picks an algorithm by size.
+
+    ``others``: the ``(alpha, beta)`` of the other algorithms a library
+    chooses between (e.g. NCCL's tree and ring, MPI's recursive doubling and
+    ring; :mod:`~dlgs.core.planning.netmodel`): the collective takes the
+    fastest at each size, so the cost is the lower envelope of the lines.
+    A fitted model has one line.
 
     ``batched``: the latency of a collective that joins a batch Horovod has
     already formed (its background thread negotiates every request that is
@@ -80,6 +87,7 @@ class CostModel:
     alpha: float
     beta: float
     batched: Optional[float] = None
+    others: Tuple[Tuple[float, float], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("alpha", "beta", "batched"):
@@ -88,14 +96,35 @@ class CostModel:
                 continue
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"{name} must be a finite float >= 0, got {v!r}")
+        for line in self.others:
+            if len(line) != 2 or not all(math.isfinite(v) and v >= 0 for v in line):
+                raise ValueError(f"others must hold (alpha, beta) pairs >= 0, got {line!r}")
 
-    def __call__(self, nbytes: float) -> float:
-        return self.alpha + self.beta * nbytes
+    @property
+    def lines(self) -> Tuple[Tuple[float, float], ...]:
+        """Every ``(alpha, beta)`` the collective chooses between."""
+        return ((self.alpha, self.beta),) + tuple(self.others)
+
+    @property
+    def least_alpha(self) -> float:
+        """The smallest latency of any line (a lower bound at every size)."""
+        return min(a for a, _ in self.lines)
+
+    @property
+    def least_beta(self) -> float:
+        """The smallest per-byte cost of any line (a lower bound at every size)."""
+        return min(b for _, b in self.lines)
+
+    def __call__(self, nbytes: Any) -> Any:
+        t = self.alpha + self.beta * nbytes
+        for a, b in self.others:
+            t = np.minimum(t, a + b * nbytes)
+        return t
 
     def in_batch(self, nbytes: float) -> float:
         """Time of a collective of ``nbytes`` that joins a batch already formed."""
         latency = self.alpha if self.batched is None else self.batched
-        return latency + self.beta * nbytes
+        return min([latency + self.beta * nbytes] + [a + b * nbytes for a, b in self.others])
 
 
 def fit_cost_model(sizes: Sequence[float], times: Sequence[float]) -> CostModel:
@@ -379,8 +408,11 @@ def plan_dp(
     # Least link time still needed after prefix j: every remaining layer in its
     # cheaper mode at the bandwidth term, plus one message's latency.
     red = spec.reduction if spec.reduction is not None else ag
-    sparse_beta, least_alpha = min(ag.beta, red.beta), min(ag.alpha, red.alpha, ar.alpha)
-    per_layer = np.minimum(np.where(ok, sparse_beta * np.diff(sb), np.inf), ar.beta * np.diff(db))
+    sparse_beta = min(ag.least_beta, red.least_beta)
+    least_alpha = min(ag.least_alpha, red.least_alpha, ar.least_alpha)
+    per_layer = np.minimum(
+        np.where(ok, sparse_beta * np.diff(sb), np.inf), ar.least_beta * np.diff(db)
+    )
     link_after = np.concatenate((np.cumsum(per_layer[::-1])[::-1] + least_alpha, [0]))
     back_after = back[L] - back
 
@@ -410,7 +442,7 @@ def plan_dp(
         c_s = c0 + b + (sprs[j + 1] - sprs[i]) + gamma * (header + sb[j + 1] - sb[i])
         f_s = np.maximum(f0, c_s) + spec.sparse_link(header + sb[j + 1] - sb[i])
         c_d = c0 + b + np.where(i < j, pack[j + 1] - pack[i], 0.0) + gamma * (db[j + 1] - db[i])
-        f_d = np.maximum(f0, c_d) + (ar.alpha + ar.beta * (db[j + 1] - db[i]))
+        f_d = np.maximum(f0, c_d) + ar(db[j + 1] - db[i])
         c = np.concatenate((c_s[sparse_ok], c_d))
         f = np.concatenate((f_s[sparse_ok], f_d))
         parent = np.concatenate((rows[sparse_ok], rows))

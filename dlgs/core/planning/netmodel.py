@@ -35,6 +35,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from .collectives import scale_cost
 from .dp import CostModel
 
 __all__ = [
@@ -125,8 +126,8 @@ def reduction_cost(allgather: CostModel, world_size: int, width: float = 1.25) -
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
     if not (isinstance(width, (int, float)) and math.isfinite(width) and width > 0):
         raise ValueError(f"width must be a finite float > 0, got {width!r}")
-    batched = None if allgather.batched is None else 2 * allgather.batched
-    return CostModel(2 * allgather.alpha, 2 * width / world_size * allgather.beta, batched)
+    # (Each of the allgather's algorithms, where it has several.)
+    return scale_cost(allgather, 2.0, 2 * width / world_size)
 
 
 @dataclass(frozen=True)

@@ -119,14 +119,27 @@ class Profile:
             raise ValueError(f"layers[].name must be unique, repeated: {dups[:5]}")
         costs: Dict[str, CostModel] = {}
         for key in _COST_FIELDS:
-            _known_fields(key, d[key], ("alpha", "beta", "batched"), optional=("batched",))
+            _known_fields(
+                key, d[key], ("alpha", "beta", "batched", "others"), optional=("batched", "others")
+            )
             for coef in ("alpha", "beta"):
                 _valid(check_float, f"{key}.{coef}", d[key][coef], low=0)
             batched = d[key].get("batched")
             if batched is not None:
                 _valid(check_float, f"{key}.batched", batched, low=0)
                 batched = float(batched)
-            costs[key] = CostModel(float(d[key]["alpha"]), float(d[key]["beta"]), batched)
+            others = d[key].get("others") or ()
+            if not isinstance(others, (list, tuple)):
+                raise ValueError(
+                    f"{key}.others must be a list of [alpha, beta], got {others!r:.60}"
+                )
+            for i, line in enumerate(others):
+                if not isinstance(line, (list, tuple)) or len(line) != 2:
+                    raise ValueError(f"{key}.others[{i}] must be [alpha, beta], got {line!r:.60}")
+                for coef, v in zip(("alpha", "beta"), line):
+                    _valid(check_float, f"{key}.others[{i}].{coef}", v, low=0)
+            lines = tuple((float(a), float(b)) for a, b in others)
+            costs[key] = CostModel(float(d[key]["alpha"]), float(d[key]["beta"]), batched, lines)
         for key in ("allgather", "allreduce"):
             # A free collective makes every plan's predicted time 0 (and the
             # speed-ups a division by zero); no measurement gives one.
