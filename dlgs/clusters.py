@@ -170,3 +170,32 @@ def check_published(figures: Optional[List[Figure]] = None) -> List[Checked]:
             model = f.nbytes / t * factor
         out.append(Checked(f, model, name))
     return out
+
+
+def _size(nbytes: float) -> str:
+    for unit, div in (("GB", 2**30), ("MB", 2**20), ("KB", 2**10)):
+        if nbytes >= div:
+            return f"{nbytes / div:g} {unit}"
+    return f"{nbytes:g} B"
+
+
+def figures_table(checked: Optional[List[Checked]] = None) -> str:
+    """docs/netmodel.md's table of published figures against the model (markdown)."""
+    rows = [
+        "| source | preset | ranks | collective | size | algorithm | published | model | "
+        "deviation |",
+        "|---|---|---:|---|---:|---|---:|---:|---:|",
+    ]
+    for c in checked if checked is not None else check_published():
+        f = c.figure
+        if f.kind == "busbw":
+            pub, mod = f"{f.value / 1e9:.4g} GB/s busbw", f"{c.model / 1e9:.4g} GB/s"
+        else:
+            pub, mod = f"{f.value * 1e6:.3g} us", f"{c.model * 1e6:.3g} us"
+        dev = "calibration" if f.calibration else f"{c.deviation:+.0%}"
+        algo = c.algorithm + ("" if f.algorithm else " (model's choice)")
+        rows.append(
+            f"| {f.source} | {f.preset} | {f.world_size} | {f.collective} | {_size(f.nbytes)} | "
+            f"{algo} | {pub} | {mod} | {dev} |"
+        )
+    return "\n".join(rows)

@@ -38,7 +38,7 @@ import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from dlgs.catalog import (
     DEFAULT_COMPUTE_FLOPS,
@@ -48,7 +48,9 @@ from dlgs.catalog import (
     catalog_model,
     catalog_profile,
 )
+from dlgs.clusters import PRESETS, cluster
 from dlgs.core.config import IndexCoding, SparsityConfig
+from dlgs.core.planning.collectives import Cluster, two_level_costs
 from dlgs.core.planning.dp import STRATEGIES, CostModel, Plan, PlanSpec, plan_strategy, simulate
 from dlgs.core.planning.netmodel import (
     DEFAULT_LATENCY_S,
@@ -69,6 +71,7 @@ __all__ = [
     "main",
     "parse_bandwidth",
     "plan_methods",
+    "plot_efficiency",
     "plot_simulation",
     "simulate_grid",
     "write_csv",
@@ -101,6 +104,7 @@ CSV_FIELDS = (
     "model", "workers", "bandwidth", "bandwidth_bps", "density", "method",
     "predicted_iteration_s", "speedup_vs_dense", "speedup_vs_dense_fused", "messages",
     "sparse_messages", "reduced_messages", "compute_end_s", "exact", "max_group", "max_front",
+    "no_comm_s", "efficiency",
 )  # fmt: skip
 
 
@@ -320,6 +324,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="a saved Profile JSON: measured layers and collectives replace the catalog's",
     )
+    common.add_argument(
+        "--cluster",
+        choices=sorted(PRESETS),
+        default=None,
+        help="price collectives as the cluster's library chooses its algorithms "
+        "(dlgs.clusters, docs/netmodel.md: NCCL's tuning model, ring and tree, two levels) "
+        "instead of the flat ring of --latency; --bandwidth(s) are then per node (default: "
+        "the preset's) and dp-dlgs-hier uses the preset's nodes",
+    )
     common.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
     show = sub.add_parser(
@@ -396,8 +409,9 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument(
         "--bandwidths",
         type=_type(_bandwidth_list),
-        default=_bandwidth_list(_DEFAULT_BANDWIDTHS),
-        help=f"comma-separated link bandwidths (default: {_DEFAULT_BANDWIDTHS})",
+        default=None,
+        help=f"comma-separated link bandwidths (default: {_DEFAULT_BANDWIDTHS}; with "
+        "--cluster, the preset's bandwidth per node)",
     )
     sim.add_argument(
         "--out",
@@ -467,6 +481,34 @@ def _with_network(profile: Profile, workers: int, bps: float, latency_s: float) 
     )
 
 
+def _priced(args: argparse.Namespace, profile: Profile, workers: int, bps: float) -> Profile:
+    """``profile`` with collectives from ``--cluster`` at ``bps`` per node, or
+    else the flat ring of ``--latency`` at ``bps`` per link."""
+    if args.cluster is None:
+        return _with_network(profile, workers, bps, args.latency)
+    c = cluster(args.cluster).with_bandwidth(bps)
+    return replace(
+        profile,
+        world_size=workers,
+        allgather=c.cost("allgather", workers),
+        allreduce=c.cost("allreduce", workers),
+    )
+
+
+def _network(args: argparse.Namespace, workers: int, bps: float) -> str:
+    if args.cluster is None:
+        return (
+            f"ring model: {workers} workers, {format_bandwidth(bps)} links, "
+            f"latency {args.latency * 1e6:g} us per step"
+        )
+    c = cluster(args.cluster)
+    nodes, _ = c.nodes(workers)
+    return (
+        f"cluster {c.name} ({c.library} model, docs/netmodel.md): {workers} ranks on "
+        f"{nodes} node(s) of {c.local}, {format_bandwidth(bps)} per node"
+    )
+
+
 def two_level_profile(
     profile: Profile,
     workers: int,
@@ -476,22 +518,32 @@ def two_level_profile(
     latency_s: float,
     intra_latency_s: float,
     config: SparsityConfig,
+    on: Optional[Cluster] = None,
 ) -> Optional[Profile]:
     """``profile`` as the two-level exchange sees it on nodes of ``local``
     ranks (None unless ``workers`` is at least 2 such nodes): sparse messages
     cost :meth:`~dlgs.core.planning.netmodel.TwoLevels.sparse_cost`, selection
     ``local`` times less (each rank selects a shard); dense ones, and the
-    compute, are as flat."""
+    compute, are as flat. With ``on``, the cluster's collectives
+    (:func:`~dlgs.core.planning.collectives.two_level_costs`) at
+    ``bandwidth_bps`` per node replace the rings of ``intra_bps`` and the
+    latencies."""
     if workers % local or workers // local < 2:
         return None
     big = 10**7
     chunk = plan_layers([big], config.density, config)[0].sparse_bytes
-    net = TwoLevels(workers // local, local, bandwidth_bps, intra_bps, latency_s, intra_latency_s)
+    if on is not None:
+        sparse, dense = two_level_costs(on.with_bandwidth(bandwidth_bps), workers, 4 * big / chunk)
+    else:
+        net = TwoLevels(
+            workers // local, local, bandwidth_bps, intra_bps, latency_s, intra_latency_s
+        )
+        sparse, dense = net.sparse_cost(4 * big / chunk), net.dense_cost()
     sel = profile.sparsify
     return replace(
         profile,
-        allgather=net.sparse_cost(4 * big / chunk),
-        allreduce=net.dense_cost(),
+        allgather=sparse,
+        allreduce=dense,
         sparsify=CostModel(sel.alpha, sel.beta / local, sel.batched),
     )
 
@@ -547,11 +599,8 @@ def _show(args: argparse.Namespace) -> int:
             logger.info("--profile given: ignoring --model %s", args.model)
         if args.bandwidth is not None:
             workers = args.workers if args.workers is not None else profile.world_size
-            profile = _with_network(profile, workers, args.bandwidth, args.latency)
-            network = (
-                f"ring model: {workers} workers, {format_bandwidth(args.bandwidth)} links, "
-                f"latency {args.latency * 1e6:g} us per step"
-            )
+            profile = _priced(args, profile, workers, args.bandwidth)
+            network = _network(args, workers, args.bandwidth)
         else:
             network = (
                 f"fitted collectives at {profile.world_size} workers: allgather "
@@ -563,8 +612,11 @@ def _show(args: argparse.Namespace) -> int:
         source = f"profile {args.profile} ({len(profile.layers)} tensors)"
     else:
         workers = args.workers if args.workers is not None else 8
+        preset = cluster(args.cluster) if args.cluster else None
         bps = args.bandwidth if args.bandwidth is not None else 1e10
-        profile = _catalog(args, args.model, workers, bps)
+        if args.bandwidth is None and preset is not None:
+            bps = preset.inter_bps
+        profile = _priced(args, _catalog(args, args.model, workers, bps), workers, bps)
         model = catalog_model(args.model)
         batch = args.batch if args.batch is not None else model.batch
         source = (
@@ -572,10 +624,7 @@ def _show(args: argparse.Namespace) -> int:
             f"batch {batch} x {model.sample}, compute {args.compute_flops / 1e12:g} TFLOP/s "
             f"(catalog approximation)"
         )
-        network = (
-            f"ring model: {workers} workers, {format_bandwidth(bps)} links, "
-            f"latency {args.latency * 1e6:g} us per step"
-        )
+        network = _network(args, workers, bps)
     config = _config(args)
     # The dense baselines do not depend on the density; auto's plan is its own.
     spec, eligible = build_spec(profile, config, config.density_at(0))
@@ -671,6 +720,14 @@ class SimRow:
     fused_end: float
     max_group: Optional[int]
     max_front: int
+    #: Back-propagation alone, no communication: the bound no method beats.
+    no_comm: float = 0.0
+
+    @property
+    def efficiency(self) -> float:
+        """The no-communication bound over the predicted iteration (1.0: every
+        byte hidden behind back-propagation)."""
+        return self.no_comm / self.plan.end if self.plan.end > 0 else 1.0
 
     def csv_row(self) -> Dict[str, object]:
         """The CSV row (times in seconds)."""
@@ -691,6 +748,8 @@ class SimRow:
             "exact": self.plan.exact,
             "max_group": "none" if self.max_group is None else self.max_group,
             "max_front": self.max_front,
+            "no_comm_s": f"{self.no_comm:.6g}",
+            "efficiency": f"{self.efficiency:.4g}",
         }
 
 
@@ -725,14 +784,16 @@ def simulate_grid(
         t0 = time.perf_counter()
         for p in workers:
             for bps in bandwidths:
-                spec, eligible = build_spec(profiles(model, p, bps), config, config.density)
+                profile = profiles(model, p, bps)
+                spec, eligible = build_spec(profile, config, config.density)
                 reduction = reduction_cost(spec.allgather, p, config.reduce_width)
                 plans = plan_methods(
                     spec, eligible, reduction, max_group=max_group, max_front=max_front
                 )
                 dense, fused = plans["dense"].end, plans["dense-fused"].end
                 methods = list(METHODS)
-                hier = two_level(profiles(model, p, bps), p, bps) if two_level else None
+                no_comm = sum(layer.backward for layer in profile.layers)
+                hier = two_level(profile, p, bps) if two_level else None
                 if hier is not None:
                     spec_h, eligible_h = build_spec(hier, config, config.density)
                     plans["dp-dlgs-hier"] = plan_strategy(
@@ -752,6 +813,7 @@ def simulate_grid(
                             fused_end=fused,
                             max_group=max_group,
                             max_front=max_front,
+                            no_comm=no_comm,
                         )
                     )
             logger.info("%s: %d workers done (%.1f s so far)", model, p, time.perf_counter() - t0)
@@ -791,8 +853,13 @@ def _markdown(
         "",
         f"- model inputs: {source}",
         f"- density {args.density:g}, values {args.value_dtype}, indices "
-        f"{args.index_coding}, ring-step latency "
-        f"{args.latency * 1e6:g} us, compute {args.compute_flops / 1e12:g} TFLOP/s, memory "
+        f"{args.index_coding}, "
+        + (
+            f"ring-step latency {args.latency * 1e6:g} us"
+            if args.cluster is None
+            else f"collectives of cluster {args.cluster}: {cluster(args.cluster).source}"
+        )
+        + f", compute {args.compute_flops / 1e12:g} TFLOP/s, memory "
         f"{args.mem_bw / 1e9:g} GB/s",
         f"- DP: `max_group={args.max_group}`, `max_front={args.max_front}`; planning time per "
         "model (all methods, whole grid): "
@@ -883,6 +950,7 @@ def _markdown(
             cells = {(p, b): r for (m, p, b), r in hier.items() if m == model}
             if cells:
                 lines += _grid(model, bws, cells, ratios)
+    lines += _efficiency(rows, models, bws)
     inexact = sum(1 for r in rows if r.method == "dp-dlgs" and not r.plan.exact)
     total = sum(1 for r in rows if r.method == "dp-dlgs")
     lines += [
@@ -916,6 +984,46 @@ def _markdown(
     return "\n".join(lines)
 
 
+#: The dlgs methods whose best is compared with the bound.
+_DLGS = ("dlgs-layerwise", "dp-dlgs", "dp-dlgs-reduce", "dp-dlgs-hier")
+
+
+def best_dlgs(rows: Sequence[SimRow]) -> Dict[Tuple[str, int, float], SimRow]:
+    """Per ``(model, workers, bandwidth)``: the dlgs method the model finds fastest."""
+    best: Dict[Tuple[str, int, float], SimRow] = {}
+    for r in rows:
+        key = (r.model, r.workers, r.bandwidth_bps)
+        if r.method in _DLGS and (key not in best or r.plan.end < best[key].plan.end):
+            best[key] = r
+    return best
+
+
+def _efficiency(rows: Sequence[SimRow], models: Sequence[str], bws: Sequence[float]) -> List[str]:
+    """Each cell's efficiency against the no-communication bound."""
+    best = best_dlgs(rows)
+    half = {
+        (r.model, r.workers, r.bandwidth_bps): r for r in rows if r.method == "dense-fused-fp16"
+    }
+    lines = [
+        "## Against the no-communication bound",
+        "",
+        "Efficiency: back-propagation alone (no communication, the bound no method beats) over "
+        "the predicted iteration. Each cell: the fastest dlgs method's efficiency (which one) / "
+        "dense-fused-fp16's.",
+        "",
+    ]
+    for model in models:
+        cells = {(p, b): r for (m, p, b), r in best.items() if m == model}
+
+        def cell(r: SimRow) -> str:
+            fp16 = half[r.model, r.workers, r.bandwidth_bps]
+            return f"{r.efficiency:.0%} ({r.method}) / {fp16.efficiency:.0%}"
+
+        if cells:
+            lines += _grid(model, bws, cells, cell)
+    return lines
+
+
 def _grid(
     model: str,
     bws: Sequence[float],
@@ -935,9 +1043,8 @@ def _grid(
     return lines + [""]
 
 
-def plot_simulation(rows: Sequence[SimRow], models: Sequence[str], path: Path, title: str) -> None:
-    """``simulate.png``: speed-up over dense vs workers, one panel per model,
-    one colour per bandwidth; solid dp-dlgs, dashed dense-fused."""
+def _panels(rows: Sequence[SimRow], models: Sequence[str]) -> Tuple[Any, Any, List[float], Any]:
+    """A figure with one panel per model, the bandwidths and a colour for each."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -948,6 +1055,37 @@ def plot_simulation(rows: Sequence[SimRow], models: Sequence[str], path: Path, t
     fig, axes = plt.subplots(nrows, ncols, figsize=(6.0 * ncols, 4.2 * nrows), squeeze=False)
     bws = sorted({r.bandwidth_bps for r in rows})
     colours = plt.get_cmap("viridis")([i / max(1, len(bws) - 1) * 0.85 for i in range(len(bws))])
+    return fig, axes, bws, colours
+
+
+def _line(
+    ax: Any, pts: Sequence[Tuple[float, float]], style: str, colour: Any, marked: bool, label: str
+) -> None:
+    """One series of ``(workers, value)`` points."""
+    xs, ys = [x for x, _ in pts], [y for _, y in pts]
+    ax.plot(xs, ys, style, color=colour, marker="o" if marked else None, ms=3.5, label=label)
+
+
+def _save(fig: Any, axes: Any, used: int, path: Path, title: str, ncol: int) -> None:
+    """Blank the unused panels, add the legend and title, write ``path``."""
+    import matplotlib.pyplot as plt
+
+    for ax in list(axes.flat)[used:]:
+        ax.axis("off")
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(
+        handles, labels, loc="lower center", ncol=min(ncol, len(labels)), fontsize=8, frameon=False
+    )
+    fig.suptitle(title, fontsize=10, wrap=True)
+    fig.tight_layout(rect=(0, 0.07, 1, 0.94))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_simulation(rows: Sequence[SimRow], models: Sequence[str], path: Path, title: str) -> None:
+    """``simulate.png``: speed-up over dense vs workers, one panel per model,
+    one colour per bandwidth; solid dp-dlgs, dashed dense-fused."""
+    fig, axes, bws, colours = _panels(rows, models)
     for ax, model in zip(axes.flat, models):
         for bw, colour in zip(bws, colours):
             styles = (("dp-dlgs", "-"), ("dense-fused", "--"), ("dp-dlgs-hier", ":"))
@@ -959,15 +1097,8 @@ def plot_simulation(rows: Sequence[SimRow], models: Sequence[str], path: Path, t
                 )
                 if not pts:
                     continue
-                label = f"{format_bandwidth(bw)} {method}"
-                ax.plot(
-                    [x for x, _ in pts],
-                    [y for _, y in pts],
-                    style,
-                    color=colour,
-                    marker="o" if method == "dp-dlgs" else None,
-                    ms=3.5,
-                    label=label,
+                _line(
+                    ax, pts, style, colour, method == "dp-dlgs", f"{format_bandwidth(bw)} {method}"
                 )
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.set_xscale("log", base=2)
@@ -976,16 +1107,40 @@ def plot_simulation(rows: Sequence[SimRow], models: Sequence[str], path: Path, t
         ax.set_xlabel("workers")
         ax.set_ylabel("speed-up over dense allreduce (layer-wise)")
         ax.grid(True, which="both", alpha=0.3)
-    for ax in list(axes.flat)[len(models) :]:
-        ax.axis("off")
-    handles, labels = axes.flat[0].get_legend_handles_labels()
-    fig.legend(
-        handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize=8, frameon=False
-    )
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout(rect=(0, 0.07, 1, 0.96))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, axes, len(models), path, title, 4)
+
+
+def plot_efficiency(rows: Sequence[SimRow], models: Sequence[str], path: Path, title: str) -> None:
+    """``efficiency.png``: each method's efficiency against the
+    no-communication bound vs workers, one panel per model, one colour per
+    bandwidth; solid the fastest dlgs method, dashed fp16 dense (fused),
+    dotted fp32 dense (layer-wise)."""
+    fig, axes, bws, colours = _panels(rows, models)
+    best = best_dlgs(rows)
+    for ax, model in zip(axes.flat, models):
+        for bw, colour in zip(bws, colours):
+            series = {
+                "dlgs (fastest)": [r for (m, _, b), r in best.items() if m == model and b == bw],
+                "dense-fused-fp16": [
+                    r
+                    for r in rows
+                    if (r.model, r.bandwidth_bps, r.method) == (model, bw, "dense-fused-fp16")
+                ],
+                "dense": [
+                    r for r in rows if (r.model, r.bandwidth_bps, r.method) == (model, bw, "dense")
+                ],
+            }
+            for (name, found), style in zip(series.items(), ("-", "--", ":")):
+                pts = sorted((r.workers, 100 * r.efficiency) for r in found)
+                if pts:
+                    _line(ax, pts, style, colour, style == "-", f"{format_bandwidth(bw)} {name}")
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(0, 105)
+        ax.set_title(model)
+        ax.set_xlabel("workers")
+        ax.set_ylabel("% of the no-communication bound")
+        ax.grid(True, which="both", alpha=0.3)
+    _save(fig, axes, len(models), path, title, 3)
 
 
 def _simulate(args: argparse.Namespace, command: str) -> int:
@@ -998,22 +1153,24 @@ def _simulate(args: argparse.Namespace, command: str) -> int:
         models = [f"profile:{args.profile.stem}"]
         source = (
             f"profile {args.profile} ({len(base.layers)} tensors; measured compute, "
-            "ring-model collectives)"
+            + ("ring-model" if args.cluster is None else f"cluster {args.cluster}")
+            + " collectives)"
         )
 
         def profiles(model: str, p: int, bps: float) -> Profile:
-            return _with_network(base, p, bps, args.latency)
+            return _priced(args, base, p, bps)
 
     else:
         models = list(dict.fromkeys((args.model or []) + (args.models or [])))
         models = models or list(MODELS)
-        source = (
-            "built-in catalog (`dlgs.catalog`: approximate compute model) and ring "
-            "collectives (`dlgs.core.planning.netmodel`)"
+        source = "built-in catalog (`dlgs.catalog`: approximate compute model) and " + (
+            "ring collectives (`dlgs.core.planning.netmodel`)"
+            if args.cluster is None
+            else f"the {args.cluster} cluster's collectives (`dlgs.clusters`, docs/netmodel.md)"
         )
 
         def profiles(model: str, p: int, bps: float) -> Profile:
-            return _catalog(args, model, p, bps)
+            return _priced(args, _catalog(args, model, p, bps), p, bps)
 
     logger.info(
         "simulating %s x workers %s x bandwidths %s at density %g (dp max_group=%s, max_front=%d)",
@@ -1037,6 +1194,7 @@ def _simulate(args: argparse.Namespace, command: str) -> int:
                 args.latency,
                 args.intra_latency,
                 config,
+                on=cluster(args.cluster) if args.cluster else None,
             )
 
     rows, seconds = simulate_grid(
@@ -1061,10 +1219,23 @@ def _simulate(args: argparse.Namespace, command: str) -> int:
             "predicted speed-up over layer-wise dense allreduce (solid: dp-dlgs, dash-dot: "
             "dp-dlgs-reduce, dashed: "
             + ("dense-fused, dotted: dp-dlgs-hier" if args.ranks_per_node else "dense-fused")
-            + f"); density {args.density:g}, ring-step latency "
-            f"{args.latency * 1e6:g} us, {args.compute_flops / 1e12:g} TFLOP/s",
+            + f"); density {args.density:g}, "
+            + (
+                f"ring-step latency {args.latency * 1e6:g} us"
+                if args.cluster is None
+                else f"cluster {args.cluster} ({cluster(args.cluster).library} model)"
+            )
+            + f", {args.compute_flops / 1e12:g} TFLOP/s",
         )
-        written.append("simulate.png")
+        plot_efficiency(
+            rows,
+            models,
+            args.out / "efficiency.png",
+            "efficiency against the no-communication bound (back-propagation alone); "
+            f"density {args.density:g}"
+            + ("" if args.cluster is None else f", cluster {args.cluster}"),
+        )
+        written += ["simulate.png", "efficiency.png"]
     logger.info("wrote %s to %s", ", ".join(written), args.out)
     print(f"wrote {len(rows)} rows to {args.out / 'simulate.csv'}")
     return 0
@@ -1081,6 +1252,14 @@ def _check_options(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
             parser.error(f"argument --profile: cannot read {args.profile}: {err.strerror or err}")
         except ValueError as err:
             parser.error(f"argument --profile: {args.profile}: {err}")
+    if args.command == "simulate":
+        preset = cluster(args.cluster) if args.cluster else None
+        if args.bandwidths is None:
+            args.bandwidths = [preset.inter_bps] if preset else _bandwidth_list(_DEFAULT_BANDWIDTHS)
+        if preset is not None and args.ranks_per_node is None:
+            args.ranks_per_node = preset.local
+    if args.command == "show" and args.cluster and args.profile and args.bandwidth is None:
+        args.bandwidth = cluster(args.cluster).inter_bps  # the preset's, not the fitted costs
     if args.command != "show":
         if args.density == "auto":
             parser.error("argument --density: 'auto' is for show (simulate sweeps one density)")

@@ -202,3 +202,13 @@ def test_every_published_figure_is_priced_and_calibrations_are_met():
         assert math.isfinite(c.deviation)
         if c.figure.calibration:
             assert abs(c.deviation) < 0.01, c
+
+
+def test_the_docs_table_of_published_figures_is_current():
+    from conftest import ROOT
+
+    from dlgs.clusters import figures_table
+
+    text = (ROOT / "docs" / "netmodel.md").read_text()
+    table = text.split("<!-- figures-table -->\n")[1].split("\n<!-- /figures-table -->")[0]
+    assert table == figures_table()

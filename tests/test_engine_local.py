@@ -262,6 +262,8 @@ def test_describe_answers_in_every_state_with_layer_names():
     # The plan's table names its layers without being told them.
     table = planned.split("first..last")[1].split("layout in force")[0]
     assert "w2" in table or "w1" in table
+    # Which cost model priced it: this job's own probes (issue 44).
+    assert "costs: fitted from this job's probes at 1 ranks" in planned
     assert "re-profiling" in seen["reprofiling"] and "layout in force" in seen["reprofiling"]
     assert "merge='none'" in seen["none"] and "sparse" in seen["none"]
 

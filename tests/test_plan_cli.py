@@ -177,6 +177,39 @@ def test_simulate_predicts_two_levels_where_there_are_two_nodes(tmp_path):
     assert "## Two levels: nodes of 8 ranks" in text and "| 64 |" in text
 
 
+def test_simulate_on_a_cluster_preset_prices_its_librarys_collectives(tmp_path, capsys):
+    """Issue 44: --cluster takes the preset's collectives (NCCL's model), its
+    bandwidth per node and its nodes, and reports efficiency against the
+    no-communication bound, which no row exceeds."""
+    out = tmp_path / "sim"
+    argv = ["simulate", "--cluster", "a100-eth25", "--models", "resnet50", "--workers",
+            "8,64", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    with open(out / "simulate.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert {r["bandwidth"] for r in rows} == {"25gbit"}
+    assert {int(r["workers"]) for r in rows if r["method"] == "dp-dlgs-hier"} == {64}
+    for r in rows:
+        assert 0 < float(r["efficiency"]) <= 1.0 + 1e-12, r
+        end = float(r["predicted_iteration_s"])
+        assert float(r["efficiency"]) == pytest.approx(float(r["no_comm_s"]) / end, rel=1e-3)
+    assert (out / "efficiency.png").stat().st_size > 0
+    text = (out / "simulate.md").read_text()
+    assert "## Against the no-communication bound" in text
+    assert "collectives of cluster a100-eth25" in text
+    # Not the flat ring: at 64 ranks the ring's 126 latencies would dominate small messages.
+    flat = tmp_path / "flat"
+    argv = ["simulate", "--models", "resnet50", "--workers", "64", "--bandwidths", "25gbit",
+            "--out", str(flat), "--no-plot"]  # fmt: skip
+    assert main(argv) == 0
+    with open(flat / "simulate.csv", newline="") as f:
+        ring = {r["method"]: float(r["predicted_iteration_s"]) for r in csv.DictReader(f)}
+    ours = {r["method"]: float(r["predicted_iteration_s"]) for r in rows if r["workers"] == "64"}
+    assert ours["dense"] < ring["dense"]
+    assert main(["show", "--model", "resnet50", "--cluster", "h100-ib400", "--workers", "16"]) == 0
+    assert "cluster h100-ib400 (nccl model" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(
     "args, name",
     [

@@ -422,6 +422,8 @@ class Engine:
                     + ("plan kept" if guard["kept"] else "sending layer by layer")
                 )
             lines.append(p.plan.describe())
+            if p.profile is not None:
+                lines.append(_costs_line(p.profile))
         lines.append("layout in force (backward order):")
         for n, g in enumerate(ex.groups):
             names = [ex.layers[i].name for i in g.members]
@@ -494,3 +496,14 @@ class Engine:
             self._pending_state = state
             return
         self._exchange.load_state_dict(state, like=self._like)
+
+
+def _costs_line(profile: Any) -> str:
+    """Which collective cost model the plan was priced with: the job's own
+    probes, fitted (never a preset's model: docs/netmodel.md)."""
+    ag, ar = profile.allgather, profile.allreduce
+    return (
+        f"costs: fitted from this job's probes at {profile.world_size} ranks: allgather "
+        f"{ag.alpha * 1e6:.1f} us + {ag.beta * 1e9:.3f} ns/B, allreduce {ar.alpha * 1e6:.1f} us "
+        f"+ {ar.beta * 1e9:.3f} ns/B"
+    )
