@@ -519,7 +519,7 @@ def two_level_profile(
     intra_latency_s: float,
     config: SparsityConfig,
     on: Optional[Cluster] = None,
-) -> Optional[Profile]:
+) -> Optional[Tuple[Profile, CostModel]]:
     """``profile`` as the two-level exchange sees it on nodes of ``local``
     ranks (None unless ``workers`` is at least 2 such nodes): sparse messages
     cost :meth:`~dlgs.core.planning.netmodel.TwoLevels.sparse_cost`, selection
@@ -527,25 +527,32 @@ def two_level_profile(
     compute, are as flat. With ``on``, the cluster's collectives
     (:func:`~dlgs.core.planning.collectives.two_level_costs`) at
     ``bandwidth_bps`` per node replace the rings of ``intra_bps`` and the
-    latencies."""
+    latencies. Returned with the cost of a sparse message whose shards go
+    between nodes by the sparse reduction (``config.reduce_width``), which
+    the planner weighs against the allgather (``transport="auto"``)."""
     if workers % local or workers // local < 2:
         return None
     big = 10**7
     chunk = plan_layers([big], config.density, config)[0].sparse_bytes
+    ratio, width = 4 * big / chunk, config.reduce_width
     if on is not None:
-        sparse, dense = two_level_costs(on.with_bandwidth(bandwidth_bps), workers, 4 * big / chunk)
+        sized = on.with_bandwidth(bandwidth_bps)
+        sparse, dense = two_level_costs(sized, workers, ratio)
+        reduced, _ = two_level_costs(sized, workers, ratio, width)
     else:
         net = TwoLevels(
             workers // local, local, bandwidth_bps, intra_bps, latency_s, intra_latency_s
         )
-        sparse, dense = net.sparse_cost(4 * big / chunk), net.dense_cost()
+        sparse, dense = net.sparse_cost(ratio), net.dense_cost()
+        reduced = net.sparse_cost(ratio, width)
     sel = profile.sparsify
-    return replace(
+    priced = replace(
         profile,
         allgather=sparse,
         allreduce=dense,
         sparsify=CostModel(sel.alpha, sel.beta / local, sel.batched),
     )
+    return priced, reduced
 
 
 def plan_methods(
@@ -762,7 +769,9 @@ def simulate_grid(
     *,
     max_group: Optional[int] = None,
     max_front: int = 256,
-    two_level: Optional[Callable[[Profile, int, float], Optional[Profile]]] = None,
+    two_level: Optional[
+        Callable[[Profile, int, float], Optional[Tuple[Profile, CostModel]]]
+    ] = None,
 ) -> Tuple[List[SimRow], Dict[str, float]]:
     """Plan every method for every ``(model, workers, bandwidth)``.
 
@@ -771,9 +780,11 @@ def simulate_grid(
         models, workers, bandwidths: the grid.
         config: sparsity options; its ``density`` is the one planned for.
         max_group, max_front: passed to :func:`~dlgs.core.planning.dp.plan_dp`.
-        two_level: ``(profile, workers, bandwidth_bps) -> profile`` of the two-level exchange
-            (:func:`two_level_profile`), or None where it does not apply: adds
-            the method ``dp-dlgs-hier``.
+        two_level: ``(profile, workers, bandwidth_bps) -> (profile, reduction)`` of
+            the two-level exchange (:func:`two_level_profile`), or None where it
+            does not apply: adds the method ``dp-dlgs-hier`` (each sparse
+            message's shards between nodes by allgather or by the reduction,
+            whichever is faster).
 
     Returns:
         The rows, and the seconds spent planning each model.
@@ -795,9 +806,13 @@ def simulate_grid(
                 no_comm = sum(layer.backward for layer in profile.layers)
                 hier = two_level(profile, p, bps) if two_level else None
                 if hier is not None:
-                    spec_h, eligible_h = build_spec(hier, config, config.density)
+                    spec_h, eligible_h = build_spec(hier[0], config, config.density)
                     plans["dp-dlgs-hier"] = plan_strategy(
-                        spec_h, "dp", eligible=eligible_h, max_group=max_group, max_front=max_front
+                        replace(spec_h, reduction=hier[1]),
+                        "dp",
+                        eligible=eligible_h,
+                        max_group=max_group,
+                        max_front=max_front,
                     )
                     methods.append("dp-dlgs-hier")
                 for method in methods:
@@ -1184,7 +1199,7 @@ def _simulate(args: argparse.Namespace, command: str) -> int:
     two_level = None
     if args.ranks_per_node is not None:
 
-        def two_level(profile: Profile, p: int, bps: float) -> Optional[Profile]:
+        def two_level(profile: Profile, p: int, bps: float) -> Optional[Tuple[Profile, CostModel]]:
             return two_level_profile(
                 profile,
                 p,

@@ -118,6 +118,13 @@ def test_the_two_level_exchange_is_its_collectives_in_turn():
             + node.time("allgather", 8, b / 8)
         )
         assert dense(b) == pytest.approx(dense_want)
+    # With the reduction between nodes: the same node part, the reduction's
+    # cost (from the cross-node allgather) in place of the allgather.
+    reduced, _ = two_level_costs(H100, p, r, 1.25)
+    between = reduction_cost(cross.cost("allgather", 4), 4, 1.25)
+    for c in (1e3, 1e6, 1e8):
+        in_node = node.time("reducescatter", 8, r * c) + node.time("allgather", 8, r * c / 8)
+        assert reduced(c) == pytest.approx(in_node + between(c / 8))
     with pytest.raises(ValueError, match="world_size"):
         two_level_costs(H100, 8, r)
 

@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Dict, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 from .dp import CostModel
 
@@ -316,7 +316,10 @@ def scale_cost(c: CostModel, alpha: float, beta: float) -> CostModel:
 
 
 def two_level_costs(
-    cluster: Cluster, world_size: int, dense_per_chunk_byte: float
+    cluster: Cluster,
+    world_size: int,
+    dense_per_chunk_byte: float,
+    reduce_width: Optional[float] = None,
 ) -> Tuple[CostModel, CostModel]:
     """``(sparse, dense)``: the two-level exchange's messages
     (:mod:`dlgs.core.transport.hierarchical`) on ``cluster``, as
@@ -329,6 +332,10 @@ def two_level_costs(
     * a dense message of ``b`` bytes: the node's reduce-scatter, an
       allreduce of the ``b / L`` shard between nodes (``L`` sharing the
       links), the node's allgather of ``b / L`` per rank.
+
+    With ``reduce_width``, sparse shards travel between nodes by the sparse
+    reduction (:func:`~dlgs.core.planning.netmodel.reduction_cost` of that
+    allgather over the nodes) instead of the allgather.
     """
     nodes, ppn = cluster.nodes(world_size)
     local = int(ppn)
@@ -344,8 +351,11 @@ def two_level_costs(
     scatter, gather = node.cost("reducescatter", local), node.cost("allgather", local)
     cross = replace(cluster, local=1, inter_bps=cluster.inter_bps / local)
     in_node = add_costs(scatter, gather, 1.0 / local)  # of the dense bytes
-    sparse = add_costs(
-        scale_cost(in_node, 1.0, dense_per_chunk_byte), cross.cost("allgather", nodes), 1.0 / local
-    )
+    between = cross.cost("allgather", nodes)
+    if reduce_width is not None:
+        from .netmodel import reduction_cost  # (netmodel imports this module)
+
+        between = reduction_cost(between, nodes, reduce_width)
+    sparse = add_costs(scale_cost(in_node, 1.0, dense_per_chunk_byte), between, 1.0 / local)
     dense = add_costs(in_node, cross.cost("allreduce", nodes), 1.0 / local)
     return sparse, dense

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 from .collectives import scale_cost
 from .dp import CostModel
@@ -153,7 +153,9 @@ class TwoLevels:
         ``2 (L-1) a' + 2 (L-1)/L * 8 b / B'``."""
         return allreduce_cost(self.local, self.intra_bps, self.intra_latency_s)
 
-    def sparse_cost(self, dense_per_chunk_byte: float) -> CostModel:
+    def sparse_cost(
+        self, dense_per_chunk_byte: float, reduce_width: Optional[float] = None
+    ) -> CostModel:
         """The two-level exchange of a sparse message (:mod:`dlgs.core.transport.hierarchical`)
         as a function of the bytes ``c`` of the *flat* chunk of one rank (what
         the planner counts for the whole layers):
@@ -168,13 +170,18 @@ class TwoLevels:
           ``(P-1) a + (P-1) * 8 c / B``: about ``L`` times more across it).
 
         Linear in ``c``, so a :class:`CostModel` the planner can use as a
-        profile's ``allgather``."""
+        profile's ``allgather``. With ``reduce_width``, the shards travel
+        between nodes by the sparse reduction instead
+        (:func:`reduction_cost` of that allgather over the ``N`` nodes): the
+        bytes across a node's link stop growing with ``N``."""
         if not (math.isfinite(dense_per_chunk_byte) and dense_per_chunk_byte > 0):
             raise ValueError(
                 f"dense_per_chunk_byte must be a finite float > 0, got {dense_per_chunk_byte!r}"
             )
         node = self._in_node()
         cross = allgather_cost(self.nodes, self.bandwidth_bps, self.latency_s)
+        if reduce_width is not None:
+            cross = reduction_cost(cross, self.nodes, reduce_width)
         return CostModel(node.alpha + cross.alpha, node.beta * dense_per_chunk_byte + cross.beta)
 
     def dense_cost(self) -> CostModel:
