@@ -5,7 +5,8 @@ per-rank data; each rank writes the digest of its parameters after every
 step, and at density 1.0 those of stock Horovod's optimizer on the same data.
 ``plain``: Horovod started without dynamic process sets (the error must say
 what to add); ``auto``: ``topology="auto"`` (timed; either exchange may be
-chosen). By default a first two-level exchange is built and trained before
+chosen); ``reduce``: the sparse reduction between nodes (``transport="reduce"``,
+issue 44), in both forms. By default a first two-level exchange is built and trained before
 the one recorded: Horovod form (a) (``dlgs.torch.Compression(topology=
 "hierarchical")`` in stock Horovod's optimizer), whose digests are recorded
 too; the optimizer after it reuses its process sets."""
@@ -27,11 +28,13 @@ rank = hvd.rank()
 torch.set_num_threads(1)
 
 
+transport = "reduce" if mode == "reduce" else "allgather"
 dlgs_opt = dlgs_opts(
     density,
     merge="none",
     topology="auto" if mode == "auto" else "hierarchical",
     ranks_per_node=2,
+    transport=transport,
 )
 
 
@@ -44,6 +47,7 @@ def form_a(sgd, model):
         merge="none",
         topology="hierarchical",
         ranks_per_node=2,
+        transport=transport,
     )
     opt = hvd.DistributedOptimizer(
         sgd, named_parameters=model.named_parameters(), compression=compression
@@ -54,7 +58,7 @@ def form_a(sgd, model):
 
 result = {"rank": rank}
 try:
-    if not mode:
+    if mode in ("", "reduce"):
         # A two-level exchange built before (another model, or the same one
         # again, here through form (a)): the next one reuses its process sets
         # (Horovod refuses to add a set twice).
