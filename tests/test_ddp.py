@@ -7,6 +7,8 @@ CPU wheels, so the hook is tested on Gloo only (NCCL needs GPUs).
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from conftest import ROOT, check_door_cells, load_ranks, torchrun, value
@@ -149,7 +151,20 @@ def test_the_docs_ddp_script_runs_under_torchrun(tmp_path, monkeypatch):
     for j, code in enumerate(found):
         script = tmp_path / f"ddp_doc_{j}.py"
         script.write_text(code)
-        torchrun(2, [script], timeout=240, cwd=tmp_path)
+        try:
+            torchrun(2, [script], timeout=240, cwd=tmp_path)
+        except pytest.fail.Exception as err:
+            # Rank 0 aborting as the interpreter exits, after the script's
+            # work ("terminate called without an active exception"): seen in 2
+            # of 4 suite runs on 2026-12-06, never alone (0 of 22). dlgs now frees
+            # its process group before exit (ddp.py, _release_at_exit); until
+            # that is shown to end it, such an abort gets one more run, reported.
+            if "terminate called without an active exception" not in str(err):
+                raise
+            warnings.warn(
+                f"the docs' DDP script aborted at exit; ran it again: {err}", stacklevel=1
+            )
+            torchrun(2, [script], timeout=240, cwd=tmp_path)
         ckpts = [torch.load(tmp_path / f"ckpt.{r}.pt", weights_only=False) for r in (0, 1)]
         for name, tensor in ckpts[0]["model"].items():
             assert torch.equal(tensor, ckpts[1]["model"][name]), f"ranks differ at {name}"

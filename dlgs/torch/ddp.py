@@ -16,8 +16,11 @@ buckets after the first iteration change nothing. See docs/ddp.md.
 
 # No ``from __future__ import annotations``: DDP compares the hook's
 # annotations with the real classes (``dist.GradBucket``, ``Future[Tensor]``).
+import atexit
+import gc
 import logging
 import os
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
@@ -313,7 +316,12 @@ class SparseState:
         if self._saved is not None:
             self.engine.load_state_dict(self._saved)
             self._saved = None
+        _release_at_exit(self)
         return self
+
+    def _release(self) -> None:
+        """Drop the engine and with it dlgs' process group (at interpreter exit)."""
+        self.engine, self._index, self._pending = None, {}, []
 
     @property
     def dlgs(self) -> Engine:
@@ -407,6 +415,24 @@ class SparseState:
             future.set_result(buffer)
         self._pending.clear()
         self.engine.step_done()  # type: ignore[union-attr]
+
+
+def _release_at_exit(state: SparseState) -> None:
+    """Free ``state``'s engine while the interpreter is still whole. dlgs'
+    process group would otherwise be destroyed during interpreter
+    finalization, with the DDP model that holds the state, where Gloo's worker
+    threads may still hold work whose tensors need the GIL, and the process
+    aborts ("terminate called without an active exception"; pytorch/pytorch
+    PR 179291 describes it)."""
+    ref = weakref.ref(state)
+
+    def release() -> None:
+        found = ref()
+        if found is not None:
+            found._release()  # noqa: SLF001 - this module's own state
+            gc.collect()  # the engine's cycles, so the group goes now
+
+    atexit.register(release)
 
 
 def sparse_hook(state: SparseState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
