@@ -19,7 +19,8 @@ from dlgs.core.config import SparsityConfig
 from dlgs.core.planning.dp import plan_dp, plan_strategy, simulate
 from dlgs.core.planning.netmodel import DEFAULT_LATENCY_S, TwoLevels, allgather_cost, allreduce_cost
 from dlgs.core.planning.profile import Profile, build_spec, choose_density
-from dlgs.plan import CSV_FIELDS, METHODS, format_bandwidth, main, parse_bandwidth
+from dlgs.plan import main, parse_bandwidth
+from dlgs.simulation import CSV_FIELDS, METHODS, format_bandwidth
 
 # Parameter counts of the reference implementations (torchvision ResNet-50 and
 # VGG-16, Hugging Face BertModel, PyTorch's word_language_model LSTM 2x200).
