@@ -53,11 +53,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Tuple
 
-from .dp import CostModel
+from .dp import CostModel, add_costs, envelope, scale_cost
+from .netmodel import reduction_cost
 
-__all__ = ["COLLECTIVES", "LIBRARIES", "Cluster", "add_costs", "scale_cost"]
+__all__ = ["COLLECTIVES", "LIBRARIES", "Cluster", "two_level_costs"]
 
 #: What :meth:`Cluster.cost` prices.
 COLLECTIVES = ("allreduce", "allgather", "reducescatter", "alltoall")
@@ -177,13 +178,10 @@ class Cluster:
         ``alltoall``."""
         if collective not in COLLECTIVES:
             raise ValueError(f"collective must be one of {COLLECTIVES}, got {collective!r}")
-        if world_size == 1 or (isinstance(world_size, int) and world_size < 1):
-            self.nodes(world_size)  # (the check)
+        self.nodes(world_size)  # (checks world_size)
+        if world_size == 1:
             return CostModel(0.0, 0.0)
-        lines = self.lines(collective, world_size)
-        best = min(lines.values(), key=lambda ab: (ab[0], ab[1]))
-        others = tuple(ab for ab in lines.values() if ab != best)
-        return CostModel(best[0], best[1], others=others)
+        return envelope(list(self.lines(collective, world_size).values()))
 
     def lines(self, collective: str, world_size: int) -> Dict[str, Tuple[float, float]]:
         """Every algorithm's ``(alpha, beta)`` in seconds and seconds per byte,
@@ -291,30 +289,6 @@ def _mpi(c: Cluster, collective: str, p: int) -> Dict[str, Tuple[float, float]]:
     return out
 
 
-def _envelope(lines: Sequence[Tuple[float, float]]) -> CostModel:
-    """The cost model of ``lines`` without those another beats at every size."""
-    kept = sorted(set(lines))
-    kept = [ab for ab in kept if not any(o != ab and o[0] <= ab[0] and o[1] <= ab[1] for o in kept)]
-    best = min(kept)
-    return CostModel(best[0], best[1], others=tuple(ab for ab in kept if ab != best))
-
-
-def add_costs(a: CostModel, b: CostModel, scale: float = 1.0) -> CostModel:
-    """One collective after the other: ``a(x) + b(scale * x)``. The least of
-    lines plus the least of lines is the least over every pair of them."""
-    if a.batched is not None or b.batched is not None:
-        raise ValueError("add_costs takes models without a batched latency")
-    return _envelope([(a1 + a2, b1 + scale * b2) for a1, b1 in a.lines for a2, b2 in b.lines])
-
-
-def scale_cost(c: CostModel, alpha: float, beta: float) -> CostModel:
-    """Every line's latency times ``alpha`` and per-byte cost times ``beta``."""
-    batched = None if c.batched is None else alpha * c.batched
-    lines = [(alpha * a, beta * b) for a, b in c.lines]
-    out = _envelope(lines)
-    return CostModel(out.alpha, out.beta, batched, out.others)
-
-
 def two_level_costs(
     cluster: Cluster,
     world_size: int,
@@ -353,8 +327,6 @@ def two_level_costs(
     in_node = add_costs(scatter, gather, 1.0 / local)  # of the dense bytes
     between = cross.cost("allgather", nodes)
     if reduce_width is not None:
-        from .netmodel import reduction_cost  # (netmodel imports this module)
-
         between = reduction_cost(between, nodes, reduce_width)
     sparse = add_costs(scale_cost(in_node, 1.0, dense_per_chunk_byte), between, 1.0 / local)
     dense = add_costs(in_node, cross.cost("allreduce", nodes), 1.0 / local)

@@ -52,6 +52,9 @@ import numpy as np
 
 __all__ = [
     "CostModel",
+    "add_costs",
+    "envelope",
+    "scale_cost",
     "LayerCost",
     "PlanGroup",
     "Plan",
@@ -125,6 +128,31 @@ class CostModel:
         """Time of a collective of ``nbytes`` that joins a batch already formed."""
         latency = self.alpha if self.batched is None else self.batched
         return min([latency + self.beta * nbytes] + [a + b * nbytes for a, b in self.others])
+
+
+def envelope(lines: Sequence[Tuple[float, float]]) -> CostModel:
+    """The collective that takes the fastest of ``lines`` (``(alpha, beta)``
+    pairs), without those another beats at every size."""
+    kept = sorted(set(lines))
+    kept = [ab for ab in kept if not any(o != ab and o[0] <= ab[0] and o[1] <= ab[1] for o in kept)]
+    best = min(kept)
+    return CostModel(best[0], best[1], others=tuple(ab for ab in kept if ab != best))
+
+
+def add_costs(a: CostModel, b: CostModel, scale: float = 1.0) -> CostModel:
+    """One collective after the other: ``a(x) + b(scale * x)``. The least of
+    lines plus the least of lines is the least over every pair of them."""
+    if a.batched is not None or b.batched is not None:
+        raise ValueError("add_costs takes models without a batched latency")
+    return envelope([(a1 + a2, b1 + scale * b2) for a1, b1 in a.lines for a2, b2 in b.lines])
+
+
+def scale_cost(c: CostModel, alpha: float, beta: float) -> CostModel:
+    """Every line's latency times ``alpha`` and per-byte cost times ``beta``."""
+    batched = None if c.batched is None else alpha * c.batched
+    lines = [(alpha * a, beta * b) for a, b in c.lines]
+    out = envelope(lines)
+    return CostModel(out.alpha, out.beta, batched, out.others)
 
 
 def fit_cost_model(sizes: Sequence[float], times: Sequence[float]) -> CostModel:

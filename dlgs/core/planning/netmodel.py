@@ -35,8 +35,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from .collectives import scale_cost
-from .dp import CostModel
+from .dp import CostModel, scale_cost
 
 __all__ = [
     "DEFAULT_LATENCY_S",
