@@ -349,7 +349,7 @@ def test_per_layer_densities_fill_the_bound_and_no_layer_can_rise_further(model,
     again = raise_layers(profile, config, layers, plan, choice.bound)
     if again != layers:
         assert plan_at(profile, config, again).end > choice.bound
-    part = [(g.first, g.last, g.sparse) for g in plan.groups]
+    part = plan.partition()
     assert simulate(build_spec(profile, config, again)[0], part).end <= choice.bound
     rungs = sorted(d for d in AUTO_LADDER if choice.density < d < 1.0)
     tried = 0

@@ -112,6 +112,44 @@ def test_several_messages_from_three_ranks_are_unpacked_together_exactly(value_d
                 assert np.array_equal(got, want), (s, rank, sizes[i][0])
 
 
+def test_the_fused_tail_of_small_layers_and_the_sparse_message_around_it_are_exact():
+    """The planner's fused tail (``plan_dp(tail=True)``): the small layers,
+    interleaved with large ones, in one dense message, and the large ones
+    around them in one sparse message; with at most k non-zeros per rank both
+    arrive exactly, on every rank."""
+    sizes = [("w0", 3000), ("b0", 40), ("w1", 2500), ("b1", 16), ("w2", 1200), ("b2", 8)]
+
+    def grads(rank, step):
+        g = np.random.default_rng(1000 * step + rank)
+        out = []
+        for _, n in sizes:
+            x = np.zeros(n, np.float32)
+            if n >= 1024:
+                k = math.ceil(0.05 * n)
+                x[g.choice(n, k, replace=False)] = g.integers(1, 9, k) * g.choice([-1, 1], k)
+            else:
+                x[:] = g.integers(-8, 9, n)
+            out.append(x)
+        return out
+
+    def make(rank, comm):
+        cfg = SparsityConfig(density=0.05, min_sparse_size=1024, controller="topk")
+        ex = SparseExchange(OPS, comm, cfg, sizes, average=False)
+        ex.set_plan([([0, 2, 4], None), ([1, 3, 5], False)])
+        return ex
+
+    def record(rank, ex, out):
+        assert [(g.members, g.sparse) for g in ex.groups] == [([0, 2, 4], True), ([1, 3, 5], False)]
+        return [np.array(out[i]) for i in range(len(sizes))]
+
+    recs = run_steps(LocalWorld(3, average=False), make, grads, 3, record)
+    for s in range(3):
+        expect = [sum(parts) for parts in zip(*(grads(r, s) for r in range(3)))]
+        for rank in range(3):
+            for i, (got, want) in enumerate(zip(recs[rank][s], expect)):
+                assert np.array_equal(got, want), (s, rank, sizes[i][0])
+
+
 @pytest.mark.parametrize("controller", ["dynamic", "topk", "dgc", "fixed"])
 @pytest.mark.parametrize("merged", [False, True])
 @pytest.mark.parametrize("coding", ["auto", "bitmap"])

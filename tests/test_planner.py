@@ -3,6 +3,7 @@ checked against brute force over every partition and every mode."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from dataclasses import replace
@@ -43,10 +44,12 @@ def random_spec(rng: random.Random, L: int) -> PlanSpec:
     )
 
 
-def brute_force(spec: PlanSpec, max_group=None, eligible=None) -> float:
+def brute_force(spec: PlanSpec, max_group=None, eligible=None, tail=True) -> float:
     """Minimum predicted end over every partition into consecutive groups of at
     most ``max_group`` layers and every admissible sparse/dense choice per group
-    (sparse only if all members are ``eligible``; DFS sharing prefixes)."""
+    (sparse only if all members are ``eligible``; DFS sharing prefixes), and
+    with ``tail`` every plan that sends the ineligible layers as one fused
+    message (:func:`brute_force_tail`)."""
     L = len(spec.layers)
     best = math.inf
     width = max_group or L
@@ -75,6 +78,42 @@ def brute_force(spec: PlanSpec, max_group=None, eligible=None) -> float:
                 dfs(j + 1, c2, (f if f > c2 else c2) + link)
 
     dfs(0, 0.0, 0.0)
+    if tail and max_group is None and sum(not e for e in ok) >= 2:
+        best = min(best, brute_force_tail(spec, ok))
+    return best
+
+
+def _partitions(n: int):
+    """Every split of ``0..n-1`` into consecutive runs ``[(first, last), ...]``."""
+    for cuts in itertools.product((False, True), repeat=max(0, n - 1)):
+        runs, first = [], 0
+        for i, cut in enumerate(cuts):
+            if cut:
+                runs.append((first, i))
+                first = i + 1
+        yield runs + [(first, n - 1)]
+
+
+def brute_force_tail(spec: PlanSpec, ok) -> float:
+    """Least end over every plan with the fused tail, written from its
+    definition: every ineligible layer in one dense message; the others in
+    consecutive runs of the model without them, each sparse or dense, and any
+    run of them that meets the tail's place (its last member's) in ready
+    order may join it. Priced by :func:`simulate` (per-message latency)."""
+    small = [i for i, e in enumerate(ok) if not e]
+    # The model's units in ready order: each eligible layer, and the tail where
+    # its last member lies.
+    units = [[i] for i, e in enumerate(ok) if e and i < small[-1]]
+    units += [small] + [[i] for i, e in enumerate(ok) if e and i > small[-1]]
+    best = math.inf
+    for runs in _partitions(len(units)):
+        choices = []
+        for a, b in runs:
+            members = tuple(sorted(i for u in units[a : b + 1] for i in u))
+            modes = [False] + ([True] if all(ok[i] for i in members) else [])
+            choices.append([(members, m) for m in modes])
+        for plan in itertools.product(*choices):
+            best = min(best, simulate(spec, list(plan), batching=False).end)
     return best
 
 
@@ -106,8 +145,8 @@ def test_dp_is_optimal_with_max_group_and_eligibility():
         assert math.isclose(plan.end, expect, rel_tol=1e-12, abs_tol=1e-15), (trial, L)
         assert plan.exact
         for g in plan.groups:
-            assert g.last - g.first < (max_group or L)
-            assert not g.sparse or all(eligible[g.first : g.last + 1])
+            assert max_group is None or g.last - g.first < max_group
+            assert not g.sparse or all(eligible[i] for i in g.members)
 
 
 def test_thinned_dp_is_marked_and_never_worse_than_layer_wise():
@@ -206,24 +245,10 @@ def test_dp_sends_ineligible_layers_only_dense():
         plan = plan_strategy(spec, "dp", eligible=eligible)
         for g in plan.groups:
             if g.sparse:
-                assert all(eligible[g.first : g.last + 1]), (eligible, g)
-        # Still optimal among the plans that respect eligibility (brute force).
-        best = math.inf
-
-        def dfs(i, c, f, L=L, eligible=eligible, spec=spec):
-            nonlocal best
-            if i == L:
-                best = min(best, f)
-                return
-            for j in range(i, L):
-                for sparse in (True, False):
-                    if sparse and not all(eligible[i : j + 1]):
-                        continue
-                    compute, link, _ = spec.group_cost(i, j, sparse)
-                    c2 = c + compute
-                    dfs(j + 1, c2, max(f, c2) + link)
-
-        dfs(0, 0.0, 0.0)
+                assert all(eligible[i] for i in g.members), (eligible, g)
+        # Still optimal among the plans that respect eligibility (brute force),
+        # the fused tail of the ineligible layers included.
+        best = brute_force(spec, None, eligible)
         assert math.isclose(plan.end, best, rel_tol=1e-12, abs_tol=1e-15)
 
 
@@ -323,3 +348,25 @@ def test_the_dp_sends_large_sparse_messages_by_reduction_where_it_is_faster():
             )[0]
             assert g.transport == faster
     assert " reduce " in routed.describe()
+
+
+def test_the_fused_tail_pays_one_latency_for_all_small_layers():
+    # Large layers (sparse-eligible) interleaved with small ones, 5 ms a message.
+    layers = []
+    for i in range(6):
+        layers.append(LayerCost(f"w{i}", 2e-3, 800, 400_000, 1e-4, 1e-5))
+        layers.append(LayerCost(f"b{i}", 1e-5, 4_000, 400, 0.0, 1e-7))
+    cost = CostModel(5e-3, 2e-8)  # a large layer dense: 8 ms more
+    spec = PlanSpec(tuple(layers), allgather=cost, allreduce=cost)
+    eligible = [i % 2 == 0 for i in range(len(layers))]
+    fused = plan_dp(spec, eligible=eligible)
+    apart = plan_dp(spec, eligible=eligible, tail=False)
+    small = tuple(i for i in range(len(layers)) if not eligible[i])
+    tails = [g for g in fused.groups if not g.sparse and set(small) <= set(g.members)]
+    assert len(tails) == 1 and tails[0].layers, fused.describe()
+    # Without the tail every run of small layers pays its own latency.
+    assert not any(g.layers for g in apart.groups)
+    assert fused.end < apart.end - 4 * 5e-3
+    # It prices itself: simulating its groups again gives its times.
+    assert simulate(spec, fused.partition()).end == fused.end
+    assert "b0..b5 (6 of 11 layers)" in fused.describe(tuple(m.name for m in layers))

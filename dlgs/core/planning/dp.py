@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union, cast
 
 import numpy as np
 
@@ -56,6 +56,7 @@ __all__ = [
     "envelope",
     "scale_cost",
     "LayerCost",
+    "Part",
     "PlanGroup",
     "Plan",
     "PlanSpec",
@@ -266,6 +267,9 @@ class PlanGroup:
     end: float  # when its collective ends
     #: How it travels: ``"allreduce"`` (dense), ``"allgather"`` or ``"reduce"``.
     transport: str = ""
+    #: Its members where they are not ``first..last`` (the fused tail of small
+    #: layers, :func:`plan_dp`), else empty.
+    layers: Tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.transport:
@@ -273,7 +277,14 @@ class PlanGroup:
 
     @property
     def members(self) -> List[int]:
-        return list(range(self.first, self.last + 1))
+        return list(self.layers) if self.layers else list(range(self.first, self.last + 1))
+
+    @property
+    def part(self) -> "Part":
+        """This group as :func:`simulate` takes it."""
+        if self.layers:
+            return (tuple(self.layers), self.sparse)
+        return (self.first, self.last, self.sparse)
 
 
 @dataclass(frozen=True)
@@ -296,6 +307,10 @@ class Plan:
     def modes(self) -> List[bool]:
         return [g.sparse for g in self.groups]
 
+    def partition(self) -> List["Part"]:
+        """Its groups as :func:`simulate` takes them (to price it again)."""
+        return [g.part for g in self.groups]
+
     def describe(self, names: Optional[Sequence[str]] = None) -> str:
         """A readable table of the plan and its predicted timeline (times in
         milliseconds from the first gradient; ``bytes``: what one rank sends
@@ -316,14 +331,24 @@ class Plan:
                 label = (
                     names[g.first] if g.first == g.last else f"{names[g.first]}..{names[g.last]}"
                 )
+            if g.layers:  # some of first..last: the fused tail, or layers around it
+                label = f"{label} ({len(g.layers)} of {g.last - g.first + 1} layers)"
             lines.append(
                 f"{n:>4} {f'{g.first}-{g.last}':>11} {_MODES[g.transport]:>6} "
                 f"{g.nbytes:>12} {g.ready * 1e3:>10.3f} {g.start * 1e3:>10.3f} "
                 f"{g.end * 1e3:>10.3f}  {label}"
             )
+        if any(g.layers for g in self.groups):
+            lines.append(
+                "(k of n layers): the small layers (below min_sparse_size) travel in one "
+                "fused message; a group around them skips them"
+            )
         return "\n".join(lines)
 
 
+#: A group as :func:`simulate` takes it: ``(first, last, sparse)`` for layers
+#: ``first..last``, or ``(members, sparse)`` for any set of them (the fused tail).
+Part = Union[Tuple[int, int, bool], Tuple[Tuple[int, ...], bool]]
 Partition = Sequence[Tuple[int, int, bool]]
 
 #: A message's mode in :meth:`Plan.describe`, by transport.
@@ -332,22 +357,27 @@ _MODES = {"allreduce": "dense", "allgather": "sparse", "reduce": "reduce"}
 
 def simulate(
     spec: PlanSpec,
-    partition: Partition,
+    partition: Sequence[Part],
     strategy: str = "custom",
     *,
     exact: bool = True,
     batching: bool = True,
 ) -> Plan:
     """Predicted timeline of a given partition ``[(first, last, sparse), ...]``
-    covering layers ``0..L-1`` in order.
+    covering layers ``0..L-1`` in order; a group may instead be ``(members,
+    sparse)``, any set of layers (the fused tail), and is then ready when its
+    last member has been processed (messages go in the order they are ready).
 
     With ``batching`` (and a cost model that knows ``batched``), a message
     that was ready when the batch in flight was formed -- it waited behind
     the previous message -- joins that batch: Horovod negotiates it in the
     same cycle, so it costs ``CostModel.in_batch`` instead of ``alpha``.
     ``batching=False`` charges every message ``alpha`` (the DP's model)."""
+    if any(len(part) == 2 for part in partition):
+        return _simulate_sets(spec, partition, strategy, exact, batching)
+    runs = cast(Partition, partition)
     expect = 0
-    for first, last, _ in partition:
+    for first, last, _ in runs:
         if first != expect or last < first:
             raise ValueError(
                 f"partition must cover 0..{len(spec.layers) - 1} in order: {partition}"
@@ -358,7 +388,7 @@ def simulate(
     c = f = 0.0
     formed = -math.inf  # when the batch in flight was formed
     groups = []
-    for first, last, sparse in partition:
+    for first, last, sparse in runs:
         compute, link, nbytes = spec.group_cost(first, last, sparse)
         c += compute
         model, transport = spec.sparse_model(nbytes) if sparse else (spec.allreduce, "allreduce")
@@ -372,12 +402,79 @@ def simulate(
     return Plan(tuple(groups), strategy, exact)
 
 
+def _simulate_sets(
+    spec: PlanSpec,
+    partition: Sequence[Part],
+    strategy: str,
+    exact: bool,
+    batching: bool,
+) -> Plan:
+    """:func:`simulate` for groups given as sets of layers (any of them may be
+    ``(first, last, sparse)``): the compute stream processes the layers in
+    ready order, each with its group's stream cost, and a group's message is
+    ready after its last member (its contention charged then)."""
+    L = len(spec.layers)
+    sets: List[Tuple[List[int], bool]] = []
+    for part in partition:
+        if len(part) == 3:
+            first, last, sparse = part  # type: ignore[misc]
+            sets.append((list(range(first, last + 1)), bool(sparse)))
+        else:
+            listed, sparse = part  # type: ignore[misc]
+            sets.append((sorted(int(i) for i in listed), bool(sparse)))
+    flat = [i for members, _ in sets for i in members]
+    if sorted(flat) != list(range(L)) or any(not members for members, _ in sets):
+        raise ValueError(f"partition must cover 0..{L - 1}, each layer once: {partition}")
+    group_of = [0] * L
+    for g, (members, _) in enumerate(sets):
+        for i in members:
+            group_of[i] = g
+    header = spec.sparse_header_bytes
+    sizes = [
+        header + sum(spec.layers[i].sparse_bytes for i in m)
+        if sparse
+        else sum(spec.layers[i].dense_bytes for i in m)
+        for m, sparse in sets
+    ]
+    c = f = 0.0
+    formed = -math.inf
+    groups = []
+    done = 0  # layers processed so far
+    for g in sorted(range(len(sets)), key=lambda g: sets[g][0][-1]):
+        members, sparse = sets[g]
+        for i in range(done, members[-1] + 1):
+            m, (own, own_sparse) = spec.layers[i], sets[group_of[i]]
+            c += m.backward
+            if own_sparse:
+                c += m.sparsify
+            elif len(own) > 1:
+                c += m.pack
+        done = members[-1] + 1
+        nbytes = sizes[g]
+        c += spec.contention * nbytes
+        model, transport = spec.sparse_model(nbytes) if sparse else (spec.allreduce, "allreduce")
+        link = model(nbytes)
+        if batching and model.batched is not None and c <= formed:
+            start = f
+            link = model.in_batch(nbytes)
+        else:
+            start = formed = max(f, c)
+        f = start + link
+        contiguous = members == list(range(members[0], members[-1] + 1))
+        layers = () if contiguous else tuple(members)
+        groups.append(
+            PlanGroup(members[0], members[-1], sparse, nbytes, c, start, f, transport, layers)
+        )
+    return Plan(tuple(groups), strategy, exact)
+
+
 def plan_dp(
     spec: PlanSpec,
     *,
     max_group: Optional[int] = None,
     max_front: int = 256,
     eligible: Optional[Sequence[bool]] = None,
+    tail: bool = True,
 ) -> Plan:
     """The plan that minimises the predicted end of communication.
 
@@ -398,6 +495,17 @@ def plan_dp(
     Pruning that keeps exactness: the best of the layer-wise plans is an upper
     bound ``U`` on the optimum, so a state whose lower bound exceeds ``U`` and a
     group whose cheapest possible completion exceeds ``U`` are never extended.
+
+    With ``tail`` (and no ``max_group``), the layers that may not go sparse
+    (``eligible`` False: those below ``min_sparse_size``) may also travel as
+    one fused dense message, wherever they lie, sent when the last of them is
+    ready, instead of one message per run of them: at scale each message
+    pays a latency that grows with the ranks. The DP prices that choice by
+    the same search over a model in which the small layers are one layer at
+    the position of the last of them (their back-propagation and packing
+    charged where they run), which is exact for every plan with that tail
+    (each of its groups may still take neighbouring large layers, dense);
+    the better of the two searches is the plan.
     """
     if isinstance(max_front, bool) or not isinstance(max_front, int) or max_front < 2:
         raise ValueError(f"max_front must be an int >= 2, got {max_front!r}")
@@ -412,6 +520,61 @@ def plan_dp(
     ok = [bool(e) for e in eligible] if eligible is not None else [True] * L
     if len(ok) != L:
         raise ValueError(f"eligible must have one entry per layer ({L}), got {len(ok)}")
+    partition, exact = _search(spec, ok, width, max_front)
+    # The final choice and its times use the full model (batching included):
+    # the DP's partition, a layer-wise one or (without max_group) one message
+    # for every eligible layer, or the plan with the fused tail, whichever is
+    # predicted to end first (the earlier in this list on a tie).
+    fixed = _layerwise(spec, ok) + ([_all(spec, ok)] if max_group is None else [])
+    candidates = [simulate(spec, part, "dp", exact=exact) for part in fixed]
+    if partition is not None:
+        candidates.insert(0, simulate(spec, partition, "dp", exact=exact))
+    if tail and max_group is None:
+        fused = _with_tail(spec, ok, max_front)
+        if fused is not None:
+            candidates.append(fused)
+    return min(candidates, key=lambda p: p.end)
+
+
+def _with_tail(spec: PlanSpec, ok: Sequence[bool], max_front: int) -> Optional[Plan]:
+    """The best plan in which every ineligible layer travels in one dense
+    message (:func:`plan_dp`'s ``tail``), or None with fewer than two of them."""
+    small = [i for i, e in enumerate(ok) if not e]
+    if len(small) < 2:
+        return None
+    layers: List[LayerCost] = []
+    stands_for: List[List[int]] = []
+    carry = 0.0  # small layers' stream time before the next layer of the model
+    for i, m in enumerate(spec.layers):
+        if ok[i]:
+            layers.append(replace(m, backward=m.backward + carry))
+            stands_for.append([i])
+            carry = 0.0
+            continue
+        carry += m.backward + m.pack  # the tail has several members: packed
+        if i == small[-1]:
+            dense = sum(spec.layers[j].dense_bytes for j in small)
+            layers.append(LayerCost("(small layers)", carry, 0, dense, 0.0, 0.0))
+            stands_for.append(small)
+            carry = 0.0
+    reduced = replace(spec, layers=tuple(layers))
+    eligible = [len(members) == 1 and ok[members[0]] for members in stands_for]
+    partition, exact = _search(reduced, eligible, len(layers), max_front)
+    if partition is None:
+        return None
+    parts = [
+        (tuple(sorted(i for k in range(a, b + 1) for i in stands_for[k])), sparse)
+        for a, b, sparse in partition
+    ]
+    return simulate(spec, parts, "dp", exact=exact)
+
+
+def _search(
+    spec: PlanSpec, ok: Sequence[bool], width: int, max_front: int
+) -> Tuple[Optional[List[Tuple[int, int, bool]]], bool]:
+    """The DP's search (see :func:`plan_dp`): its partition under per-message
+    ``alpha`` (None if the bound pruned every plan) and whether it is exact."""
+    L = len(spec.layers)
     # Layers that may not go sparse (below min_sparse_size: biases, norms, whose
     # updates would otherwise wait in the residual) only enter dense messages;
     # a group may go sparse iff no barred layer lies in it.
@@ -489,15 +652,9 @@ def plan_dp(
             bound = min(
                 bound, _one_message_end(spec, keep, c, f, j + 1, back, sprs, pack, sb, db, barred)
             )
-    # The final choice and its times use the full model (batching included):
-    # the DP's partition, a layer-wise one or (without max_group) one message
-    # for every eligible layer, whichever is predicted to end first.
-    fixed = _layerwise(spec, ok) + ([_all(spec, ok)] if max_group is None else [])
-    candidates = [simulate(spec, part, "dp", exact=exact) for part in fixed]
     if start[L] < start[L + 1]:
-        partition = store.partition(start[L], start[L + 1])
-        candidates.insert(0, simulate(spec, partition, "dp", exact=exact))
-    return min(candidates, key=lambda p: p.end)
+        return store.partition(start[L], start[L + 1]), exact
+    return None, exact
 
 
 def _one_message_end(spec, keep, c, f, j, back, sprs, pack, sb, db, barred) -> float:

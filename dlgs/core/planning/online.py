@@ -47,7 +47,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from .._checks import check_int
 from ..config import MERGE_STRATEGIES, MergeConfig
 from ..exchange.records import StepRecord
-from .dp import CostModel, Plan, fit_cost_model
+from .dp import CostModel, Plan
 from .phases import (
     BATCH,
     Action,
@@ -78,6 +78,7 @@ from .phases import (
     restarted,
     saved,
 )
+from .probefit import fit_probe
 from .profile import DensityChoice, Profile
 
 __all__ = ["OnlinePlanner", "MERGE_STRATEGIES", "guard_verdict"]
@@ -499,7 +500,7 @@ class OnlinePlanner:
     def _probe(self, ex, kind: str, probes: Sequence[int]) -> CostModel:
         ops, comm, clock = ex.ops, ex.comm, ex.clock
         like = ex.like
-        sizes, times = [], []
+        sizes, repeats = [], []
         start = time.perf_counter()
         for nbytes in probes:
             words = nbytes // 4
@@ -517,20 +518,36 @@ class OnlinePlanner:
             self.cost["bytes"] += (self.probe_reps + 1) * words * 4
             self.cost["probe_bytes"] += (self.probe_reps + 1) * words * 4
             sizes.append(float(nbytes))
-            # The minimum: other work on the machine only ever adds time.
-            times.append(min(samples[1:]))
-        model = fit_cost_model(sizes, times)
-        model = replace(model, batched=self._probe_batch(ex, kind, probes[0], times[0], model))
+            repeats.append(samples[1:])
+        fit = fit_probe(sizes, repeats)
+        times = [min(r) for r in repeats]
+        batched = self._probe_batch(ex, kind, probes[0], times[0], fit.model)
+        model = replace(fit.model, batched=batched)
         self.cost["probe_seconds"] += time.perf_counter() - start
-        if model.beta == 0.0:
+        seen = ", ".join(f"{s / 1024:.0f} KiB {t * 1e3:.2f} ms" for s, t in zip(sizes, times))
+        if not fit.seen:
             _log(
                 ex,
-                "dlgs: %s times did not grow with size (%s): the plan treats bytes as free. "
-                "Expected on loopback or shared memory; on a real network the machine was "
-                "busy: profile again later with .dlgs.reprofile() (on the optimizer, tape or "
-                "compression object; one rank is enough)",
+                "dlgs: %s times did not grow with size beyond their noise (%s; noise %.2f ms): "
+                "the probes could not see the link's bandwidth, so the plan prices bytes at "
+                "%.3g ns/B, the most the probes allow (%.3g MB/s). On a slow link the plan "
+                "stays near layer-wise sparse sending; profile again with larger probes by "
+                "raising profile_budget, or .dlgs.reprofile() later (on the optimizer, tape "
+                "or compression object; one rank is enough)",
                 kind,
-                ", ".join(f"{s / 1024:.0f} KiB {t * 1e3:.2f} ms" for s, t in zip(sizes, times)),
+                seen,
+                fit.noise * 1e3,
+                model.beta * 1e9,
+                1e-6 / model.beta if model.beta > 0 else float("inf"),
+                level=logging.WARNING,
+            )
+        elif model.beta == 0.0:
+            _log(
+                ex,
+                "dlgs: %s times did not grow with size (%s), without noise: the plan treats "
+                "bytes as free",
+                kind,
+                seen,
                 level=logging.WARNING,
             )
         return model

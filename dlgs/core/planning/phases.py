@@ -873,7 +873,7 @@ def _fit_link(d: _Decision, measured: float) -> None:
     s = d.state
     assert s.profile is not None and s.plan is not None
     each = ready_densities(d.densities, d.density, _order(d.view, s.profile.layers))
-    part = [(g.first, g.last, g.sparse) for g in s.plan.groups]
+    part = s.plan.partition()
     density = d.density if each is None else each
     profile, fit = fit_link(s.profile, d.view.config, density, part, measured)
     d.set(profile=profile, calibration={**s.calibration, "link": fit["seconds_per_byte"]})

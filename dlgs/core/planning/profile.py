@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 from .._checks import check_float, check_int
 from ..config import SparsityConfig
 from ..wire import per_layer, plan_layers
-from .dp import CostModel, LayerCost, Plan, PlanSpec, plan_strategy, simulate
+from .dp import CostModel, LayerCost, Part, Plan, PlanSpec, plan_strategy, simulate
 from .netmodel import reduction_cost
 
 __all__ = [
@@ -450,7 +450,7 @@ def raise_layers(
     sized = [build_spec(profile, config, d) for d in rungs]
     level = [rungs.index(d) for d in start]
     spec = sized[0][0]
-    part = [(g.first, g.last, g.sparse) for g in plan.groups]
+    part = plan.partition()
     layers = [sized[lv][0].layers[i] for i, lv in enumerate(level)]
     sparse = [i for g in plan.groups if g.sparse for i in g.members]
     changed = True
@@ -513,7 +513,7 @@ def fit_link(
     profile: Profile,
     config: SparsityConfig,
     density: Union[float, Sequence[float]],
-    partition: Sequence[Tuple[int, int, bool]],
+    partition: Sequence[Part],
     measured_end: float,
     tolerance: float = 0.02,
 ) -> Tuple[Profile, Dict[str, float]]:
