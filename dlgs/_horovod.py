@@ -15,6 +15,7 @@ from .core.transport.topology import node_ranks, several_nodes, strays
 __all__ = [
     "EXIT_BARRIER_SECONDS",
     "HorovodSet",
+    "check_dense_dtype",
     "check_two_level_set",
     "methods_of",
     "node_and_cross_sets",
@@ -113,6 +114,17 @@ class HorovodSet:
 
 
 # -- the two-level exchange's process sets (every framework's Horovod) -----------------
+
+
+def check_dense_dtype(config: Any, door: str) -> None:
+    """Horovod 0.28.1 allreduces no bfloat16 tensor: ``dense_dtype="bfloat16"``
+    is refused by name at a Horovod door (``ValueError``)."""
+    if getattr(config.dense_dtype, "value", config.dense_dtype) == "bfloat16":
+        raise ValueError(
+            f"dense_dtype='bfloat16' is not supported by {door}: Horovod 0.28.1 cannot "
+            "allreduce bfloat16 tensors. Use dense_dtype='float16' (or 'float32'), or "
+            "bfloat16 through the DDP hook (dlgs.torch.ddp)"
+        )
 
 
 def check_two_level_set(hvd: Any, topology: str, op: Any = None, process_set: Any = None) -> None:

@@ -231,6 +231,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="dtype of sparse values on the wire (default: float32)",
     )
     common.add_argument(
+        "--dense-dtype",
+        choices=("float32", "float16", "bfloat16"),
+        default="float32",
+        help="dtype of dlgs' dense messages on the wire (default: float32; the "
+        "dense baselines are priced in float32 and, as dense-fused-fp16, in float16)",
+    )
+    common.add_argument(
         "--index-coding",
         choices=[c.value for c in IndexCoding],
         default="auto",
@@ -414,6 +421,7 @@ def _config(args: argparse.Namespace) -> SparsityConfig:
     return SparsityConfig(
         density=args.density,
         value_dtype=args.value_dtype,
+        dense_dtype=args.dense_dtype,
         index_coding=args.index_coding,
         auto_layers=not getattr(args, "no_auto_layers", False),
         reduce_width=args.reduce_width,
@@ -583,11 +591,14 @@ def _show(args: argparse.Namespace) -> int:
             max_front=args.max_front,
         )
         density = f"density {args.density:g}"
-    dense = plan_strategy(spec, "none", eligible=[False] * n)
-    fused = simulate(spec, [(0, n - 1, False)], "dense-fused")
+    # Horovod's dense allreduce sends float32 whatever dlgs' dense_dtype.
+    spec32 = build_spec(profile, replace(config, dense_dtype="float32"), config.density_at(0))[0]
+    dense = plan_strategy(spec32, "none", eligible=[False] * n)
+    fused = simulate(spec32, [(0, n - 1, False)], "dense-fused")
     lines = [
         f"# {source}",
-        f"# {network}; {density}, values {args.value_dtype}, indices {args.index_coding}",
+        f"# {network}; {density}, values {args.value_dtype}, dense {args.dense_dtype}, "
+        f"indices {args.index_coding}",
         *chosen,
         plan.describe(names),
     ]

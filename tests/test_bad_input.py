@@ -155,6 +155,11 @@ TORCH = [
 ]
 # Checked by every door (a SparsityConfig built directly may hold it: the simulator's).
 DOORS = [(dict(reduce_width=2.0), ValueError, ["reduce_width", "transport='reduce'"])]
+# Horovod 0.28.1 allreduces no bfloat16 tensor (the DDP hook takes it).
+HOROVOD_DOORS = [
+    (dict(dense_dtype="bfloat16"), ValueError, ["dense_dtype='bfloat16'", "Horovod 0.28.1"]),
+    (dict(dense_dtype="int8"), ValueError, ["dense_dtype", "'float16'"]),
+]
 
 
 def _ddp_state(**kw):
@@ -168,8 +173,10 @@ TORCH_CASES = [(name, build, *case) for name, build in TORCH for case in SHARED]
     ("torch.DistributedOptimizer", _torch_optimizer, *case)
     for case in OPTIMIZER_ONLY + TORCH_OPTIMIZER_ONLY
 ]
-TORCH_CASES += [("torch.Compression", _torch_compression, *c) for c in TOPOLOGY + DOORS]
-TORCH_CASES += [("torch.DistributedOptimizer", _torch_optimizer, *c) for c in DOORS]
+TORCH_CASES += [
+    ("torch.Compression", _torch_compression, *c) for c in TOPOLOGY + DOORS + HOROVOD_DOORS
+]
+TORCH_CASES += [("torch.DistributedOptimizer", _torch_optimizer, *c) for c in DOORS + HOROVOD_DOORS]
 TORCH_CASES += [("torch.ddp.SparseState", _ddp_state, *c) for c in TOPOLOGY + DOORS]
 
 
@@ -266,6 +273,7 @@ TF_ENTRIES = ["tf.DistributedGradientTape", "keras.DistributedOptimizer", "tf.Co
 TF_ONLY = (
     TOPOLOGY
     + DOORS
+    + HOROVOD_DOORS
     + [
         # At construction, not inside TensorFlow's error at the first step (issue 42).
         (dict(kernels="triton"), ValueError, ["kernels='triton'", "PyTorch"]),

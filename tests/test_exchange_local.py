@@ -713,3 +713,45 @@ def test_a_step_reads_the_device_once_and_an_anchor_step_twice():
     # anchors and checks the layout of its 2 sparse messages: 1 + 1 + 2 per rank.
     per_step = LocalWorld(2).run(body)[0]
     assert per_step == [2 * 4, 2, 2, 2], per_step
+
+
+@pytest.mark.parametrize("dense_dtype", ["float16", "bfloat16"])
+def test_dense_messages_in_a_16_bit_dtype_arrive_exactly_and_in_half_the_bytes(dense_dtype):
+    """``dense_dtype``: dense messages (a layer alone, a merged group, the
+    fused tail) travel 16-bit and come back as float32; small integers are
+    exact in both dtypes and in any order of addition."""
+    if dense_dtype == "bfloat16":
+        pytest.importorskip("ml_dtypes")
+    sizes = [("w0", 3000), ("b0", 40), ("w1", 2500), ("b1", 16), ("w2", 1200), ("b2", 8)]
+
+    def grads(rank, step):
+        g = np.random.default_rng(77 * step + rank)
+        return [g.integers(-8, 9, n).astype(np.float32) for _, n in sizes]
+
+    def make(rank, comm):
+        cfg = SparsityConfig(density=0.05, min_sparse_size=1024, dense_dtype=dense_dtype)
+        ex = SparseExchange(OPS, comm, cfg, sizes, average=False)
+        ex.set_plan([([0], False), ([1, 3, 5], False), ([2, 4], False)])
+        return ex
+
+    def record(rank, ex, out):
+        assert [g.sparse for g in ex.groups] == [False] * 3
+        # What went to the collective: the 16-bit send buffers.
+        assert [str(m.wire.dtype) for m in ex.messages.records] == [dense_dtype] * 3
+        return ex.wire_bytes(), [np.array(out[i], np.float32) for i in range(len(sizes))]
+
+    recs = run_steps(LocalWorld(3, average=False), make, grads, 2, record)
+    for s in range(2):
+        expect = [sum(parts) for parts in zip(*(grads(r, s) for r in range(3)))]
+        for rank in range(3):
+            wire, outs = recs[rank][s]
+            assert wire == 2 * sum(n for _, n in sizes)  # half of float32's bytes
+            for i, (got, want) in enumerate(zip(outs, expect)):
+                assert got.dtype == np.float32
+                assert np.array_equal(got.reshape(-1), want), (s, rank, sizes[i][0])
+
+
+def test_dense_dtype_is_checked():
+    with pytest.raises(ValueError, match="dense_dtype must be one of"):
+        SparsityConfig(dense_dtype="int8")
+    assert SparsityConfig(dense_dtype="float16").to_dict()["dense_dtype"] == "float16"

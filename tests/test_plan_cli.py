@@ -528,3 +528,22 @@ def test_simulate_profile(tmp_path):
     assert {r["model"] for r in rows} == {"profile:lstm"}
     assert len(rows) == 2 * len(METHODS)
     assert not (out / "simulate.png").exists()
+
+
+def test_dense_dtype_halves_dlgs_dense_messages_not_the_baseline(capsys):
+    argv = ["show", "--model", "resnet50", "--workers", "8", "--bandwidth", "10gbit"]
+    baseline, ends, dense_bytes = [], [], []
+    for dtype in ("float32", "float16"):
+        assert main(argv + ["--density", "1.0", "--dense-dtype", dtype]) == 0
+        out = capsys.readouterr().out
+        assert f"dense {dtype}" in out
+        rows = [ln.split() for ln in out.splitlines() if re.match(r"^\s+\d+\s+\d+-\d+\s+dense", ln)]
+        dense_bytes.append(sum(int(r[3]) for r in rows))
+        base = re.search(r"dense allreduce \(layer-wise\):\s+([0-9.]+) ms", out)
+        end = re.search(r"predicted end ([0-9.]+) ms", out)
+        assert base is not None and end is not None
+        baseline.append(float(base.group(1)))
+        ends.append(float(end.group(1)))
+    # Density 1.0: every layer dense, in half the bytes; Horovod's baseline stays float32.
+    assert dense_bytes[1] * 2 == dense_bytes[0]
+    assert baseline[0] == baseline[1] and ends[1] < ends[0]

@@ -347,6 +347,7 @@ def test_tf_both_forms_match_the_reference_with_plans_and_flushes(ranks, request
 def test_tf_density_one_equals_horovod_allreduce(ranks):
     r0, r1 = value(ranks, "dense_equivalence")
     forms = ("tape_eager", "tape_function", "tape_reduce", "compression", "keras_sgd", "keras_adam")
+    forms += ("fp16_eager", "fp16_function")  # dense_dtype="float16" against Compression.fp16
     for form in forms:
         for r, v in enumerate((r0, r1)):
             assert v[form]["max_diff"] <= 1e-6, f"rank {r} {form}: {v[form]['max_diff']}"
@@ -522,8 +523,9 @@ def test_tf_resume_recipe_rank0_restores_and_ranks_stay_identical(ranks):
 def test_tf_door_cells_train_with_ranks_identical(ranks):
     """The door x feature cells of docs/options.md that only these runs cover:
     the tape with transport="auto" and density="auto"; Keras with the
-    reduction and density="auto"; Compression with the reduction, momentum
-    correction, a dp plan and density="auto". Each trains 14 steps with every
+    reduction, density="auto" and float16 dense messages; Compression with the
+    reduction, momentum correction, a dp plan, density="auto" and float16 dense
+    messages. Each trains 14 steps with every
     rank's parameters the same after every step, and shows its feature."""
     r0, r1 = gloo_value(ranks, "door_cells")
     for cell, rec in r0.items():
@@ -536,3 +538,6 @@ def test_tf_door_cells_train_with_ranks_identical(ranks):
     assert r0["compression.dp"]["planned"]
     for cell in ("tape.density_auto", "keras.density_auto", "compression.density_auto"):
         assert r0[cell]["choice"] is not None and r0[cell]["planned"], cell
+    for cell in ("keras.dense_fp16", "compression.dense_fp16"):
+        assert r0[cell]["dense_wire"] == ["float16"], cell
+    assert r0["keras.reduce"]["dense_wire"] == ["float32"]

@@ -161,6 +161,17 @@ class SparsityConfig:
             keeps 11 bits of mantissa but tops out at 65504 (larger values are
             sent clipped, the rest waits in the residual); bfloat16 keeps
             float32's range with 8 bits of mantissa.
+        dense_dtype: ``"float32"`` (default), ``"float16"`` or ``"bfloat16"``:
+            the dtype of dense messages on the wire (layers below
+            ``min_sparse_size``, layers the merge plan sends dense, the fused
+            tail), cast back to float32 on arrival. A 16-bit dtype halves
+            their bytes, which the planner prices; unlike ``value_dtype`` the
+            rounding is not fed back (dense layers keep no residual), as with
+            Horovod's ``Compression.fp16``. float16 tops out at 65504 and its
+            sum over the ranks may overflow to inf (a loss scaler then skips
+            the step on every rank); bfloat16 has float32's range but 8 bits
+            of mantissa, and Horovod 0.28.1 cannot allreduce it (the DDP hook
+            only).
         index_coding: ``"auto"`` (default), ``"int32"``, ``"block16"`` or
             ``"bitmap"``, see :class:`IndexCoding`. ``auto`` sends about 2
             bytes per index instead of 4 (less than 2 above density 1/15, as a
@@ -220,6 +231,7 @@ class SparsityConfig:
     warmup: Tuple[float, ...] = field(default_factory=tuple)
     warmup_steps: int = 0
     value_dtype: ValueDType = ValueDType.FLOAT32
+    dense_dtype: ValueDType = ValueDType.FLOAT32
     index_coding: IndexCoding = IndexCoding.AUTO
     kernels: str = "auto"
     transport: str = "allgather"
@@ -239,6 +251,9 @@ class SparsityConfig:
         object.__setattr__(self, "controller", _member(Controller, "controller", self.controller))
         object.__setattr__(
             self, "value_dtype", _member(ValueDType, "value_dtype", self.value_dtype)
+        )
+        object.__setattr__(
+            self, "dense_dtype", _member(ValueDType, "dense_dtype", self.dense_dtype)
         )
         object.__setattr__(
             self, "index_coding", _member(IndexCoding, "index_coding", self.index_coding)
@@ -328,6 +343,7 @@ class SparsityConfig:
         d = asdict(self)
         d["controller"] = self.controller.value
         d["value_dtype"] = self.value_dtype.value
+        d["dense_dtype"] = self.dense_dtype.value
         d["index_coding"] = self.index_coding.value
         d["warmup"] = list(self.warmup)
         return d

@@ -47,6 +47,7 @@ from .config import IndexCoding, SparsityConfig, ValueDType
 
 __all__ = [
     "BLOCK",
+    "dense_itemsize",
     "DevicePart",
     "GroupLayout",
     "LayoutMismatchError",
@@ -701,7 +702,12 @@ def plan_layers(
         # Sparse only where its message (less the count word) beats the dense one.
         sparse = (
             n >= config.min_sparse_size
-            and member_bytes(n, cap, config.value_dtype, coding) - 4 < 4 * n
+            and member_bytes(n, cap, config.value_dtype, coding) - 4 < dense_itemsize(config) * n
         )
         plans.append(LayerPlan(n, k, cap, sparse, config.value_dtype, coding))
     return plans
+
+
+def dense_itemsize(config: SparsityConfig) -> int:
+    """Bytes per element of a dense message (``SparsityConfig.dense_dtype``)."""
+    return 4 if config.dense_dtype is ValueDType.FLOAT32 else 2

@@ -35,7 +35,7 @@ import numpy as np
 import tensorflow as tf
 
 from .. import _options
-from .._horovod import HorovodSet, check_two_level_set, two_levels
+from .._horovod import HorovodSet, check_dense_dtype, check_two_level_set, two_levels
 from .._options import check_topology
 from ..core.engine import Engine as CoreEngine
 from ..core.engine import check_unique_names
@@ -88,6 +88,7 @@ def build_tf_configs(
     topology = (options.pop("topology", "flat"), options.pop("ranks_per_node", None))
     check_topology(*topology)
     cfg, planner = _options.build_configs(config, density, merge, options, door=door)
+    check_dense_dtype(cfg, door)
     if cfg.kernels == "triton":
         raise ValueError(
             "kernels='triton' is for PyTorch tensors; TensorFlow uses kernels='auto' or 'torch'"

@@ -26,7 +26,7 @@ from typing import Any, Dict, List, Optional, Union
 import horovod.torch as hvd
 import torch
 
-from .._horovod import check_two_level_set
+from .._horovod import check_dense_dtype, check_two_level_set
 from .._options import build_configs, check_log_every, check_topology
 from ..core.config import SparsityConfig
 from ..core.engine import Engine
@@ -85,6 +85,8 @@ class Compression:
         check_topology(topology, ranks_per_node)
         check_two_level_set(hvd, topology, process_set=process_set)  # op: the optimizer's
         cfg, planner = build_configs(config, density, merge, options, door="dlgs.torch.Compression")
+        check_dense_dtype(cfg, "dlgs.torch.Compression")
+        self._dense_dtype = torch.float16 if cfg.dense_dtype.value == "float16" else torch.float32
         params = named_trainable(named_parameters)
         if not params:
             raise ValueError("named_parameters contains no parameter that requires grad")
@@ -229,8 +231,9 @@ class Compression:
         i = self._lookup(tensor)
         sent = self._exchange.submit(i, tensor)
         if sent is not None:
-            # Dense layer: Horovod allreduces it (with any flushed residual added).
-            wire = sent.float() if sent.dtype == torch.bfloat16 else sent
+            # Dense layer: Horovod allreduces it (with any flushed residual
+            # added), in dense_dtype; decompress() casts it back.
+            wire = sent.to(self._dense_dtype)
             return wire, ("dense", i, tensor)
         dummy = self._dummies[i].fill_(1.0)
         return dummy, ("sparse", i, tensor)

@@ -25,7 +25,7 @@ import torch
 from horovod.torch.optimizer import _DistributedOptimizer
 from torch.autograd import Variable
 
-from .._horovod import check_two_level_set, methods_of
+from .._horovod import check_dense_dtype, check_two_level_set, methods_of
 from .._options import (
     build_configs,
     check_int,
@@ -346,6 +346,7 @@ def DistributedOptimizer(
     check_topology(topology, ranks_per_node)
     check_two_level_set(hvd, topology, op, process_set)
     cfg, planner = build_configs(config, density, merge, options)
+    check_dense_dtype(cfg, "dlgs.torch.DistributedOptimizer")
     if not cfg.auto and cfg.density == 1.0 and not cfg.warmup:
         topology = "flat"  # every layer dense: Horovod's own allreduce, bit for bit
     methods = methods_of(_SparseOverrides)

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from scenarios import main, scenario  # tests/parallel, the script's own folder
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch_common import (
     DOOR_CELLS,
@@ -112,6 +113,21 @@ def dot_ddp(seed: int, hidden: int = 128) -> DDP:
     return DDP(_Dot(mlp(seed, hidden)), bucket_cap_mb=0.01)
 
 
+def _bf16_reference_hook(state, bucket):
+    """DDP's ``bf16_compress_hook`` (torch/distributed/algorithms/ddp_comm_hooks/
+    default_hooks.py), which DDP refuses to register without CUDA: the bucket
+    cast to bfloat16 and divided, summed, cast back into the bucket."""
+    buffer = bucket.buffer()
+    wire = buffer.to(torch.bfloat16).div_(dist.get_world_size())
+    fut = dist.all_reduce(wire, async_op=True).get_future()
+
+    def back(fut):
+        buffer.copy_(fut.value()[0])
+        return buffer
+
+    return fut.then(back)
+
+
 # -- scenarios ----------------------------------------------------------------
 
 
@@ -127,6 +143,19 @@ def dense_equals_ddp():
         hooked(model, density=1.0)
         mine = train(model, sgd(model), 5, passes=passes)
         out[f"passes{passes}"] = {"plain": base, "hook": mine}
+    # dense_dtype: DDP's own fp16 compression hook, bit for bit, and its bf16
+    # one (which DDP registers on CUDA only) as written in the reference hook.
+    for dtype, builtin in (
+        ("float16", default_hooks.fp16_compress_hook),
+        ("bfloat16", _bf16_reference_hook),
+    ):
+        plain = ddp()
+        plain.register_comm_hook(None, builtin)
+        base = train(plain, sgd(plain), 5)
+        model = ddp()
+        hooked(model, density=1.0, dense_dtype=dtype)
+        mine = train(model, sgd(model), 5)
+        out[dtype] = {"plain": base, "hook": mine}
     return out
 
 

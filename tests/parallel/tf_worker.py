@@ -207,6 +207,24 @@ def dense_equivalence():
             "digests": digests,
         }
     out["reference"] = {"digests": ref}
+    # dense_dtype="float16": Horovod's tape with Compression.fp16, bit for bit.
+    ref_model = mlp(1)
+
+    def hvd_fp16(tape, model):
+        return (
+            hvd.DistributedGradientTape(tape, compression=hvd.Compression.fp16),
+            [v.value for v in model.trainable_variables],
+        )
+
+    run_loop(ref_model, keras.optimizers.SGD(0.1), hvd_fp16, steps)
+    for form, function in (("fp16_eager", False), ("fp16_function", True)):
+        model = mlp(1)
+        wrap = dlgs_tape(density=1.0, dense_dtype="float16", name=f"de.{form}")
+        digests = run_loop(model, keras.optimizers.SGD(0.1), wrap, steps, function=function)
+        out[form] = {
+            "max_diff": float(np.abs(flat(model) - flat(ref_model)).max()),
+            "digests": digests,
+        }
     return out
 
 
@@ -317,6 +335,11 @@ TF_DOOR_CELLS = {
     "compression.momentum": ("compression", dict(density=0.05, momentum=0.9, merge="none")),
     "compression.dp": ("compression", dict(density=0.05, merge="dp", profile_steps=2)),
     "compression.density_auto": ("compression", _AUTO_DENSITY),
+    "keras.dense_fp16": ("keras", dict(density=0.05, dense_dtype="float16", merge="none")),
+    "compression.dense_fp16": (
+        "compression",
+        dict(density=0.05, dense_dtype="float16", merge="none"),
+    ),
 }
 
 
@@ -348,6 +371,14 @@ def door_cells():
             "choice": None if choice is None else choice.density,
             "planned": engine.planner.plan is not None,
             "velocities": sum(1 for la in engine.exchange.layers if la.velocity is not None),
+            # What dense messages hand the allreduce: their send buffers' dtype.
+            "dense_wire": sorted(
+                {
+                    "float32" if m.wire is None else m.wire.dtype.name
+                    for m in engine.exchange.messages.records
+                    if not m.sparse
+                }
+            ),
         }
     return out
 

@@ -115,6 +115,30 @@ def dense_equivalence():
     diff = (flat_params(model) - flat_params(ref_model)).abs().max().item()
     out["sgd/momentum_correction"] = {"max_diff": diff, "digests": digests}
     out["sgd/momentum_reference"] = {"digests": ref_digests}
+    # dense_dtype="float16": the same as Horovod's Compression.fp16, both forms.
+    ref_model = mlp(0)
+    ref = hvd.DistributedOptimizer(
+        base_opt("sgd", ref_model),
+        named_parameters=ref_model.named_parameters(),
+        compression=hvd.Compression.fp16,
+    )
+    ref_digests = train(ref_model, ref, 5)
+    for form in ("optimizer", "compression"):
+        model = mlp(0)
+        half = dict(density=1.0, dense_dtype="float16")
+        if form == "optimizer":
+            opt = dlgs.torch.DistributedOptimizer(
+                base_opt("sgd", model), named_parameters=model.named_parameters(), **half
+            )
+        else:
+            comp = dlgs.torch.Compression(model.named_parameters(), **half)
+            opt = hvd.DistributedOptimizer(
+                base_opt("sgd", model), named_parameters=model.named_parameters(), compression=comp
+            )
+        digests = train(model, opt, 5)
+        diff = (flat_params(model) - flat_params(ref_model)).abs().max().item()
+        out[f"fp16_dense/{form}"] = {"max_diff": diff, "digests": digests}
+    out["fp16_dense/reference"] = {"digests": ref_digests}
     return out
 
 

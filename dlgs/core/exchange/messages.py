@@ -20,7 +20,7 @@ from ..planning.layout import MessageSpec, plan_messages
 from ..selection.bank import ControllerBank
 from ..selection.select import FusedSelection
 from ..transport.flat import Transport
-from ..wire import LayerPlan, plan_layers
+from ..wire import LayerPlan, dense_itemsize, plan_layers
 from .records import LayerRecord, MessageRecord
 from .sending import LayerSender
 from .views import MessageInfo
@@ -98,19 +98,25 @@ class Messages:
     def add_dense(
         self, ops: ArrayOps, comm: Any, message: MessageRecord, i: int, grad: Any
     ) -> None:
-        """Layer ``i``'s dense gradient into ``message``: its allreduce starts
-        once every member is in (at once for a layer alone)."""
-        if len(message.members) == 1:
+        """Layer ``i``'s dense gradient into ``message`` (cast to its 16-bit
+        send buffer where it has one): its allreduce starts once every member
+        is in (at once for a layer alone)."""
+        send = message.dense if message.wire is None else message.wire
+        if send is None:  # float32, alone: the gradient itself
             message.handle = comm.allreduce_async(grad, message.name)
             return
-        ops.copy_(ops.narrow(message.dense, 0, self.offsets[i], ops.numel(grad)), grad)
+        ops.copy_(ops.narrow(send, 0, self.offsets[i], ops.numel(grad)), grad)
         if self.arrived(message):
-            message.handle = comm.allreduce_async(message.dense, message.name)
+            message.handle = comm.allreduce_async(send, message.name)
 
     @staticmethod
     def reduced_dense(ops: ArrayOps, comm: Any, message: MessageRecord, scale: Any) -> Any:
-        """A dense message's allreduced tensor (times ``scale``, unless None)."""
+        """A dense message's allreduced tensor, in float32 (times ``scale``,
+        unless None)."""
         reduced = comm.synchronize(message.handle)
+        if message.wire is not None:
+            ops.copy_(message.dense, reduced)
+            reduced = message.dense
         return reduced if scale is None else ops.mul(reduced, scale)
 
     def members_of(
@@ -151,9 +157,11 @@ def lay_out(
     kernels: Optional[FusedSelection],
     like: Any,
     version: int,
+    dense_dtype: str = "float32",
 ) -> Messages:
     """Allocate what ``specs`` need (buffers a layer has are kept) and lay
-    the transport's receive buffers out for their sparse messages."""
+    the transport's receive buffers out for their sparse messages; dense
+    messages get a send buffer of ``dense_dtype`` where it is 16-bit."""
     for layer in layers:
         layer.views.clear()
     sparse_layers = {i for m in specs if m.sparse for i in m.members}
@@ -189,8 +197,10 @@ def lay_out(
             message.member_views = [
                 layout.member_views(ops, message.chunk, m) for m in range(len(members))
             ]
-        elif len(members) > 1:
+        elif len(members) > 1 or dense_dtype != "float32":
             message.dense = ops.zeros(spec.size, "float32", like)
+            if dense_dtype != "float32":
+                message.wire = ops.zeros(spec.size, dense_dtype, like)
         for m, i in enumerate(members):
             layers[i].group, layers[i].member = gi, m
             if not spec.sparse:
@@ -205,10 +215,11 @@ def lay_out(
     members = [i for m in sparse for i in m.members]
     modes = tuple(i in sparse_layers for i in range(len(layers)))
     bank = bank_of(ops, controller, layers, members)
+    itemsize = dense_itemsize(config)
     sizes = [
         transport.message_bytes(m.layout)
         if m.layout is not None
-        else 4 * sum(layers[i].numel for i in m.members)
+        else itemsize * sum(layers[i].numel for i in m.members)
         for m in records
     ]
     return Messages(records, members, offsets, modes, bank, version, sizes)
@@ -258,4 +269,6 @@ def lay_out_plan(
         sender.kernels,
         like,
         version,
+        # The caller reduces dense layers itself (and casts them): no buffer.
+        "float32" if dense_alone else config.dense_dtype.value,
     )

@@ -111,6 +111,7 @@ class MessageRecord:
         "layout",
         "chunk",
         "dense",
+        "wire",
         "ready",
         "handle",
         "verified",
@@ -127,6 +128,9 @@ class MessageRecord:
         self.layout: Optional[GroupLayout] = None
         self.chunk: Any = None  # sparse: int32 send buffer
         self.dense: Any = None  # dense with > 1 member: the send buffer
+        # dense in a 16-bit dense_dtype: the send buffer (``dense`` then
+        # receives the float32 result, for one member too).
+        self.wire: Any = None
         self.ready = 0
         self.handle: Any = None
         self.verified = False

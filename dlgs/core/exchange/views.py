@@ -14,7 +14,7 @@ import logging
 from types import MappingProxyType
 from typing import Any, Dict, List, Mapping, Optional
 
-from ..wire import GroupLayout, LayerPlan
+from ..wire import GroupLayout, LayerPlan, dense_itemsize
 
 __all__ = ["LayerInfo", "MessageInfo", "layer_stats", "log_stats"]
 
@@ -143,6 +143,7 @@ def layer_stats(exchange: Any) -> List[Dict[str, Any]]:
     from the exchange's views (reads the counts and thresholds on the host)."""
     ops = exchange.ops
     rows = []
+    itemsize = dense_itemsize(exchange.config)
     for layer in exchange.layers:
         plan = layer.plan
         if plan is None:
@@ -155,8 +156,8 @@ def layer_stats(exchange: Any) -> List[Dict[str, Any]]:
             "k": plan.k,
             "capacity": plan.capacity,
             # This rank's contribution: count word, values and indices, or the
-            # float32 gradient (before any Horovod compression of dense layers).
-            "wire_bytes": plan.wire_bytes if sparse else 4 * layer.numel,
+            # gradient in the dense dtype (before any Horovod compression).
+            "wire_bytes": plan.wire_bytes if sparse else itemsize * layer.numel,
             "message": layer.message,
             "message_bytes": exchange.message_bytes(exchange.groups[layer.message]),
         }

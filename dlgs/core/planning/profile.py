@@ -15,7 +15,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from .._checks import check_float, check_int
 from ..config import SparsityConfig
-from ..wire import per_layer, plan_layers
+from ..wire import dense_itemsize, per_layer, plan_layers
 from .dp import CostModel, LayerCost, Part, Plan, PlanSpec, plan_strategy, simulate
 from .netmodel import reduction_cost
 
@@ -214,7 +214,7 @@ def build_spec(
                 name=layer.name,
                 backward=layer.backward,
                 sparse_bytes=plan.sparse_bytes,
-                dense_bytes=4 * layer.numel,
+                dense_bytes=dense_itemsize(config) * layer.numel,
                 sparsify=profile.sparsify(layer.numel),
                 pack=profile.pack(layer.numel),
             )
