@@ -27,6 +27,8 @@ optimizer) or ``dlgs-DENSITY`` with options joined by ``+``:
 * ``reduce``: the sparse reduction by regions (``transport="reduce"``)
   instead of the allgather; it has no momentum correction, so it goes with
   ``outer``;
+* ``w2``: the reduction's blocks 2x capacity over the ranks
+  (``reduce_width=2``): at 4 workers as many bytes per step as the allgather;
 * ``wide``: the reduction's blocks 4x capacity over the ranks
   (``reduce_width=4``): at 4 workers its owners keep as many sums as the
   allgather applies at most.
@@ -110,6 +112,9 @@ OPTIONS = {
     "bf16": {"value_dtype": "bfloat16"},
     "reduce": {"transport": "reduce"},
     "wide": {"reduce_width": 4.0},
+    # At 4 workers the reduction's bytes per step equal the allgather's:
+    # 2 x 2 x (3/4) = 3 capacities per rank, as (P - 1) = 3.
+    "w2": {"reduce_width": 2.0},
 }
 
 

@@ -86,7 +86,7 @@ class Compression:
         check_two_level_set(hvd, topology, process_set=process_set)  # op: the optimizer's
         cfg, planner = build_configs(config, density, merge, options, door="dlgs.torch.Compression")
         check_dense_dtype(cfg, "dlgs.torch.Compression")
-        self._dense_dtype = torch.float16 if cfg.dense_dtype.value == "float16" else torch.float32
+        self._half = cfg.dense_dtype.value == "float16"
         params = named_trainable(named_parameters)
         if not params:
             raise ValueError("named_parameters contains no parameter that requires grad")
@@ -232,8 +232,13 @@ class Compression:
         sent = self._exchange.submit(i, tensor)
         if sent is not None:
             # Dense layer: Horovod allreduces it (with any flushed residual
-            # added), in dense_dtype; decompress() casts it back.
-            wire = sent.to(self._dense_dtype)
+            # added): float16 with dense_dtype="float16", else bfloat16 as
+            # float32 (Horovod has no bfloat16); decompress() casts it back.
+            wire = sent
+            if self._half and sent.dtype != torch.float16:
+                wire = sent.half()
+            elif sent.dtype == torch.bfloat16:
+                wire = sent.float()
             return wire, ("dense", i, tensor)
         dummy = self._dummies[i].fill_(1.0)
         return dummy, ("sparse", i, tensor)
