@@ -251,6 +251,10 @@ def test_describe_answers_in_every_state_with_layer_names():
         none.build(LAYERS)
         step(none, rank, 0)
         seen["none"] = none.describe()
+        half = engine(comm, dense_dtype="float16")
+        half.build(LAYERS)
+        step(half, rank, 0)
+        seen["half"] = half.describe()
         return seen
 
     ((seen),) = world.run(body)
@@ -266,6 +270,8 @@ def test_describe_answers_in_every_state_with_layer_names():
     assert "costs: fitted from this job's probes at 1 ranks" in planned
     assert "re-profiling" in seen["reprofiling"] and "layout in force" in seen["reprofiling"]
     assert "merge='none'" in seen["none"] and "sparse" in seen["none"]
+    assert "dense messages in float16" in seen["half"]
+    assert "dense messages in" not in seen["none"]
 
 
 @pytest.mark.parametrize("caller", [None, 0, 1])

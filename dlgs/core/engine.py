@@ -394,6 +394,8 @@ class Engine:
         density = f"density {ex.density:g}" + (
             f" (per layer {min(each):g} to {max(each):g})" if ex.auto_layers is not None else ""
         )
+        if ex.config.dense_dtype.value != "float32":
+            density += f", dense messages in {ex.config.dense_dtype.value}"
         lines = [] if self.topology_probe is None else [self.topology_probe.describe()]
         lines += [
             f"dlgs at step {ex.step}: {density}, {len(ex.layers)} layers in "
