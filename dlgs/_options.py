@@ -51,6 +51,11 @@ def build_config(
             )
         return config
     if density is not None:
+        if options.get("budget") is not None:
+            raise ValueError(
+                f"pass density= or budget=, not both: a budget chooses the density "
+                f"(got density={density!r}, budget={options['budget']!r})"
+            )
         options = dict(options, density=density)
     try:
         return SparsityConfig(**options)

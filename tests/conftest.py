@@ -322,7 +322,8 @@ def pytest_sessionfinish(session):
 def check_door_cells(per_rank) -> None:
     """The torch doors' ``door_cells`` records (tests/parallel/torch_common.py):
     every rank the same parameters after every step, training, under
-    transport="auto" (not the plain allgather) and density="auto" (a choice made)."""
+    transport="auto" (not the plain allgather), density="auto" (a choice made)
+    and a byte budget (met within 5%, under a merge plan)."""
     first = per_rank[0]
     for r, rec in enumerate(per_rank):
         for cell in first:
@@ -331,3 +332,7 @@ def check_door_cells(per_rank) -> None:
         assert len(set(rec["digests"])) == len(rec["digests"]), f"{cell}: it trains"
     assert first["transport_auto"]["transport"] == "auto"
     assert first["density_auto"]["choice"] is not None
+    # budget=0.1: within 5% under a tenth of the dense bytes, under a plan.
+    cell = first["budget"]
+    assert cell["planned"], cell
+    assert 0.95 * 0.1 * cell["dense_bytes"] <= cell["wire_bytes"] <= 0.1 * cell["dense_bytes"]

@@ -154,7 +154,10 @@ TORCH = [
     ("torch.Compression", _torch_compression),
 ]
 # Checked by every door (a SparsityConfig built directly may hold it: the simulator's).
-DOORS = [(dict(reduce_width=2.0), ValueError, ["reduce_width", "transport='reduce'"])]
+DOORS = [
+    (dict(reduce_width=2.0), ValueError, ["reduce_width", "transport='reduce'"]),
+    (dict(density=0.01, budget=1000), ValueError, ["density= or budget=", "not both"]),
+]
 # Horovod 0.28.1 allreduces no bfloat16 tensor (the DDP hook takes it).
 HOROVOD_DOORS = [
     (dict(dense_dtype="bfloat16"), ValueError, ["dense_dtype='bfloat16'", "Horovod 0.28.1"]),

@@ -60,6 +60,9 @@ def test_sparse_training_keeps_ranks_identical(ranks):
         assert first is None, f"{key}: parameters differ across ranks from step {first}"
         assert len(set(d0)) == len(d0), f"{key}: parameters did not change every step"
         assert r0[key].get("finite", True), f"{key}: non-finite parameters"
+    # Form (b) under budget=0.1 and a dp plan: within 5% under a tenth of the dense bytes.
+    (sent, dense), planned = r0["budget"]["bytes"], r0["budget"]["planned"]
+    assert planned and 0.95 * 0.1 * dense <= sent <= 0.1 * dense, r0["budget"]
 
 
 def test_both_drop_in_forms_give_the_same_parameters(ranks):
@@ -257,6 +260,6 @@ def test_step_after_synchronize_warns_as_horovod_and_exchanges_once(ranks):
 
 def test_form_a_door_cells_train_with_ranks_identical(ranks):
     """Form (a) (Horovod's optimizer with dlgs.torch.Compression) with
-    transport="auto" and with density="auto" (docs/options.md's table):
+    transport="auto", density="auto" and a byte budget (docs/options.md's table):
     14 steps, every rank the same parameters after every step."""
     check_door_cells(value(ranks, "door_cells"))

@@ -44,7 +44,7 @@ def random_spec(rng: random.Random, L: int) -> PlanSpec:
     )
 
 
-def brute_force(spec: PlanSpec, max_group=None, eligible=None, tail=True) -> float:
+def brute_force(spec: PlanSpec, max_group=None, eligible=None, tail=True, keep_sparse=False):
     """Minimum predicted end over every partition into consecutive groups of at
     most ``max_group`` layers and every admissible sparse/dense choice per group
     (sparse only if all members are ``eligible``; DFS sharing prefixes), and
@@ -59,7 +59,9 @@ def brute_force(spec: PlanSpec, max_group=None, eligible=None, tail=True) -> flo
             [
                 spec.group_cost(i, j, sparse)[:2]
                 for sparse in (True, False)
-                if j - i < width and (not sparse or all(ok[i : j + 1]))
+                if j - i < width
+                and (not sparse or all(ok[i : j + 1]))
+                and (sparse or not keep_sparse or not any(ok[i : j + 1]))
             ]
             for j in range(L)
         ]
@@ -79,7 +81,7 @@ def brute_force(spec: PlanSpec, max_group=None, eligible=None, tail=True) -> flo
 
     dfs(0, 0.0, 0.0)
     if tail and max_group is None and sum(not e for e in ok) >= 2:
-        best = min(best, brute_force_tail(spec, ok))
+        best = min(best, brute_force_tail(spec, ok, keep_sparse))
     return best
 
 
@@ -94,7 +96,7 @@ def _partitions(n: int):
         yield runs + [(first, n - 1)]
 
 
-def brute_force_tail(spec: PlanSpec, ok) -> float:
+def brute_force_tail(spec: PlanSpec, ok, keep_sparse=False) -> float:
     """Least end over every plan with the fused tail, written from its
     definition: every ineligible layer in one dense message; the others in
     consecutive runs of the model without them, each sparse or dense, and any
@@ -110,7 +112,9 @@ def brute_force_tail(spec: PlanSpec, ok) -> float:
         choices = []
         for a, b in runs:
             members = tuple(sorted(i for u in units[a : b + 1] for i in u))
-            modes = [False] + ([True] if all(ok[i] for i in members) else [])
+            modes = [True] if all(ok[i] for i in members) else []
+            if not keep_sparse or not any(ok[i] for i in members):
+                modes.append(False)
             choices.append([(members, m) for m in modes])
         for plan in itertools.product(*choices):
             best = min(best, simulate(spec, list(plan), batching=False).end)
@@ -370,3 +374,19 @@ def test_the_fused_tail_pays_one_latency_for_all_small_layers():
     # It prices itself: simulating its groups again gives its times.
     assert simulate(spec, fused.partition()).end == fused.end
     assert "b0..b5 (6 of 11 layers)" in fused.describe(tuple(m.name for m in layers))
+
+
+def test_keep_sparse_never_sends_an_eligible_layer_dense_and_stays_optimal():
+    """A byte budget's plans (``keep_sparse``): eligible layers only in sparse
+    messages; optimal among such plans (brute force, the fused tail included)."""
+    rng = random.Random(45)
+    for trial in range(120):
+        L = rng.randint(1, 10)
+        spec = random_spec(rng, L)
+        eligible = [rng.random() < 0.7 for _ in range(L)]
+        plan = plan_dp(spec, eligible=eligible, keep_sparse=True)
+        for g in plan.groups:
+            assert g.sparse or not any(eligible[i] for i in g.members), (trial, g)
+        expect = brute_force(spec, None, eligible, keep_sparse=True)
+        assert math.isclose(plan.end, expect, rel_tol=1e-12, abs_tol=1e-15), (trial, L)
+        assert plan.end >= plan_dp(spec, eligible=eligible).end - 1e-15

@@ -161,6 +161,18 @@ class SparsityConfig:
             keeps 11 bits of mantissa but tops out at 65504 (larger values are
             sent clipped, the rest waits in the residual); bfloat16 keeps
             float32's range with 8 bits of mantissa.
+        budget: Bytes this rank may send per step, as an int (``>= 1``), or
+            as a fraction of the dense float32 gradient's bytes (a float in
+            (0, 1)); None (default): ``density`` decides. With a budget dlgs
+            chooses the density: the largest at which the layer-wise layout
+            (sparse layers at capacity, the small layers dense) fits, counted
+            from the same arithmetic as ``wire_bytes()``; the merge planner
+            then never sends an eligible layer dense (its plans send no more
+            than that). A budget below what the small layers and one entry per
+            sparse layer cost is a ``ValueError`` at the first gradient. Not
+            with ``density="auto"``, warm-up or the reduction (whose bytes
+            depend on the ranks). With ``topology="hierarchical"`` it is what
+            each rank sends between nodes (its shard's messages).
         dense_dtype: ``"float32"`` (default), ``"float16"`` or ``"bfloat16"``:
             the dtype of dense messages on the wire (layers below
             ``min_sparse_size``, layers the merge plan sends dense, the fused
@@ -232,6 +244,7 @@ class SparsityConfig:
     warmup_steps: int = 0
     value_dtype: ValueDType = ValueDType.FLOAT32
     dense_dtype: ValueDType = ValueDType.FLOAT32
+    budget: Optional[Union[int, float]] = None
     index_coding: IndexCoding = IndexCoding.AUTO
     kernels: str = "auto"
     transport: str = "allgather"
@@ -255,6 +268,7 @@ class SparsityConfig:
         object.__setattr__(
             self, "dense_dtype", _member(ValueDType, "dense_dtype", self.dense_dtype)
         )
+        self._check_budget()
         object.__setattr__(
             self, "index_coding", _member(IndexCoding, "index_coding", self.index_coding)
         )
@@ -337,6 +351,25 @@ class SparsityConfig:
         if self.warmup_steps and step < len(self.warmup) * self.warmup_steps:
             return self.warmup[step // self.warmup_steps]
         return float(self.density)
+
+    def _check_budget(self) -> None:
+        b = self.budget
+        if b is None:
+            return
+        if isinstance(b, bool) or not isinstance(b, (int, float)):
+            raise TypeError(f"budget must be an int or a float, got {type(b).__name__}")
+        if isinstance(b, int) and b < 1 or isinstance(b, float) and not 0.0 < b < 1.0:
+            raise ValueError(
+                "budget must be bytes per step (an int >= 1) or a fraction of the dense "
+                f"gradient's bytes (a float in (0, 1)), got {b!r}"
+            )
+        for clash, why in (
+            (self.auto, "density='auto' chooses the density from the profile"),
+            (bool(self.warmup), "warm-up stages send more than the budget"),
+            (self.transport != "allgather", "the reduction's bytes per step depend on the ranks"),
+        ):
+            if clash:
+                raise ValueError(f"budget={b!r} cannot be combined here: {why}")
 
     def to_dict(self) -> dict:
         """Plain-Python form, for logging, checkpoints and cross-rank checks."""

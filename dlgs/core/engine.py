@@ -394,6 +394,10 @@ class Engine:
         density = f"density {ex.density:g}" + (
             f" (per layer {min(each):g} to {max(each):g})" if ex.auto_layers is not None else ""
         )
+        budget = ex.config.budget
+        if budget is not None:
+            of = f"{budget} bytes" if isinstance(budget, int) else f"{budget:g} of the dense bytes"
+            density = f"byte budget {of} per step: {density} chosen"
         if ex.config.dense_dtype.value != "float32":
             density += f", dense messages in {ex.config.dense_dtype.value}"
         lines = [] if self.topology_probe is None else [self.topology_probe.describe()]

@@ -48,6 +48,8 @@ from .config import IndexCoding, SparsityConfig, ValueDType
 __all__ = [
     "BLOCK",
     "dense_itemsize",
+    "density_for_budget",
+    "layout_bytes",
     "DevicePart",
     "GroupLayout",
     "LayoutMismatchError",
@@ -711,3 +713,39 @@ def plan_layers(
 def dense_itemsize(config: SparsityConfig) -> int:
     """Bytes per element of a dense message (``SparsityConfig.dense_dtype``)."""
     return 4 if config.dense_dtype is ValueDType.FLOAT32 else 2
+
+
+def layout_bytes(sizes: Sequence[int], density: float, config: SparsityConfig) -> int:
+    """Bytes one rank sends per step layer by layer at ``density``: each sparse
+    layer's message at capacity with its fingerprint word, each other layer
+    dense (what ``SparseExchange.wire_bytes()`` counts for that layout)."""
+    item = dense_itemsize(config)
+    return sum(
+        p.sparse_bytes + 4 if p.sparse else item * p.numel
+        for p in plan_layers(sizes, density, config)
+    )
+
+
+def density_for_budget(sizes: Sequence[int], config: SparsityConfig) -> float:
+    """The largest density whose layer-wise layout sends at most
+    ``config.budget`` bytes per step (an int, or a fraction of the float32
+    dense bytes), by bisection over the density (the bytes never fall as it
+    rises). ``ValueError`` naming the budget where even one entry per sparse
+    layer, with the small layers dense, costs more."""
+    budget = config.budget
+    assert budget is not None
+    target = budget if isinstance(budget, int) else budget * 4 * sum(sizes)
+    lo, hi = 1.0 / max(sizes), 1.0  # at lo every layer sends one entry
+    least = layout_bytes(sizes, lo, config)
+    if least > target:
+        raise ValueError(
+            f"budget={budget!r} ({target:.0f} bytes per step) is below the least these "
+            f"layers can send: {least} bytes (one entry per sparse layer, the layers "
+            f"below min_sparse_size={config.min_sparse_size} dense)"
+        )
+    if layout_bytes(sizes, hi, config) <= target:
+        return hi
+    for _ in range(60):
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if layout_bytes(sizes, mid, config) <= target else (lo, mid)
+    return lo

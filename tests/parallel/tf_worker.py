@@ -336,6 +336,12 @@ TF_DOOR_CELLS = {
     "compression.dp": ("compression", dict(density=0.05, merge="dp", profile_steps=2)),
     "compression.density_auto": ("compression", _AUTO_DENSITY),
     "keras.dense_fp16": ("keras", dict(density=0.05, dense_dtype="float16", merge="none")),
+    "tape.budget": ("tape", dict(budget=0.1, merge="dp", profile_steps=2, profile_budget=1.0)),
+    "keras.budget": ("keras", dict(budget=0.1, merge="dp", profile_steps=2, profile_budget=1.0)),
+    "compression.budget": (
+        "compression",
+        dict(budget=0.1, merge="dp", profile_steps=2, profile_budget=1.0),
+    ),
     "compression.dense_fp16": (
         "compression",
         dict(density=0.05, dense_dtype="float16", merge="none"),
@@ -371,6 +377,7 @@ def door_cells():
             "choice": None if choice is None else choice.density,
             "planned": engine.planner.plan is not None,
             "velocities": sum(1 for la in engine.exchange.layers if la.velocity is not None),
+            "bytes": [engine.exchange.wire_bytes(), engine.exchange.dense_bytes()],
             # What dense messages hand the allreduce: their send buffers' dtype.
             "dense_wire": sorted(
                 {

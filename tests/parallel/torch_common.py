@@ -80,15 +80,21 @@ def conservation_error(exchange, total_in: dict, total_sent: dict) -> dict:
 DOOR_CELLS = {
     "transport_auto": dict(density=0.05, transport="auto", merge="none"),
     "density_auto": dict(density="auto", merge="dp", profile_steps=2, profile_budget=1.0),
+    # A tenth of the dense bytes per step, under a dp plan (issue 45).
+    "budget": dict(budget=0.1, merge="dp", profile_steps=2, profile_budget=1.0),
 }
 
 
 def door_cell_record(engine, digests) -> dict:
     """What a door x feature cell shows: the parameters after every step, the
-    transport in use and density="auto"'s choice (None before one)."""
+    transport in use, density="auto"'s choice (None before one), the bytes
+    a step sends (and dense float32's) and whether a plan is in force."""
     choice = engine.planner.density_choice
     return {
         "digests": digests,
         "transport": engine.exchange.transport.name,
         "choice": None if choice is None else choice.density,
+        "wire_bytes": engine.exchange.wire_bytes(),
+        "dense_bytes": engine.exchange.dense_bytes(),
+        "planned": engine.planner.plan is not None,
     }

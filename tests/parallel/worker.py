@@ -157,6 +157,8 @@ def sparse_training_identical():
         "max_ratio": dict(density=0.05, max_ratio=1.5),
         "adam": dict(density=0.05),
         "sgd_momentum": dict(density=0.05),
+        # A tenth of the dense bytes, under a dp plan (issue 45).
+        "budget": dict(budget=0.1, merge="dp", profile_steps=2, profile_budget=1.0),
     }
     out = {}
     for name, opts in variants.items():
@@ -169,7 +171,13 @@ def sparse_training_identical():
             **opts,
         )
         digests = train(model, opt, 6)
-        out[name] = {"digests": digests, "finite": bool(torch.isfinite(flat_params(model)).all())}
+        ex = opt.dlgs.exchange
+        out[name] = {
+            "digests": digests,
+            "finite": bool(torch.isfinite(flat_params(model)).all()),
+            "bytes": [ex.wire_bytes(), ex.dense_bytes()],
+            "planned": opt.dlgs.planner.plan is not None,
+        }
     # The compression form, with Horovod's op=Sum and backward_passes_per_step=2.
     model = mlp(1)
     comp = dlgs.torch.Compression(model.named_parameters(), density=0.05, min_sparse_size=64)

@@ -39,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from dataclasses import replace
 from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 from ..backend import ArrayOps
@@ -47,7 +48,7 @@ from ..selection.controller import make_controller
 from ..state.persist import ExchangeCheckpoints, SharedState
 from ..state.resume import Agreement
 from ..transport.flat import Transport, make_transport
-from ..wire import LayerPlan, plan_layers
+from ..wire import LayerPlan, density_for_budget, plan_layers
 from .device import DeviceSteps
 from .messages import Messages, lay_out_plan
 from .nonfinite import NonFiniteLog
@@ -150,6 +151,9 @@ class SparseExchange:
             )
         self.ops = ops
         self.comm = comm
+        if config.budget is not None:  # the density that fits the byte budget
+            density = density_for_budget([int(n) for _, n in layers], config)
+            config = replace(config, density=density)
         self.config = config
         self.controller = make_controller(config)
         self.average = average

@@ -475,6 +475,7 @@ def plan_dp(
     max_front: int = 256,
     eligible: Optional[Sequence[bool]] = None,
     tail: bool = True,
+    keep_sparse: bool = False,
 ) -> Plan:
     """The plan that minimises the predicted end of communication.
 
@@ -506,6 +507,10 @@ def plan_dp(
     charged where they run), which is exact for every plan with that tail
     (each of its groups may still take neighbouring large layers, dense);
     the better of the two searches is the plan.
+
+    With ``keep_sparse`` an eligible layer never enters a dense message (a
+    byte budget: the plan sends no more than sparse sending of every eligible
+    layer would); groups of them still merge.
     """
     if isinstance(max_front, bool) or not isinstance(max_front, int) or max_front < 2:
         raise ValueError(f"max_front must be an int >= 2, got {max_front!r}")
@@ -520,23 +525,25 @@ def plan_dp(
     ok = [bool(e) for e in eligible] if eligible is not None else [True] * L
     if len(ok) != L:
         raise ValueError(f"eligible must have one entry per layer ({L}), got {len(ok)}")
-    partition, exact = _search(spec, ok, width, max_front)
+    partition, exact = _search(spec, ok, width, max_front, keep_sparse)
     # The final choice and its times use the full model (batching included):
     # the DP's partition, a layer-wise one or (without max_group) one message
     # for every eligible layer, or the plan with the fused tail, whichever is
     # predicted to end first (the earlier in this list on a tie).
-    fixed = _layerwise(spec, ok) + ([_all(spec, ok)] if max_group is None else [])
+    fixed = _layerwise(spec, ok, keep_sparse) + ([_all(spec, ok)] if max_group is None else [])
     candidates = [simulate(spec, part, "dp", exact=exact) for part in fixed]
     if partition is not None:
         candidates.insert(0, simulate(spec, partition, "dp", exact=exact))
     if tail and max_group is None:
-        fused = _with_tail(spec, ok, max_front)
+        fused = _with_tail(spec, ok, max_front, keep_sparse)
         if fused is not None:
             candidates.append(fused)
     return min(candidates, key=lambda p: p.end)
 
 
-def _with_tail(spec: PlanSpec, ok: Sequence[bool], max_front: int) -> Optional[Plan]:
+def _with_tail(
+    spec: PlanSpec, ok: Sequence[bool], max_front: int, keep_sparse: bool = False
+) -> Optional[Plan]:
     """The best plan in which every ineligible layer travels in one dense
     message (:func:`plan_dp`'s ``tail``), or None with fewer than two of them."""
     small = [i for i, e in enumerate(ok) if not e]
@@ -559,7 +566,7 @@ def _with_tail(spec: PlanSpec, ok: Sequence[bool], max_front: int) -> Optional[P
             carry = 0.0
     reduced = replace(spec, layers=tuple(layers))
     eligible = [len(members) == 1 and ok[members[0]] for members in stands_for]
-    partition, exact = _search(reduced, eligible, len(layers), max_front)
+    partition, exact = _search(reduced, eligible, len(layers), max_front, keep_sparse)
     if partition is None:
         return None
     parts = [
@@ -570,15 +577,17 @@ def _with_tail(spec: PlanSpec, ok: Sequence[bool], max_front: int) -> Optional[P
 
 
 def _search(
-    spec: PlanSpec, ok: Sequence[bool], width: int, max_front: int
+    spec: PlanSpec, ok: Sequence[bool], width: int, max_front: int, keep_sparse: bool = False
 ) -> Tuple[Optional[List[Tuple[int, int, bool]]], bool]:
     """The DP's search (see :func:`plan_dp`): its partition under per-message
     ``alpha`` (None if the bound pruned every plan) and whether it is exact."""
     L = len(spec.layers)
     # Layers that may not go sparse (below min_sparse_size: biases, norms, whose
     # updates would otherwise wait in the residual) only enter dense messages;
-    # a group may go sparse iff no barred layer lies in it.
+    # a group may go sparse iff no barred layer lies in it. With keep_sparse,
+    # the other way round too: a group may go dense iff no eligible layer does.
     barred = np.concatenate(([0], np.cumsum([0 if e else 1 for e in ok])))
+    kept = np.concatenate(([0], np.cumsum([1 if e and keep_sparse else 0 for e in ok])))
 
     def prefix(key: str) -> "np.ndarray":
         values = np.array([getattr(m, key) for m in spec.layers], dtype=np.float64)
@@ -592,7 +601,8 @@ def _search(
     # The search charges every message alpha (batching=False): its states
     # (compute clock, link clock) would not carry when a batch was formed.
     simple = [
-        simulate(spec, part, "dp", exact=False, batching=False) for part in _layerwise(spec, ok)
+        simulate(spec, part, "dp", exact=False, batching=False)
+        for part in _layerwise(spec, ok, keep_sparse)
     ]
     # (With a hair of slack so that rounding never prunes the bound's own states.)
     bound = min(p.end for p in simple) * (1 + 1e-12)
@@ -602,7 +612,8 @@ def _search(
     sparse_beta = min(ag.least_beta, red.least_beta)
     least_alpha = min(ag.least_alpha, red.least_alpha, ar.least_alpha)
     per_layer = np.minimum(
-        np.where(ok, sparse_beta * np.diff(sb), np.inf), ar.least_beta * np.diff(db)
+        np.where(ok, sparse_beta * np.diff(sb), np.inf),
+        np.where(np.diff(kept) == 0, ar.least_beta * np.diff(db), np.inf),
     )
     link_after = np.concatenate((np.cumsum(per_layer[::-1])[::-1] + least_alpha, [0]))
     back_after = back[L] - back
@@ -619,7 +630,7 @@ def _search(
         may_sparse = barred[first] == barred[j + 1]
         cheapest = np.minimum(
             np.where(may_sparse, spec.sparse_link(header + sb[j + 1] - sb[first]), np.inf),
-            ar(db[j + 1] - db[first]),
+            np.where(kept[first] == kept[j + 1], ar(db[j + 1] - db[first]), np.inf),
         )
         # A longer group only adds link time: cut those that cannot beat the bound.
         hopeless = np.nonzero(back[j + 1] + cheapest + link_after[j + 1] > bound)[0]
@@ -629,15 +640,18 @@ def _search(
         c0, f0, i = store.c[rows], store.f[rows], store.prefix[rows]
         b = back[j + 1] - back[i]
         sparse_ok = barred[i] == barred[j + 1]
+        dense_ok = kept[i] == kept[j + 1]
         gamma = spec.contention
         c_s = c0 + b + (sprs[j + 1] - sprs[i]) + gamma * (header + sb[j + 1] - sb[i])
         f_s = np.maximum(f0, c_s) + spec.sparse_link(header + sb[j + 1] - sb[i])
         c_d = c0 + b + np.where(i < j, pack[j + 1] - pack[i], 0.0) + gamma * (db[j + 1] - db[i])
         f_d = np.maximum(f0, c_d) + ar(db[j + 1] - db[i])
-        c = np.concatenate((c_s[sparse_ok], c_d))
-        f = np.concatenate((f_s[sparse_ok], f_d))
-        parent = np.concatenate((rows[sparse_ok], rows))
-        sparse = np.concatenate((np.ones(int(sparse_ok.sum()), bool), np.zeros(rows.size, bool)))
+        c = np.concatenate((c_s[sparse_ok], c_d[dense_ok]))
+        f = np.concatenate((f_s[sparse_ok], f_d[dense_ok]))
+        parent = np.concatenate((rows[sparse_ok], rows[dense_ok]))
+        sparse = np.concatenate(
+            (np.ones(int(sparse_ok.sum()), bool), np.zeros(int(dense_ok.sum()), bool))
+        )
         lower = np.maximum(f + link_after[j + 1], c + back_after[j + 1])
         keep = _pareto(c, f, lower <= bound)
         if keep.size > max_front:
@@ -650,21 +664,24 @@ def _search(
             # Completing any kept state with all remaining layers in one message is
             # a plan in the search space: its end tightens the bound as we go.
             bound = min(
-                bound, _one_message_end(spec, keep, c, f, j + 1, back, sprs, pack, sb, db, barred)
+                bound,
+                _one_message_end(spec, keep, c, f, j + 1, back, sprs, pack, sb, db, barred, kept),
             )
     if start[L] < start[L + 1]:
         return store.partition(start[L], start[L + 1]), exact
     return None, exact
 
 
-def _one_message_end(spec, keep, c, f, j, back, sprs, pack, sb, db, barred) -> float:
+def _one_message_end(spec, keep, c, f, j, back, sprs, pack, sb, db, barred, kept) -> float:
     """Least end over states ``keep`` of sending layers ``j..L-1`` as one message."""
     L = len(spec.layers)
     ck, fk = c[keep], f[keep]
     gamma = spec.contention
-    c_d = ck + (back[L] - back[j]) + (pack[L] - pack[j] if L - j > 1 else 0.0)
-    c_d = c_d + gamma * (db[L] - db[j])
-    end = float(np.min(np.maximum(fk, c_d))) + spec.allreduce(db[L] - db[j])
+    end = math.inf
+    if kept[L] == kept[j]:
+        c_d = ck + (back[L] - back[j]) + (pack[L] - pack[j] if L - j > 1 else 0.0)
+        c_d = c_d + gamma * (db[L] - db[j])
+        end = float(np.min(np.maximum(fk, c_d))) + spec.allreduce(db[L] - db[j])
     if barred[L] == barred[j]:
         nbytes = spec.sparse_header_bytes + sb[L] - sb[j]
         c_s = ck + (back[L] - back[j]) + (sprs[L] - sprs[j]) + gamma * nbytes
@@ -725,10 +742,14 @@ def _pareto(c, f, alive):
     return order[fo < before]
 
 
-def _layerwise(spec: PlanSpec, eligible: Sequence[bool]) -> List[Partition]:
-    """The plans the DP's search space always contains and bounds itself by."""
+def _layerwise(
+    spec: PlanSpec, eligible: Sequence[bool], keep_sparse: bool = False
+) -> List[Partition]:
+    """The plans the DP's search space always contains and bounds itself by
+    (every layer dense is not one of them with ``keep_sparse``)."""
     L = len(spec.layers)
-    return [_none(spec, eligible), [(i, i, False) for i in range(L)]]
+    dense = [] if keep_sparse and any(eligible) else [[(i, i, False) for i in range(L)]]
+    return [_none(spec, eligible)] + dense
 
 
 # -- baseline strategies --------------------------------------------------------
@@ -822,17 +843,25 @@ def plan_strategy(
     numel: Sequence[int] = (),
     max_group: Optional[int] = None,
     max_front: int = 256,
+    keep_sparse: bool = False,
 ) -> Plan:
     """The plan of a named strategy: ``dp`` (optimal under the model), ``none``
     (layer-wise), ``all`` (one message), ``buckets`` (fixed-size merging) or
     ``greedy`` (the MG-WFBP / OMGS merge rule).
 
     ``eligible[l]`` says whether layer ``l`` may go sparse in the baseline
-    strategies (``dp`` chooses every group's mode itself).
+    strategies (``dp`` chooses every group's mode itself; with
+    ``keep_sparse`` never dense for an eligible layer, as the others do).
     """
     names = tuple(layer.name for layer in spec.layers)
     if strategy == "dp":
-        plan = plan_dp(spec, max_group=max_group, max_front=max_front, eligible=eligible)
+        plan = plan_dp(
+            spec,
+            max_group=max_group,
+            max_front=max_front,
+            eligible=eligible,
+            keep_sparse=keep_sparse,
+        )
         return replace(plan, names=names)
     if strategy == "buckets" and len(numel) != len(spec.layers):
         raise ValueError("merge='buckets' needs numel, the element count of every layer")

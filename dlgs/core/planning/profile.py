@@ -364,6 +364,8 @@ def plan_at(
         bucket_elements=bucket_elements,
         numel=[layer.numel for layer in profile.layers],
         max_group=max_group,
+        # A byte budget: no eligible layer dense (no plan sends more than it).
+        keep_sparse=config.budget is not None,
     )
 
 
