@@ -421,21 +421,22 @@ _DLGS = ("dlgs-layerwise", "dp-dlgs", "dp-dlgs-reduce", "dp-dlgs-hier")
 
 def best_dlgs(rows: Sequence[SimRow]) -> Dict[Tuple[str, int, float], SimRow]:
     """Per ``(model, workers, bandwidth)``: the dlgs method the model finds fastest."""
-    best: Dict[Tuple[str, int, float], SimRow] = {}
-    for r in rows:
-        key = (r.model, r.workers, r.bandwidth_bps)
-        if r.method in _DLGS and (key not in best or r.plan.end < best[key].plan.end):
-            best[key] = r
-    return best
+    return _fastest(rows, _DLGS)
 
 
 def best_fp16(rows: Sequence[SimRow]) -> Dict[Tuple[str, int, float], SimRow]:
     """Per ``(model, workers, bandwidth)``: the faster float16 dense method
     (one fused allreduce, or each layer alone, overlapping back-propagation)."""
+    return _fastest(rows, _FP16)
+
+
+def _fastest(
+    rows: Sequence[SimRow], methods: Sequence[str]
+) -> Dict[Tuple[str, int, float], SimRow]:
     best: Dict[Tuple[str, int, float], SimRow] = {}
     for r in rows:
         key = (r.model, r.workers, r.bandwidth_bps)
-        if r.method in _FP16 and (key not in best or r.plan.end < best[key].plan.end):
+        if r.method in methods and (key not in best or r.plan.end < best[key].plan.end):
             best[key] = r
     return best
 

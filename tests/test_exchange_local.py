@@ -33,6 +33,34 @@ def gaussian(rank, step, scale=1.0):
     return [(g.standard_normal(n) * scale).astype(np.float32) for _, n in SIZES]
 
 
+def k_sparse_integers(sizes, seed):
+    """Small integers (exact in float16 and in any order of addition): at most
+    k = 5% non-zeros in each layer of 1,024 elements or more (all of them sent
+    at density 0.05), every element of the smaller ones."""
+    g = np.random.default_rng(seed)
+    out = []
+    for _, n in sizes:
+        x = np.zeros(n, np.float32)
+        if n >= 1024:
+            k = math.ceil(0.05 * n)
+            x[g.choice(n, k, replace=False)] = g.integers(1, 9, k) * g.choice([-1, 1], k)
+        else:
+            x[:] = g.integers(-8, 9, n)
+        out.append(x)
+    return out
+
+
+def assert_summed_exactly(recs, grads, sizes):
+    """Every rank's every step (``recs[rank][step]``: each layer's output) is
+    the exact sum of every rank's ``grads``."""
+    ranks, steps = len(recs), len(recs[0])
+    for s in range(steps):
+        expect = [sum(parts) for parts in zip(*(grads(r, s) for r in range(ranks)))]
+        for rank in range(ranks):
+            for i, (got, want) in enumerate(zip(recs[rank][s], expect)):
+                assert np.array_equal(got, want), (s, rank, sizes[i][0])
+
+
 def test_density_one_is_the_exact_average():
     world = LocalWorld(2)
     recs = run_steps(
@@ -81,17 +109,7 @@ def test_several_messages_from_three_ranks_are_unpacked_together_exactly(value_d
     sizes = [("a", 3000), ("b", 1500), ("c", 2500), ("d", 40), ("e", 1200)]
 
     def grads(rank, step):
-        g = np.random.default_rng(100 * step + rank)
-        out = []
-        for _, n in sizes:
-            x = np.zeros(n, np.float32)
-            if n >= 1024:  # at most k non-zeros: all of them are sent
-                k = math.ceil(0.05 * n)
-                x[g.choice(n, k, replace=False)] = g.integers(1, 9, k) * g.choice([-1, 1], k)
-            else:
-                x[:] = g.integers(-8, 9, n)
-            out.append(x)
-        return out
+        return k_sparse_integers(sizes, 100 * step + rank)
 
     def make(rank, comm):
         cfg = SparsityConfig(
@@ -106,11 +124,7 @@ def test_several_messages_from_three_ranks_are_unpacked_together_exactly(value_d
         return [np.array(out[i]) for i in range(len(sizes))]
 
     recs = run_steps(LocalWorld(3, average=False), make, grads, 3, record)
-    for s in range(3):
-        expect = [sum(parts) for parts in zip(*(grads(r, s) for r in range(3)))]
-        for rank in range(3):
-            for i, (got, want) in enumerate(zip(recs[rank][s], expect)):
-                assert np.array_equal(got, want), (s, rank, sizes[i][0])
+    assert_summed_exactly(recs, grads, sizes)
 
 
 def test_the_fused_tail_of_small_layers_and_the_sparse_message_around_it_are_exact():
@@ -121,17 +135,7 @@ def test_the_fused_tail_of_small_layers_and_the_sparse_message_around_it_are_exa
     sizes = [("w0", 3000), ("b0", 40), ("w1", 2500), ("b1", 16), ("w2", 1200), ("b2", 8)]
 
     def grads(rank, step):
-        g = np.random.default_rng(1000 * step + rank)
-        out = []
-        for _, n in sizes:
-            x = np.zeros(n, np.float32)
-            if n >= 1024:
-                k = math.ceil(0.05 * n)
-                x[g.choice(n, k, replace=False)] = g.integers(1, 9, k) * g.choice([-1, 1], k)
-            else:
-                x[:] = g.integers(-8, 9, n)
-            out.append(x)
-        return out
+        return k_sparse_integers(sizes, 1000 * step + rank)
 
     def make(rank, comm):
         cfg = SparsityConfig(density=0.05, min_sparse_size=1024, controller="topk")
@@ -144,11 +148,7 @@ def test_the_fused_tail_of_small_layers_and_the_sparse_message_around_it_are_exa
         return [np.array(out[i]) for i in range(len(sizes))]
 
     recs = run_steps(LocalWorld(3, average=False), make, grads, 3, record)
-    for s in range(3):
-        expect = [sum(parts) for parts in zip(*(grads(r, s) for r in range(3)))]
-        for rank in range(3):
-            for i, (got, want) in enumerate(zip(recs[rank][s], expect)):
-                assert np.array_equal(got, want), (s, rank, sizes[i][0])
+    assert_summed_exactly(recs, grads, sizes)
 
 
 @pytest.mark.parametrize("controller", ["dynamic", "topk", "dgc", "fixed"])
