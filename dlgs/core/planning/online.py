@@ -78,7 +78,7 @@ from .phases import (
     restarted,
     saved,
 )
-from .probefit import fit_probe
+from .probefit import fit_probe, fit_warning
 from .profile import DensityChoice, Profile
 
 __all__ = ["OnlinePlanner", "MERGE_STRATEGIES", "guard_verdict"]
@@ -524,32 +524,9 @@ class OnlinePlanner:
         batched = self._probe_batch(ex, kind, probes[0], times[0], fit.model)
         model = replace(fit.model, batched=batched)
         self.cost["probe_seconds"] += time.perf_counter() - start
-        seen = ", ".join(f"{s / 1024:.0f} KiB {t * 1e3:.2f} ms" for s, t in zip(sizes, times))
-        if not fit.seen:
-            _log(
-                ex,
-                "dlgs: %s times did not grow with size beyond their noise (%s; noise %.2f ms): "
-                "the probes could not see the link's bandwidth, so the plan prices bytes at "
-                "%.3g ns/B, the most the probes allow (%.3g MB/s). On a slow link the plan "
-                "stays near layer-wise sparse sending; profile again with larger probes by "
-                "raising profile_budget, or .dlgs.reprofile() later (on the optimizer, tape "
-                "or compression object; one rank is enough)",
-                kind,
-                seen,
-                fit.noise * 1e3,
-                model.beta * 1e9,
-                1e-6 / model.beta if model.beta > 0 else float("inf"),
-                level=logging.WARNING,
-            )
-        elif model.beta == 0.0:
-            _log(
-                ex,
-                "dlgs: %s times did not grow with size (%s), without noise: the plan treats "
-                "bytes as free",
-                kind,
-                seen,
-                level=logging.WARNING,
-            )
+        warning = fit_warning(kind, sizes, times, fit)
+        if warning is not None:
+            _log(ex, "%s", warning, level=logging.WARNING)
         return model
 
     def _probe_batch(self, ex, kind: str, nbytes: int, lone: float, model: CostModel) -> float:

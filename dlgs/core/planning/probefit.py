@@ -27,11 +27,11 @@ small).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 from .dp import CostModel
 
-__all__ = ["ProbeFit", "fit_probe"]
+__all__ = ["ProbeFit", "fit_probe", "fit_warning"]
 
 
 @dataclass(frozen=True)
@@ -111,3 +111,30 @@ def fit_probe(sizes: Sequence[float], samples: Sequence[Sequence[float]]) -> Pro
     # Through the largest probe's fastest time: as much of it as bytes as allowed.
     alpha_at = max(0.0, fastest[hi] - steepest * sizes[hi])
     return ProbeFit(CostModel(alpha_at, steepest), False, noise, beta)
+
+
+def fit_warning(
+    kind: str, sizes: Sequence[float], times: Sequence[float], fit: ProbeFit
+) -> Optional[str]:
+    """What the planner logs (a warning) about a probe fit of ``kind``
+    (``"allgather"``, ``"allreduce"``) over ``sizes`` bytes whose fastest
+    repeats took ``times`` seconds, or None where the bytes were seen and cost
+    something."""
+    model = fit.model
+    if fit.seen and model.beta > 0.0:
+        return None
+    probes = ", ".join(f"{s / 1024:.0f} KiB {t * 1e3:.2f} ms" for s, t in zip(sizes, times))
+    if fit.seen:
+        return (
+            f"dlgs: {kind} times did not grow with size ({probes}), without noise: the plan "
+            "treats bytes as free"
+        )
+    rate = f"{1e-6 / model.beta:.3g} MB/s" if model.beta > 0 else "no bound"
+    return (
+        f"dlgs: {kind} times did not grow with size beyond their noise ({probes}; noise "
+        f"{fit.noise * 1e3:.2f} ms): the probes could not see the link's bandwidth, so the "
+        f"plan prices bytes at {model.beta * 1e9:.3g} ns/B, the most the probes allow "
+        f"({rate}). On a slow link the plan stays near layer-wise sparse sending; profile "
+        "again with larger probes by raising profile_budget, or .dlgs.reprofile() later (on "
+        "the optimizer, tape or compression object; one rank is enough)"
+    )
