@@ -31,6 +31,8 @@ The ``+`` options:
   (``momentum_masking=False``);
 * ``outer``: momentum in the wrapped optimizer, applied to the aggregate,
   instead of dlgs's momentum correction;
+* ``split``: with a budget, split between the layers by their residuals
+  after 10 steps (``budget_split="gradient"``) instead of one density;
 * ``dgc``: DGC's sampled top-k threshold (``controller="dgc"``); with
   ``warmup`` and momentum correction, DGC's recipe ("DGC-style top-k");
 * ``topk``: the exact top-k threshold every step (``controller="topk"``);
@@ -132,6 +134,7 @@ OPTIONS = {
     "warmup": {},  # set in method_options: needs the steps per stage
     "nomask": {"momentum_masking": False},
     "outer": {},  # momentum moves to the wrapped optimizer
+    "split": {"budget_split": "gradient"},
     "dgc": {"controller": "dgc"},
     "topk": {"controller": "topk"},
     "int32": {"index_coding": "int32"},
@@ -205,6 +208,8 @@ def resolve_budget(kwargs: Dict, model: torch.nn.Module) -> Optional[int]:
     sizes = [p.numel() for p in model.parameters() if p.requires_grad]
     target = budget if isinstance(budget, int) else round(budget * 4 * sum(sizes))
     if kwargs.get("warmup") or kwargs.get("transport") == "reduce":
+        if kwargs.get("budget_split"):
+            raise ValueError("+split needs the budget itself: not with +warmup or +reduce")
         config = SparsityConfig(budget=kwargs.pop("budget"), min_sparse_size=256)
         kwargs["density"] = density_for_budget(sizes, config)
     return target

@@ -323,7 +323,8 @@ def check_door_cells(per_rank) -> None:
     """The torch doors' ``door_cells`` records (tests/parallel/torch_common.py):
     every rank the same parameters after every step, training, under
     transport="auto" (not the plain allgather), density="auto" (a choice made)
-    and a byte budget (met within 5%, under a merge plan)."""
+    and a byte budget, one density or split between the layers (met within
+    5%, under a merge plan)."""
     first = per_rank[0]
     for r, rec in enumerate(per_rank):
         for cell in first:
@@ -333,6 +334,9 @@ def check_door_cells(per_rank) -> None:
     assert first["transport_auto"]["transport"] == "auto"
     assert first["density_auto"]["choice"] is not None
     # budget=0.1: within 5% under a tenth of the dense bytes, under a plan.
-    cell = first["budget"]
-    assert cell["planned"], cell
-    assert 0.95 * 0.1 * cell["dense_bytes"] <= cell["wire_bytes"] <= 0.1 * cell["dense_bytes"]
+    for name in ("budget", "budget_split"):
+        cell = first[name]
+        assert cell["planned"], cell
+        assert 0.95 * 0.1 * cell["dense_bytes"] <= cell["wire_bytes"] <= 0.1 * cell["dense_bytes"]
+        # budget_split="gradient": each layer its own density after step 10.
+        assert cell["split"] == (name == "budget_split"), cell

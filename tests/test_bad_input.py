@@ -57,6 +57,8 @@ SHARED = [
     (dict(profile_budget=0.0), ValueError, ["profile_budget", "(0, 1]"]),
     (dict(profile_budget=NAN), ValueError, ["profile_budget", "(0, 1]"]),
     (dict(profile_budget="1%"), TypeError, ["profile_budget", "(0, 1]"]),
+    (dict(budget=0.1, budget_split="global"), ValueError, ["budget_split", "'gradient'"]),
+    (dict(budget_split="gradient"), ValueError, ["budget_split='gradient'", "budget="]),
     (dict(profile_steps=5.0), TypeError, ["profile_steps", "an int >= 1"]),
     (dict(profile_steps=0), ValueError, ["profile_steps", "an int >= 1"]),
     (dict(bucket_elements=True), TypeError, ["bucket_elements", "an int >= 1"]),

@@ -61,8 +61,11 @@ def test_sparse_training_keeps_ranks_identical(ranks):
         assert len(set(d0)) == len(d0), f"{key}: parameters did not change every step"
         assert r0[key].get("finite", True), f"{key}: non-finite parameters"
     # Form (b) under budget=0.1 and a dp plan: within 5% under a tenth of the dense bytes.
-    (sent, dense), planned = r0["budget"]["bytes"], r0["budget"]["planned"]
-    assert planned and 0.95 * 0.1 * dense <= sent <= 0.1 * dense, r0["budget"]
+    # And split between the layers by their residuals (budget_split="gradient", 12 steps).
+    for name in ("budget", "budget_split"):
+        (sent, dense), planned = r0[name]["bytes"], r0[name]["planned"]
+        assert planned and 0.95 * 0.1 * dense <= sent <= 0.1 * dense, r0[name]
+        assert r0[name]["split"] == (name == "budget_split"), r0[name]
 
 
 def test_both_drop_in_forms_give_the_same_parameters(ranks):

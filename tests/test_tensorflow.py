@@ -8,6 +8,7 @@ test asserts on one scenario's numbers from both ranks.
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 import sys
 import textwrap
@@ -525,7 +526,8 @@ def test_tf_door_cells_train_with_ranks_identical(ranks):
     the tape with transport="auto" and density="auto"; Keras with the
     reduction, density="auto" and float16 dense messages; Compression with the
     reduction, momentum correction, a dp plan, density="auto" and float16 dense
-    messages; each door with a byte budget under a dp plan. Each trains 14 steps with every
+    messages; each door with a byte budget under a dp plan, one density or split between the
+    layers. Each trains 14 steps with every
     rank's parameters the same after every step, and shows its feature."""
     r0, r1 = gloo_value(ranks, "door_cells")
     for cell, rec in r0.items():
@@ -540,7 +542,10 @@ def test_tf_door_cells_train_with_ranks_identical(ranks):
         assert r0[cell]["choice"] is not None and r0[cell]["planned"], cell
     for cell in ("keras.dense_fp16", "compression.dense_fp16"):
         assert r0[cell]["dense_wire"] == ["float16"], cell
-    for cell in ("tape.budget", "keras.budget", "compression.budget"):
+    for door, split in itertools.product(("tape", "keras", "compression"), ("", "_split")):
+        cell = f"{door}.budget{split}"
         (sent, dense), planned = r0[cell]["bytes"], r0[cell]["planned"]
         assert planned and 0.95 * 0.1 * dense <= sent <= 0.1 * dense, (cell, r0[cell])
+        # budget_split="gradient": each layer its own density after step 10.
+        assert r0[cell]["split"] == bool(split), (cell, r0[cell])
     assert r0["keras.reduce"]["dense_wire"] == ["float32"]

@@ -173,6 +173,13 @@ class SparsityConfig:
             with ``density="auto"``, warm-up or the reduction (whose bytes
             depend on the ranks). With ``topology="hierarchical"`` it is what
             each rank sends between nodes (its shard's messages).
+        budget_split: With ``budget``: ``"uniform"`` (default), one density
+            for every sparse layer; ``"gradient"``, after 10 steps at that
+            density, each layer's own, as a global top-k of the residuals
+            would split the same bytes (one host read of a sample of them
+            on rank 0 and one broadcast, once;
+            :mod:`dlgs.core.planning.budget`). Small layers, starved by one
+            density, get more of the bytes, large ones less.
         dense_dtype: ``"float32"`` (default), ``"float16"`` or ``"bfloat16"``:
             the dtype of dense messages on the wire (layers below
             ``min_sparse_size``, layers the merge plan sends dense, the fused
@@ -245,6 +252,7 @@ class SparsityConfig:
     value_dtype: ValueDType = ValueDType.FLOAT32
     dense_dtype: ValueDType = ValueDType.FLOAT32
     budget: Optional[Union[int, float]] = None
+    budget_split: str = "uniform"
     index_coding: IndexCoding = IndexCoding.AUTO
     kernels: str = "auto"
     transport: str = "allgather"
@@ -354,7 +362,16 @@ class SparsityConfig:
 
     def _check_budget(self) -> None:
         b = self.budget
+        if self.budget_split not in BUDGET_SPLITS:
+            raise ValueError(
+                f"budget_split must be one of {', '.join(map(repr, BUDGET_SPLITS))}, "
+                f"got {self.budget_split!r}"
+            )
         if b is None:
+            if self.budget_split != "uniform":
+                raise ValueError(
+                    f"budget_split={self.budget_split!r} splits a byte budget: pass budget= too"
+                )
             return
         if isinstance(b, bool) or not isinstance(b, (int, float)):
             raise TypeError(f"budget must be an int or a float, got {type(b).__name__}")
@@ -390,6 +407,9 @@ def _member(kind, name: str, value):
         names = ", ".join(repr(c.value) for c in kind)
         raise ValueError(f"{name} must be one of {names}, got {value!r}") from None
 
+
+#: The values of ``SparsityConfig.budget_split``.
+BUDGET_SPLITS = ("uniform", "gradient")
 
 #: The values of ``SparsityConfig.kernels``.
 KERNELS = ("auto", "torch", "triton")

@@ -32,6 +32,7 @@ from .backend import ArrayOps
 from .config import SparsityConfig
 from .exchange.exchange import Collectives, SparseExchange
 from .exchange.views import log_stats
+from .planning.budget import SPLIT_AFTER
 from .state.checkpoint import check_finite_state
 from .state.consistency import agreed_options, check_ranks_agree, signature
 from .transport.hierarchical import HierarchicalExchange
@@ -320,6 +321,11 @@ class Engine:
         anchors = ex.device.budget()
         if anchors >= 0:
             limits.append(anchors)
+        for hook in ex.step_hooks:  # a hook's host step (the budget's split)
+            until = getattr(hook, "host_steps_until", None)
+            wait = until(ex) if until is not None else -1
+            if wait >= 0:
+                limits.append(wait)
         planner = self._planner
         window = planner.drift_window if planner is not None else 0
         if window and planner.strategy != "none" and planner.phase == "run":
@@ -398,6 +404,12 @@ class Engine:
         if budget is not None:
             of = f"{budget} bytes" if isinstance(budget, int) else f"{budget:g} of the dense bytes"
             density = f"byte budget {of} per step: {density} chosen"
+            if ex.config.budget_split == "gradient":
+                density += (
+                    ", split between layers by their residuals"
+                    if ex.auto_layers is not None
+                    else f", split between layers by their residuals after step {SPLIT_AFTER}"
+                )
         if ex.config.dense_dtype.value != "float32":
             density += f", dense messages in {ex.config.dense_dtype.value}"
         lines = [] if self.topology_probe is None else [self.topology_probe.describe()]

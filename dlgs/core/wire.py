@@ -715,8 +715,11 @@ def dense_itemsize(config: SparsityConfig) -> int:
     return 4 if config.dense_dtype is ValueDType.FLOAT32 else 2
 
 
-def layout_bytes(sizes: Sequence[int], density: float, config: SparsityConfig) -> int:
-    """Bytes one rank sends per step layer by layer at ``density``: each sparse
+def layout_bytes(
+    sizes: Sequence[int], density: Union[float, Sequence[float]], config: SparsityConfig
+) -> int:
+    """Bytes one rank sends per step layer by layer at ``density`` (one for
+    every layer, or each layer's): each sparse
     layer's message at capacity with its fingerprint word, each other layer
     dense (what ``SparseExchange.wire_bytes()`` counts for that layout)."""
     item = dense_itemsize(config)

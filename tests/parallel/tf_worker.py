@@ -346,6 +346,15 @@ TF_DOOR_CELLS = {
         "compression",
         dict(density=0.05, dense_dtype="float16", merge="none"),
     ),
+    **{
+        f"{door}.budget_split": (
+            door,
+            dict(
+                budget=0.1, budget_split="gradient", merge="dp", profile_steps=2, profile_budget=1.0
+            ),
+        )
+        for door in ("tape", "keras", "compression")
+    },
 }
 
 
@@ -378,6 +387,7 @@ def door_cells():
             "planned": engine.planner.plan is not None,
             "velocities": sum(1 for la in engine.exchange.layers if la.velocity is not None),
             "bytes": [engine.exchange.wire_bytes(), engine.exchange.dense_bytes()],
+            "split": engine.exchange.auto_layers is not None,
             # What dense messages hand the allreduce: their send buffers' dtype.
             "dense_wire": sorted(
                 {

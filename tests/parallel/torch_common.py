@@ -82,6 +82,10 @@ DOOR_CELLS = {
     "density_auto": dict(density="auto", merge="dp", profile_steps=2, profile_budget=1.0),
     # A tenth of the dense bytes per step, under a dp plan (issue 45).
     "budget": dict(budget=0.1, merge="dp", profile_steps=2, profile_budget=1.0),
+    # ... split between layers by their residuals after 10 steps.
+    "budget_split": dict(
+        budget=0.1, budget_split="gradient", merge="dp", profile_steps=2, profile_budget=1.0
+    ),
 }
 
 
@@ -97,4 +101,5 @@ def door_cell_record(engine, digests) -> dict:
         "wire_bytes": engine.exchange.wire_bytes(),
         "dense_bytes": engine.exchange.dense_bytes(),
         "planned": engine.planner.plan is not None,
+        "split": engine.exchange.auto_layers is not None,
     }

@@ -159,6 +159,10 @@ def sparse_training_identical():
         "sgd_momentum": dict(density=0.05),
         # A tenth of the dense bytes, under a dp plan (issue 45).
         "budget": dict(budget=0.1, merge="dp", profile_steps=2, profile_budget=1.0),
+        # ... split between layers by their residuals after 10 steps.
+        "budget_split": dict(
+            budget=0.1, budget_split="gradient", merge="dp", profile_steps=2, profile_budget=1.0
+        ),
     }
     out = {}
     for name, opts in variants.items():
@@ -170,13 +174,14 @@ def sparse_training_identical():
             min_sparse_size=64,
             **opts,
         )
-        digests = train(model, opt, 6)
+        digests = train(model, opt, 12 if name == "budget_split" else 6)
         ex = opt.dlgs.exchange
         out[name] = {
             "digests": digests,
             "finite": bool(torch.isfinite(flat_params(model)).all()),
             "bytes": [ex.wire_bytes(), ex.dense_bytes()],
             "planned": opt.dlgs.planner.plan is not None,
+            "split": ex.auto_layers is not None,
         }
     # The compression form, with Horovod's op=Sum and backward_passes_per_step=2.
     model = mlp(1)

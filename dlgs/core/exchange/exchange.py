@@ -44,6 +44,7 @@ from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tupl
 
 from ..backend import ArrayOps
 from ..config import SparsityConfig
+from ..planning.budget import BudgetSplit
 from ..selection.controller import make_controller
 from ..state.persist import ExchangeCheckpoints, SharedState
 from ..state.resume import Agreement
@@ -190,6 +191,8 @@ class SparseExchange:
         #: Called with the exchange and the step's :class:`StepRecord` at the end
         #: of every step (profiling, planning).
         self.step_hooks: List[StepHook] = []
+        if config.budget_split == "gradient":  # the budget's split, once (planning.budget)
+            self.step_hooks.append(BudgetSplit())
         #: The last finished step's :class:`StepRecord` (None before the first).
         self.last_step: Optional[StepRecord] = None
         #: The steps' verdicts: the last one's, the non-finite ones counted.

@@ -57,10 +57,14 @@ class SharedState:
     def choose_density(
         self, config: SparsityConfig, density: float, layers: Optional[Sequence[float]], n: int
     ) -> bool:
-        """``density="auto"``'s choice (every layer's, or each of ``n``
-        layers' own); returns whether it changed."""
-        if not config.auto:
-            raise RuntimeError("set_density() needs density='auto' (the density is fixed)")
+        """``density="auto"``'s choice, or ``budget_split="gradient"``'s
+        (every layer's, or each of ``n`` layers' own); returns whether it
+        changed."""
+        if not (config.auto or config.budget_split == "gradient"):
+            raise RuntimeError(
+                "set_density() needs density='auto' or budget_split='gradient' (the density "
+                "is fixed)"
+            )
         check_float("density", density, low=0, high=1, low_open=True)
         each = None if layers is None else checkpoint.layer_densities(layers, n)
         changed = (float(density), each) != (self.auto_density, self.auto_layers)
@@ -241,9 +245,11 @@ class ExchangeCheckpoints:
         s.plan = [(list(m), mode) for m, mode in plan] if plan is not None else None
         # The density the planner chose stays in force (before the planner
         # re-plans from its saved profile at it); with auto_layers turned off
-        # since, one density for every layer.
-        s.auto_density = state.get("auto_density") if config.auto else None
-        s.auto_layers = auto_layers if config.auto and config.auto_layers else None
+        # since, one density for every layer. budget_split="gradient"'s split
+        # stays in force the same way.
+        split = config.budget_split == "gradient"
+        s.auto_density = state.get("auto_density") if config.auto or split else None
+        s.auto_layers = auto_layers if config.auto and config.auto_layers or split else None
         try:
             ex.transport.load_state(state.get("regions"))
             for hook in ex.step_hooks:
