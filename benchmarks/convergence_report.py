@@ -1,21 +1,37 @@
 """The convergence benchmark's report: per method over its seeds, the final
 metric, the bytes counted against any budget, the time to PowerSGD rank 1's
 final metric, the goals of issue 45, and the curves against cumulative bytes
-and wall-clock time (``benchmarks/convergence.py`` writes the rows)."""
+and wall-clock time (``benchmarks/convergence.py`` writes the rows).
+
+Run as a module it merges the CSVs of several runs (more seeds, more methods)
+into one report::
+
+    python -m benchmarks.convergence_report --task fashion --out DIR RUN1.csv RUN2.csv
+"""
 
 from __future__ import annotations
 
+import argparse
+import csv
 import os
+import shlex
+import sys
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
-__all__ = ["report", "summarize", "time_to"]
+__all__ = ["merge", "report", "summarize", "time_to"]
 
 #: The reference whose final metric the time-to column targets.
 REFERENCE = "ddp-powersgd-1"
 DENSE = ("dense", "ddp")
+#: Each task's metric (``benchmarks.convergence``'s tasks).
+METRICS = {
+    "fashion": "test accuracy (%)",
+    "ptb": "validation perplexity",
+    "transformer": "validation perplexity",
+}
 
 
 def _num(value) -> Optional[float]:
@@ -82,8 +98,23 @@ def _time_cell(times: List[Optional[float]]) -> str:
     return cell if len(got) == len(times) else f"{cell} ({len(got)}/{len(times)} seeds)"
 
 
-def report(rows: List[Dict], task: str, metric: str, command: str, size: int, out: Path) -> str:
+def report(
+    rows: List[Dict],
+    task: str,
+    metric: str,
+    command: str,
+    size: int,
+    out: Path,
+    environment: Optional[str] = None,
+) -> str:
+    """``convergence.md``'s text (and ``convergence.png`` in ``out``);
+    ``environment`` defaults to what the cluster's variables say."""
     lower = "perplexity" in metric
+    if environment is None:
+        environment = (
+            f"{os.environ.get('DLGS_BANDWIDTH', 'plain horovodrun')} links "
+            f"({os.environ.get('DLGS_CLUSTER', 'loopback')})"
+        )
     final = summarize(rows)
     dense = next((final[m] for m in DENSE if m in final), None)
     ref = final.get(REFERENCE)
@@ -92,8 +123,7 @@ def report(rows: List[Dict], task: str, metric: str, command: str, size: int, ou
         "",
         f"Command: `{command}`",
         "",
-        f"Environment: {os.environ.get('DLGS_BANDWIDTH', 'plain horovodrun')} links "
-        f'({os.environ.get("DLGS_CLUSTER", "loopback")}). dlgs methods use `merge="none"` '
+        f'Environment: {environment}. dlgs methods use `merge="none"` '
         "(every eligible layer sparse). KB/step: bytes one rank handed to its collectives, "
         "counted every step and averaged (dense: 4 per parameter; fp16: 2; PowerSGD: its P "
         "and Q factors and the layers it leaves dense; dlgs: its messages at capacity). "
@@ -191,3 +221,66 @@ def _plot(rows: List[Dict], metric: str, lower: bool, path: Path) -> None:
     fig.tight_layout(rect=(0, 0.12, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def merge(tables: Sequence[List[Dict]], methods: Optional[Sequence[str]] = None) -> List[Dict]:
+    """The rows of several runs as one: a (method, seed) a later table also
+    holds is taken from the later one; ``methods`` keeps those, in that order."""
+    by_run: Dict[tuple, List[Dict]] = {}
+    for rows in tables:
+        keys = {(r["method"], int(r["seed"])) for r in rows}
+        for key in keys:
+            by_run[key] = [r for r in rows if (r["method"], int(r["seed"])) == key]
+    order = list(methods) if methods else list(dict.fromkeys(k[0] for k in by_run))
+    missing = [m for m in order if not any(k[0] == m for k in by_run)]
+    if missing:
+        raise ValueError(f"--methods names methods no CSV holds: {', '.join(missing)}")
+    return [r for m in order for key in sorted(k for k in by_run if k[0] == m) for r in by_run[key]]
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description="Merge convergence runs into one report")
+    parser.add_argument("csvs", nargs="+", type=Path, help="convergence.csv files, oldest first")
+    parser.add_argument("--task", choices=list(METRICS), required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--ranks", type=int, default=2, help="ranks of the runs (default: 2)")
+    parser.add_argument(
+        "--methods", default=None, help="comma list to keep, in order (default: all)"
+    )
+    parser.add_argument("--environment", default=None, help="the runs' links, for the report")
+    args = parser.parse_args(argv)
+    tables = []
+    for path in args.csvs:
+        with open(path, newline="") as f:
+            tables.append(list(csv.DictReader(f)))
+    rows = merge(tables, args.methods.split(",") if args.methods else None)
+    args.out.mkdir(parents=True, exist_ok=True)
+    with open(args.out / "convergence.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    sources = []
+    for path in args.csvs:
+        md = path.with_suffix(".md")
+        said = (
+            [ln for ln in md.read_text().splitlines() if ln.startswith("Command:")]
+            if md.exists()
+            else []
+        )
+        sources.append(said[0].removeprefix("Command: ") if said else str(path))
+    command = "python -m benchmarks.convergence_report " + shlex.join(
+        argv if argv is not None else sys.argv[1:]
+    )
+    text = report(
+        rows, args.task, METRICS[args.task], command, args.ranks, args.out, args.environment
+    )
+    merged = "Runs merged (a later run's method and seed replace an earlier's): " + "; ".join(
+        sources
+    )
+    text = text.replace("\n\nEnvironment:", f"\n\n{merged}\n\nEnvironment:", 1)
+    (args.out / "convergence.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -15,7 +15,8 @@ from local_world import OPS, LocalWorld, run_steps, sent_and_residuals
 
 from dlgs.core import SparseExchange, SparsityConfig
 from dlgs.core.planning.budget import FLOOR, SPLIT_AFTER, split_densities
-from dlgs.core.wire import density_for_budget, layout_bytes
+from dlgs.core.planning.layout import plan_messages
+from dlgs.core.wire import density_for_budget, layout_bytes, plan_layers
 
 SIZES = [("w0", 60000), ("b0", 40), ("w1", 25000), ("b1", 16), ("w2", 12000)]
 NUMEL = [n for _, n in SIZES]
@@ -175,3 +176,28 @@ def test_a_checkpoint_carries_the_split_and_a_resumed_run_does_not_split_again()
     again = run_split(budget, 3, make=resume)
     for rank in range(2):
         assert [r[2] for r in again[rank]] == [split] * 3
+
+
+def test_under_a_budget_a_merge_that_costs_more_than_its_members_alone_is_not_made():
+    # The door cells' split (tests/parallel): a 128-entry layer at density
+    # 0.45 is bitmap-coded alone (260 bytes) but would pay 2 bytes an index
+    # in a group with a 16,384-entry layer (block16).
+    cfg = config(budget=0.1, min_sparse_size=64)
+    sizes, densities = [128, 16384, 128], [0.4453, 0.0415, 0.1094]
+    plans = plan_layers(sizes, densities, cfg)
+    names = ["a", "b", "c"]
+
+    def messages(budgeted):
+        specs = plan_messages(
+            plans, names, [((0, 1, 2), True)], "t", cfg.value_dtype, cfg.index_coding,
+            budgeted=budgeted,
+        )  # fmt: skip
+        return [s.members for s in specs], sum(s.layout.chunk_bytes for s in specs)
+
+    merged, merged_bytes = messages(False)
+    alone, alone_bytes = messages(True)
+    assert merged == [(0, 1, 2)] and alone == [(0,), (1,), (2,)]
+    assert alone_bytes == layout_bytes(sizes, densities, cfg) < merged_bytes
+    # At one density the codings agree and the merge (one fingerprint) stays.
+    plans = plan_layers(sizes, [0.05] * 3, cfg)
+    assert messages(True)[0] == [(0, 1, 2)]

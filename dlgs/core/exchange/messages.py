@@ -254,6 +254,7 @@ def lay_out_plan(
         config.value_dtype,
         config.index_coding,
         dense_alone=dense_alone,
+        budgeted=config.budget is not None,
     )
     sparse = {i for m in specs if m.sparse for i in m.members}
     sender.prepare(max((plans[i].numel for i in sparse), default=0), like)

@@ -53,6 +53,7 @@ def plan_messages(
     value_dtype: ValueDType,
     index_coding: IndexCoding,
     dense_alone: bool = False,
+    budgeted: bool = False,
 ) -> List[MessageSpec]:
     """The messages of a step, ordered by their first layer.
 
@@ -60,7 +61,12 @@ def plan_messages(
     asked; layers it leaves out go alone, sparse where their plan says. With
     ``dense_alone`` (the caller reduces dense layers itself) dense groups are
     split into single layers. Sparse groups whose indices would overflow
-    int32 are split (:func:`split_oversized`)."""
+    int32 are split (:func:`split_oversized`). With ``budgeted`` (a byte
+    budget) a sparse group that would send more bytes than its members alone
+    (one index coding for all: a small layer at a high density, bitmap-coded
+    alone, pays a big layer's block16) goes as single messages
+    (:func:`split_costlier`): the bytes never exceed the layer-wise layout's,
+    which the budget priced."""
     groups: List[Tuple[List[int], bool]] = []
     placed: set = set()
     routes: Dict[int, str] = {}  # a plan's transport, by the message's first layer
@@ -74,7 +80,10 @@ def plan_messages(
                 routes[min(members)] = str(sparse)
         placed.update(members)
     groups += [([i], plans[i].sparse) for i in range(len(plans)) if i not in placed]
-    groups = sorted(split_oversized(groups, plans), key=lambda g: min(g[0]))
+    groups = split_oversized(groups, plans)
+    if budgeted:
+        groups = split_costlier(groups, plans, value_dtype, index_coding)
+    groups = sorted(groups, key=lambda g: min(g[0]))
     out = []
     for gi, (members, mode) in enumerate(groups):
         kind = "sparse" if mode else "dense"
@@ -98,6 +107,33 @@ def plan_messages(
                 ends.append(ends[-1] + plans[i].numel)
             offsets = tuple(ends)
         out.append(MessageSpec(tuple(members), mode, name, layout, offsets))
+    return out
+
+
+def split_costlier(
+    groups: List[Tuple[List[int], bool]],
+    plans: Sequence[LayerPlan],
+    value_dtype: ValueDType,
+    index_coding: IndexCoding,
+) -> List[Tuple[List[int], bool]]:
+    """Sparse groups that send more bytes merged than their members alone
+    split into single messages (sizes and capacities only: the same on every
+    rank)."""
+
+    def chunk(members: Sequence[int]) -> int:
+        return GroupLayout(
+            tuple(plans[i].numel for i in members),
+            tuple(plans[i].capacity for i in members),
+            value_dtype,
+            index_coding,
+        ).chunk_bytes
+
+    out: List[Tuple[List[int], bool]] = []
+    for members, sparse in groups:
+        if sparse and len(members) > 1 and chunk(members) > sum(chunk([i]) for i in members):
+            out += [([i], True) for i in members]
+        else:
+            out.append((members, sparse))
     return out
 
 
