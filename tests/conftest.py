@@ -337,9 +337,7 @@ def check_door_cells(per_rank) -> None:
     for name in ("budget", "budget_split"):
         cell = first[name]
         assert cell["planned"], cell
-        assert 0.95 * 0.1 * cell["dense_bytes"] <= cell["wire_bytes"] <= 0.1 * cell["dense_bytes"], (
-            name,
-            cell,
-        )
+        budget = 0.1 * cell["dense_bytes"]
+        assert 0.95 * budget <= cell["wire_bytes"] <= budget, (name, cell)
         # budget_split="gradient": each layer its own density after step 10.
         assert cell["split"] == (name == "budget_split"), cell

@@ -11,7 +11,8 @@ computes what every rank must send, keep and receive:
 * a sparse layer sends the first ``capacity`` elements (in index order) with
   ``|a| >= theta``, rounded to the wire dtype, and keeps the rest, plus the
   rounding error, in ``r``; momentum correction clears ``u`` where it sent
-  (factor masking, unless ``momentum_masking=False``);
+  (factor masking: ``momentum_masking``, by default where the layer sends at
+  most 1% of its entries a step);
 * a dense layer sends its gradient (or velocity), plus whatever residual it
   still holds from when it was sparse;
 * every rank receives the average (or sum) of what all ranks sent.
@@ -45,7 +46,7 @@ class Reference:
         min_sparse_size: int = 1024,
         max_ratio: float = 1.0,
         momentum: float = 0.0,
-        momentum_masking: bool = True,
+        momentum_masking: Optional[bool] = None,
         warmup: Sequence[float] = (),
         warmup_steps: int = 0,
         value_dtype: str = "float32",
@@ -98,7 +99,10 @@ class Reference:
         out = [np.zeros(n) for n in self.sizes]
         for r in range(self.ranks):
             for i, n in enumerate(self.sizes):
-                _, cap, sparse = self.target(n, self.t)
+                k, cap, sparse = self.target(n, self.t)
+                masking = self.momentum_masking
+                if masking is None:  # dlgs's default: by the layer's density
+                    masking = not self.warmup and k <= math.ceil(0.01 * n)
                 if modes and i in modes:
                     sparse = modes[i]
                 g = np.asarray(grads[r][i], np.float32)
@@ -120,7 +124,7 @@ class Reference:
                     keep = a.copy()
                     keep[chosen] -= vals
                     self.residual[r][i] = keep
-                    if self.momentum and self.momentum_masking:
+                    if self.momentum and masking:
                         self.velocity[r][i][chosen] = 0.0
                     sent = np.zeros(n, np.float32)
                     sent[chosen] = vals

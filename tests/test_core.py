@@ -3,6 +3,7 @@ cross-rank signatures, and the layering rule (the core imports no framework)."""
 
 from __future__ import annotations
 
+import math
 import re
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from dlgs.core import (
     plan_layers,
     signature,
 )
+from dlgs.core.config import MASKING_MAX_DENSITY
 
 
 def test_core_imports_without_any_framework():
@@ -96,12 +98,19 @@ def test_config_is_frozen_and_schedules_warmup():
     assert cfg.to_dict()["controller"] == "dynamic"
 
 
-def test_momentum_masking_defaults_to_off_with_warmup_only():
-    assert SparsityConfig(momentum=0.9).momentum_masking is True
+def test_momentum_masking_defaults_to_off_with_warmup_and_else_by_each_layers_density():
+    default = SparsityConfig(momentum=0.9)
+    assert default.momentum_masking is None
+    # Masked where a layer sends at most MASKING_MAX_DENSITY of its entries.
+    n = 10_000
+    at = math.ceil(MASKING_MAX_DENSITY * n)
+    assert default.masks(at, n) and default.masks(1, n) and not default.masks(at + 1, n)
     assert SparsityConfig(momentum=0.9, warmup="dgc", warmup_steps=3).momentum_masking is False
     explicit = SparsityConfig(momentum=0.9, warmup="dgc", warmup_steps=3, momentum_masking=True)
-    assert explicit.momentum_masking is True
-    assert SparsityConfig(density=0.5, warmup="dgc").momentum_masking is True  # no stages
+    assert explicit.momentum_masking is True and explicit.masks(n, n)
+    assert not SparsityConfig(momentum_masking=False).masks(1, n)
+    no_stages = SparsityConfig(density=0.5, warmup="dgc")  # no stages: the density's rule
+    assert no_stages.momentum_masking is None and not no_stages.masks(5000, n)
 
 
 def test_dgc_warmup_is_dgc_schedule_scaled_to_the_density():

@@ -354,7 +354,10 @@ CASES = {
     "topk": (dict(controller="topk"), {}),
     "dgc": (dict(controller="dgc", sample_ratio=0.1), {}),
     "fixed": (dict(controller="fixed", threshold=1.0), {}),
-    "momentum": (dict(momentum=0.9), {}),
+    "momentum": (dict(momentum=0.9, momentum_masking=True), {}),
+    # The default masks a layer only at densities up to 0.01 (here both
+    # sparse layers; at 0.05 neither, as in the momentum cases below).
+    "momentum_default_low_density": (dict(momentum=0.9, density=0.01), {}),
     "momentum_unmasked": (dict(momentum=0.9, momentum_masking=False), {}),
     "max_ratio": (dict(max_ratio=2.0), {}),
     "float16_values": (dict(value_dtype="float16"), {}),

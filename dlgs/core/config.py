@@ -8,6 +8,7 @@ errors. Every field is documented with what it trades.
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Iterable, Mapping, Set
 from dataclasses import asdict, dataclass, field
 from typing import Optional, Tuple, Union
@@ -18,6 +19,7 @@ __all__ = [
     "Controller",
     "dgc_warmup",
     "IndexCoding",
+    "MASKING_MAX_DENSITY",
     "MERGE_STRATEGIES",
     "MergeConfig",
     "ValueDType",
@@ -136,9 +138,7 @@ class SparsityConfig:
             where values were sent. When set, give the wrapped optimizer
             ``momentum=0``.
         momentum_masking: With ``momentum``: also clear the velocity where
-            values were sent (DGC's factor masking). ``None`` (default): mask
-            without ``warmup``, not with it (measured: docs/benchmarks.md,
-            "Warm-up"). Masking restarts a
+            values were sent (DGC's factor masking). Masking restarts a
             coordinate's momentum each time it is sent, so the more often it is
             sent the less momentum it gets: sent every step, none at all (at
             ``m = 0.9`` a 10x smaller step than momentum SGD), which is what
@@ -146,7 +146,10 @@ class SparsityConfig:
             gradients. ``False`` keeps the velocity: what is sent then sums to
             exactly what momentum SGD applies, delayed by the residual, at
             every density; at a steady low density masking does better (a sent
-            coordinate's momentum would keep pushing).
+            coordinate's momentum would keep pushing). ``None`` (default): no
+            masking with ``warmup``; without it, each layer masked only where
+            its density is at most :data:`MASKING_MAX_DENSITY` (measured:
+            docs/benchmarks.md, "Warm-up" and "Accuracy per byte").
         warmup: Densities for the first stages of training, e.g.
             ``(0.25, 0.063, 0.015, 0.004)``, or ``"dgc"``: DGC's schedule scaled
             to ``density`` (:func:`dgc_warmup`: 4 stages from 0.25 down to
@@ -340,10 +343,20 @@ class SparsityConfig:
         object.__setattr__(self, "warmup", warmup)
         if warmup and self.warmup_steps == 0:
             raise ValueError("warmup_steps must be an int >= 1 when warmup is given")
-        if self.momentum_masking is None:
+        if self.momentum_masking is None and warmup:
             # Masking starves coordinates sent nearly every step (warm-up's
-            # dense stages) of momentum; at a steady low density it helps.
-            object.__setattr__(self, "momentum_masking", not warmup)
+            # dense stages) of momentum; at a steady low density it helps
+            # (without warm-up, :meth:`masks` decides per layer).
+            object.__setattr__(self, "momentum_masking", False)
+
+    def masks(self, k: int, numel: int) -> bool:
+        """Whether momentum correction masks (``momentum_masking``) a sparse
+        layer of ``numel`` elements sending ``k`` a step: as set, or by
+        default where ``k`` is at most the count :data:`MASKING_MAX_DENSITY`
+        gives the layer."""
+        if self.momentum_masking is not None:
+            return self.momentum_masking
+        return k <= math.ceil(MASKING_MAX_DENSITY * numel)
 
     @property
     def auto(self) -> bool:
@@ -407,6 +420,11 @@ def _member(kind, name: str, value):
         names = ", ".join(repr(c.value) for c in kind)
         raise ValueError(f"{name} must be one of {names}, got {value!r}") from None
 
+
+#: ``momentum_masking=None`` masks a layer (without warm-up) only at or below
+#: this density: on Fashion-MNIST masking did better at 0.001 and 0.006 and
+#: worse at 0.024 and 0.25 (docs/benchmarks.md, "Accuracy per byte").
+MASKING_MAX_DENSITY = 0.01
 
 #: The values of ``SparsityConfig.budget_split``.
 BUDGET_SPLITS = ("uniform", "gradient")

@@ -259,7 +259,7 @@ def scaled_conservation():
     for name, opts in {
         "float32": dict(density=0.05),
         "float16_wire": dict(density=0.05, value_dtype="float16"),
-        "momentum": dict(density=0.05, momentum=0.9),
+        "momentum": dict(density=0.05, momentum=0.9, momentum_masking=True),
     }.items():
         model = mlp(3)
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)

@@ -324,7 +324,7 @@ def scaled_conservation():
     for case, opts in {
         "float32": dict(density=0.05),
         "float16_wire": dict(density=0.05, value_dtype="float16"),
-        "momentum": dict(density=0.05, momentum=0.9),
+        "momentum": dict(density=0.05, momentum=0.9, momentum_masking=True),
     }.items():
         model = mlp(3)
         variables = model.trainable_variables

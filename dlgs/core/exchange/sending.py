@@ -154,7 +154,7 @@ class LayerSender:
         vel = self.velocity(layer, grad, step) if layer.velocity is not None else None
         layer.ctrl_prev = dict(layer.ctrl)  # restored if the step is not finite
         if self.kernels is not None:
-            masked = vel is not None and self.config.momentum_masking
+            masked = vel is not None and self.config.masks(k, layer.numel)
             layer.count, layer.theta = select_and_pack(
                 ops,
                 self.kernels,
@@ -209,7 +209,7 @@ class LayerSender:
         else:
             # Keep the rounding error of the narrower wire dtype in the residual.
             ops.sub_at_(nxt, idx, ops.cast(out_vals, "float32"))
-        if layer.velocity is not None and self.config.momentum_masking:
+        if layer.velocity is not None and self.config.masks(k, layer.numel):
             ops.fill_at_(layer.velocity_next, idx, 0.0)  # DGC factor masking
         layer.count = count
         layer.theta = theta
