@@ -450,7 +450,12 @@ def conservation():
 
 # The default (dynamic) controller runs in every case.
 TF_REFERENCE_CASES = {
-    "momentum": dict(momentum=0.9),
+    # Masked (DGC's recipe): a velocity that is never cleared carries the
+    # framework's fused m*u + g rounding (a few ulps from the reference's) into
+    # later steps, where an element at the recorded threshold may flip; the
+    # default (unmasked at this density) is checked in process, where the
+    # arithmetic is the reference's (tests/test_exchange_local.py).
+    "momentum": dict(momentum=0.9, momentum_masking=True),
     "warmup": dict(warmup=(0.5, 0.2), warmup_steps=2),
     "fp16_values": dict(value_dtype="float16"),
     "sum": dict(op="sum"),
