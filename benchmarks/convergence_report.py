@@ -194,7 +194,10 @@ def _plot(rows: List[Dict], metric: str, lower: bool, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 5.5), sharey=True)
-    for m in dict.fromkeys(r["method"] for r in rows):
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    # More methods than the default cycle's 10 colours: tab20's, one each.
+    colors = plt.get_cmap("tab10" if len(methods) <= 10 else "tab20").colors
+    for i, m in enumerate(methods):
         rs = [r for r in rows if r["method"] == m]
         steps = sorted({int(r["step"]) for r in rs})
         at = [[r for r in rs if int(r["step"]) == s] for s in steps]
@@ -202,8 +205,9 @@ def _plot(rows: List[Dict], metric: str, lower: bool, path: Path) -> None:
         sent = [np.mean([float(r["sent"]) for r in a]) / 1e6 for a in at]
         secs = [np.mean([float(r["seconds"]) for r in a]) for a in at]
         style = "--" if m.startswith("ddp-powersgd") else ":" if m in DENSE else "-"
-        line = axes[0].plot(sent, mean, style, marker=".", label=m)[0]
-        axes[1].plot(secs, mean, style, marker=".", label=m, color=line.get_color())
+        color = colors[i % len(colors)]
+        axes[0].plot(sent, mean, style, marker=".", label=m, color=color)
+        axes[1].plot(secs, mean, style, marker=".", label=m, color=color)
     axes[0].set_xscale("log")
     axes[0].set_xlabel("MB sent per rank, cumulative (log)")
     axes[1].set_xlabel("training seconds")
