@@ -361,7 +361,11 @@ FUSED_CASES: Dict[str, Tuple[Dict[str, Any], str, Optional[float]]] = {
     "nonfinite-bf16": (dict(value_dtype="bfloat16", index_coding="bitmap"), "nonfinite", None),
     "nonfinite-scaled": (dict(value_dtype="float16"), "nonfinite", 1024.0),
     "dynamic": (dict(controller="dynamic", anchor_every=3), "integers", None),
-    "momentum-masking": (dict(controller="dynamic", momentum=0.9), "integers", None),
+    "momentum-masking": (
+        dict(controller="dynamic", momentum=0.9, momentum_masking=True),
+        "integers",
+        None,
+    ),
     "momentum-unmasked": (dict(momentum=0.9, momentum_masking=False), "normal", None),
 }
 
