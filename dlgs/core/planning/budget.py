@@ -3,10 +3,10 @@
 With ``budget=`` dlgs first sends every sparse layer at the one density that
 fits the budget (:func:`dlgs.core.wire.density_for_budget`). That starves
 the small layers: on the Fashion-MNIST CNN at PowerSGD rank 1's bytes (a
-density of 0.006) the output layer's 1,280 weights send 8 entries a step, a
-quarter of their gradient's energy, while a global top-k of the same count
-gives it 130-250 and over 90% of its energy (``docs/benchmarks.md``, "Accuracy
-per byte").
+density of 0.006) the output layer's 1,280 weights send 8 entries a step,
+which hold 6% of its residual's energy after 10 steps, while this split of
+the same bytes gives it 356 and 89% (``python -m benchmarks.budget_shares``;
+``docs/benchmarks.md``, "Accuracy per byte").
 
 ``budget_split="gradient"`` splits the same bytes as a global top-k would, once
 the residuals have shown which layers wait: after :data:`SPLIT_AFTER` steps at
