@@ -324,6 +324,9 @@ class Task:
     def model(self) -> torch.nn.Module:
         raise NotImplementedError
 
+    #: The optimizer's learning rate (``--lr`` overrides it).
+    lr = 0.0
+
     def optimizer(self, params, momentum: float) -> torch.optim.Optimizer:
         raise NotImplementedError
 
@@ -345,11 +348,13 @@ class FashionTask(Task):
         self.xte, self.yte = map(torch.from_numpy, fashion_mnist("test"))
         self.steps_per_epoch = len(self.xtr) // hvd.size() // batch
 
+    lr = 0.05
+
     def model(self):
         return FashionCNN()
 
     def optimizer(self, params, momentum):
-        return torch.optim.SGD(params, lr=0.05, momentum=momentum)
+        return torch.optim.SGD(params, lr=self.lr, momentum=momentum)
 
     def batches(self, epoch):
         order = np.random.default_rng(1000 * self.seed + epoch).permutation(len(self.xtr))
@@ -371,7 +376,7 @@ class PTBTask(Task):
     windows of each rank's contiguous shard of the training text."""
 
     metric = "validation perplexity"
-    clip, momentum, bptt = 5.0, 0.0, 35
+    clip, momentum, bptt, lr = 5.0, 0.0, 35, 1.0
 
     def __init__(self, seed: int, batch: int):
         super().__init__(seed, batch)
@@ -390,7 +395,7 @@ class PTBTask(Task):
         return LSTMLM(vocab=self.vocab)
 
     def optimizer(self, params, momentum):
-        return torch.optim.SGD(params, lr=1.0, momentum=momentum)
+        return torch.optim.SGD(params, lr=self.lr, momentum=momentum)
 
     def _windows(self, stream):
         for j in range(0, stream.shape[1] - 1 - self.bptt, self.bptt):
@@ -415,13 +420,13 @@ class TransformerTask(PTBTask):
     (:class:`TransformerLM`) trained with Adam (lr 1e-3, clipping at 1): the
     recipe transformers need, so dlgs keeps no momentum of its own here."""
 
-    clip, momentum = 1.0, 0.0
+    clip, momentum, lr = 1.0, 0.0, 1e-3
 
     def model(self):
         return TransformerLM(vocab=self.vocab, max_len=self.bptt)
 
     def optimizer(self, params, momentum):
-        return torch.optim.Adam(params, lr=1e-3)
+        return torch.optim.Adam(params, lr=self.lr)
 
 
 TASKS = {"fashion": FashionTask, "ptb": PTBTask, "transformer": TransformerTask}
@@ -503,8 +508,17 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         default=1,
         help="evaluations per epoch: points on the curves (default: 1)",
     )
+    parser.add_argument(
+        "--lr",
+        type=float,
+        default=None,
+        help="every method's learning rate (default: the task's: fashion 0.05, ptb 1.0, "
+        "transformer 1e-3)",
+    )
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/convergence"))
     args = parser.parse_args(argv)
+    if args.lr is not None and not args.lr > 0:
+        parser.error(f"--lr must be > 0, got {args.lr}")
     seeds = [int(x) for x in args.seeds.split(",")]
     methods = args.methods.split(",")
     for method in methods:
@@ -535,6 +549,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     # still reports every method at the seeds it finished.
     for seed in seeds:
         task = TASKS[args.task](seed, batch)
+        if args.lr is not None:
+            task.lr = args.lr
         for method in methods:
             res = train(task, method, args.epochs, args.warmup_epochs, args.evals_per_epoch)
             rows += [dict(method=method, seed=seed, **r) for r in res]
