@@ -79,6 +79,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import math
 import os
@@ -432,8 +433,46 @@ class TransformerTask(PTBTask):
 TASKS = {"fashion": FashionTask, "ptb": PTBTask, "transformer": TransformerTask}
 
 
+class LocalAdam:
+    """Adam's moments kept on each rank from its own gradient (``--local-adam``):
+    a hook on every parameter turns the gradient into Adam's direction
+    ``m^ / (sqrt(v^) + eps)`` before any exchange sees it, and the wrapped
+    optimizer is plain SGD at the task's learning rate. Every method then
+    exchanges Adam's output, not its input: what DGC's momentum correction
+    does for momentum SGD. Adam's second moment of a sparsified gradient sees
+    each coordinate's error-feedback bursts (a coordinate sent once in 1/d
+    steps arrives ~1/d times larger), not its steady gradient."""
+
+    def __init__(self, params, betas=(0.9, 0.999), eps=1e-8):
+        self.betas, self.eps = betas, eps
+        self.handles = [
+            p.register_hook(functools.partial(self._direction, dict(t=0, m=None, v=None)))
+            for p in params
+            if p.requires_grad
+        ]
+
+    def _direction(self, state: Dict, grad: torch.Tensor) -> torch.Tensor:
+        (b1, b2), t = self.betas, state["t"] + 1
+        if state["m"] is None:
+            state["m"], state["v"] = torch.zeros_like(grad), torch.zeros_like(grad)
+        state["t"] = t
+        state["m"].mul_(b1).add_(grad, alpha=1 - b1)
+        state["v"].mul_(b2).addcmul_(grad, grad, value=1 - b2)
+        denom = (state["v"] / (1 - b2**t)).sqrt_().add_(self.eps)
+        return state["m"] / (1 - b1**t) / denom
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
 def train(
-    task: Task, method: str, epochs: int, warmup_epochs: float = 1.0, evals_per_epoch: int = 1
+    task: Task,
+    method: str,
+    epochs: int,
+    warmup_epochs: float = 1.0,
+    evals_per_epoch: int = 1,
+    local_adam: bool = False,
 ) -> List[Dict]:
     """Train ``method`` on ``task`` from the task's seed; one row per
     evaluation: epoch (fractional between epochs), step, seconds of training
@@ -442,10 +481,15 @@ def train(
     torch.manual_seed(task.seed)
     model = task.model()
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    if local_adam:  # Adam before the exchange, SGD after it; no clipping
+        hooks = LocalAdam(model.parameters())
+        optimizer, clip = (lambda params, _: torch.optim.SGD(params, lr=task.lr)), None
+    else:
+        optimizer, clip = task.optimizer, task.clip
     tr = make_trainer(
         method,
         model,
-        task.optimizer,
+        optimizer,
         task.momentum,
         warmup_steps=_stage_steps(task.steps_per_epoch, warmup_epochs),
     )
@@ -457,7 +501,7 @@ def train(
         for i, (x, y) in enumerate(task.batches(epoch), 1):
             tr.opt.zero_grad()
             task.loss(tr.model, x, y).backward()
-            tr.step(clip=task.clip)
+            tr.step(clip=clip)
             if i % every == 0 or i == task.steps_per_epoch:
                 seconds += time.perf_counter() - start
                 tr.model.eval()
@@ -482,6 +526,8 @@ def train(
             "%s seed %d epoch %d: %s %.2f (%.0f s, %.1f MB sent)",
             method, task.seed, epoch + 1, task.metric, rows[-1]["metric"], seconds, tr.sent / 1e6,
         )  # fmt: skip
+    if local_adam:
+        hooks.remove()
     return rows
 
 
@@ -514,6 +560,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         default=None,
         help="every method's learning rate (default: the task's: fashion 0.05, ptb 1.0, "
         "transformer 1e-3)",
+    )
+    parser.add_argument(
+        "--local-adam",
+        action="store_true",
+        help="every method exchanges Adam's direction, computed on each rank from its own "
+        "gradient, and applies it with SGD at --lr (no clipping): see LocalAdam",
     )
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/convergence"))
     args = parser.parse_args(argv)
@@ -552,7 +604,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         if args.lr is not None:
             task.lr = args.lr
         for method in methods:
-            res = train(task, method, args.epochs, args.warmup_epochs, args.evals_per_epoch)
+            res = train(
+                task, method, args.epochs, args.warmup_epochs, args.evals_per_epoch, args.local_adam
+            )
             rows += [dict(method=method, seed=seed, **r) for r in res]
         if hvd.rank() == 0:
             args.out.mkdir(parents=True, exist_ok=True)
