@@ -433,6 +433,11 @@ class TransformerTask(PTBTask):
 TASKS = {"fashion": FashionTask, "ptb": PTBTask, "transformer": TransformerTask}
 
 
+def sgd(task: Task, params, momentum: float) -> torch.optim.Optimizer:
+    """``--optimizer sgd``: SGD at the task's learning rate."""
+    return torch.optim.SGD(params, lr=task.lr, momentum=momentum)
+
+
 class LocalAdam:
     """Adam's moments kept on each rank from its own gradient (``--local-adam``):
     a hook on every parameter turns the gradient into Adam's direction
@@ -562,6 +567,19 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         "transformer 1e-3)",
     )
     parser.add_argument(
+        "--optimizer",
+        choices=("task", "sgd"),
+        default="task",
+        help="the task's optimizer (default) or SGD at --lr with --momentum (momentum "
+        "correction in dlgs methods, as on fashion)",
+    )
+    parser.add_argument(
+        "--momentum",
+        type=float,
+        default=None,
+        help="with --optimizer sgd: SGD's momentum (default: the task's)",
+    )
+    parser.add_argument(
         "--local-adam",
         action="store_true",
         help="every method exchanges Adam's direction, computed on each rank from its own "
@@ -571,6 +589,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     args = parser.parse_args(argv)
     if args.lr is not None and not args.lr > 0:
         parser.error(f"--lr must be > 0, got {args.lr}")
+    if args.optimizer == "sgd" and (args.lr is None or args.local_adam):
+        parser.error("--optimizer sgd needs --lr, and not --local-adam")
+    if args.momentum is not None and not (0.0 <= args.momentum < 1.0 and args.optimizer == "sgd"):
+        parser.error(f"--momentum must be in [0, 1) with --optimizer sgd, got {args.momentum}")
     seeds = [int(x) for x in args.seeds.split(",")]
     methods = args.methods.split(",")
     for method in methods:
@@ -603,6 +625,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         task = TASKS[args.task](seed, batch)
         if args.lr is not None:
             task.lr = args.lr
+        if args.optimizer == "sgd":
+            task.optimizer = functools.partial(sgd, task)  # type: ignore[method-assign]
+            if args.momentum is not None:
+                task.momentum = args.momentum
         for method in methods:
             res = train(
                 task, method, args.epochs, args.warmup_epochs, args.evals_per_epoch, args.local_adam
