@@ -37,7 +37,9 @@ The ``+`` options:
   ``warmup`` and momentum correction, DGC's recipe ("DGC-style top-k");
 * ``topk``: the exact top-k threshold every step (``controller="topk"``);
 * ``int32``: int32 indices (``index_coding="int32"``) instead of the default;
-* ``f16`` / ``bf16``: float16 / bfloat16 values on the wire;
+* ``f16`` / ``bf16`` / ``f32``: float16 / bfloat16 / float32 values on the
+  wire (the default, ``value_dtype="auto"``: float16 under a budget, else
+  float32);
 * ``reduce``: the sparse reduction by regions (``transport="reduce"``)
   instead of the allgather; it has no momentum correction, so it goes with
   ``outer``;
@@ -140,6 +142,7 @@ OPTIONS = {
     "topk": {"controller": "topk"},
     "int32": {"index_coding": "int32"},
     "f16": {"value_dtype": "float16"},
+    "f32": {"value_dtype": "float32"},  # the default under a budget is float16
     "bf16": {"value_dtype": "bfloat16"},
     "reduce": {"transport": "reduce"},
     "wide": {"reduce_width": 4.0},
@@ -211,8 +214,13 @@ def resolve_budget(kwargs: Dict, model: torch.nn.Module) -> Optional[int]:
     if kwargs.get("warmup") or kwargs.get("transport") == "reduce":
         if kwargs.get("budget_split"):
             raise ValueError("+split needs the budget itself: not with +warmup or +reduce")
-        config = SparsityConfig(budget=kwargs.pop("budget"), min_sparse_size=256)
+        config = SparsityConfig(
+            budget=kwargs.pop("budget"),
+            min_sparse_size=256,
+            value_dtype=kwargs.get("value_dtype", "auto"),
+        )
         kwargs["density"] = density_for_budget(sizes, config)
+        kwargs["value_dtype"] = config.value_dtype.value  # as the budget priced it
     return target
 
 

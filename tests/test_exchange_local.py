@@ -14,8 +14,9 @@ from local_world import OPS, LocalWorld, run_steps, sent_values
 from reference import Reference
 
 from dlgs.core import RankMismatchError, SparseExchange, SparsityConfig
+from dlgs.core.config import ValueDType
 from dlgs.core.selection import controller as controller_module
-from dlgs.core.wire import layout_bytes
+from dlgs.core.wire import fit_budget, layout_bytes
 
 SIZES = [("w1", 4096), ("b1", 64), ("w2", 2048), ("b2", 10)]  # backward order
 SPARSE = {0, 2}
@@ -777,7 +778,7 @@ def test_a_byte_budget_chooses_the_density_that_fills_it(budget):
         return SparseExchange(OPS, comm, cfg, BUDGET_SIZES)
 
     def record(rank, ex, out):
-        return ex.density, ex.wire_bytes()
+        return ex.density, ex.wire_bytes(), ex.config.value_dtype
 
     def grads(rank, step):
         g = np.random.default_rng(1000 * step + rank)
@@ -785,11 +786,44 @@ def test_a_byte_budget_chooses_the_density_that_fills_it(budget):
 
     recs = run_steps(LocalWorld(2), make, grads, 2, record)
     assert recs[0] == recs[1]
-    density, sent = recs[0][-1]
+    density, sent, values = recs[0][-1]
+    assert values is ValueDType.FLOAT16  # value_dtype="auto" under a budget
     assert 0.95 * target <= sent <= target, (density, sent, target)
     # A little more density would not fit.
-    more = SparsityConfig(density=min(1.0, density * 1.05), min_sparse_size=1024)
+    more = SparsityConfig(
+        density=min(1.0, density * 1.05), min_sparse_size=1024, value_dtype="float16"
+    )
     assert layout_bytes([n for _, n in BUDGET_SIZES], more.density, more) > target
+
+
+def test_value_dtype_auto_is_float16_under_a_budget_unless_float32_fits_dense():
+    """``value_dtype="auto"`` (the default): float32 without a budget; under
+    one float16, which buys about 1.5x the entries of the same bytes; a
+    budget that float32 meets at density 1.0 keeps float32 (the plain sum).
+    An explicit dtype is kept."""
+    sizes = [n for _, n in BUDGET_SIZES]
+    assert SparsityConfig().value_dtype is ValueDType.FLOAT32
+    assert SparsityConfig(budget=0.1).value_dtype is ValueDType.FLOAT16
+    assert SparsityConfig(budget=0.1, value_dtype="float32").value_dtype is ValueDType.FLOAT32
+    assert "values_chosen" not in SparsityConfig(budget=0.1).to_dict()
+    with pytest.raises(ValueError, match="value_dtype must be one of .*'auto'"):
+        SparsityConfig(value_dtype="float8")
+    auto = fit_budget(sizes, SparsityConfig(budget=0.05, min_sparse_size=1024))
+    wide = fit_budget(
+        sizes, SparsityConfig(budget=0.05, min_sparse_size=1024, value_dtype="float32")
+    )
+    assert auto.value_dtype is ValueDType.FLOAT16 and wide.value_dtype is ValueDType.FLOAT32
+    target = 0.05 * 4 * sum(sizes)
+    for cfg in (auto, wide):
+        assert 0.95 * target <= layout_bytes(sizes, cfg.density, cfg) <= target
+    assert auto.density > 1.4 * wide.density
+    dense = 4 * sum(sizes)
+    for budget in (dense, dense + 1000):
+        fitted = fit_budget(sizes, SparsityConfig(budget=budget, min_sparse_size=1024))
+        assert (fitted.density, fitted.value_dtype) == (1.0, ValueDType.FLOAT32)
+    # Asked for explicitly, float16 stays, at density 1.0 too.
+    cfg = SparsityConfig(budget=dense, min_sparse_size=1024, value_dtype="float16")
+    assert fit_budget(sizes, cfg).value_dtype is ValueDType.FLOAT16
 
 
 def test_a_budget_below_the_least_the_layers_send_names_it():

@@ -158,8 +158,13 @@ class SparsityConfig:
             stage lasts ``warmup_steps`` steps, then ``density`` applies.
             Message sizes change only at stage boundaries.
         warmup_steps: Steps per warm-up stage.
-        value_dtype: ``"float32"``, ``"float16"`` or ``"bfloat16"`` values on
-            the wire. The 16-bit dtypes halve the value bytes; the rounding
+        value_dtype: ``"auto"`` (default), ``"float32"``, ``"float16"`` or
+            ``"bfloat16"`` values on the wire. ``auto``: float16 under a
+            ``budget`` (4 bytes an entry instead of 6 with 16-bit indices, so
+            the same bytes send about 1.5x the entries) unless float32 fits it
+            at density 1.0 (then every layer is summed as plain Horovod
+            does), float32 otherwise.
+            The 16-bit dtypes halve the value bytes; the rounding
             error stays in the residual, so nothing is lost over time. float16
             keeps 11 bits of mantissa but tops out at 65504 (larger values are
             sent clipped, the rest waits in the residual); bfloat16 keeps
@@ -252,7 +257,7 @@ class SparsityConfig:
     momentum_masking: Optional[bool] = None
     warmup: Tuple[float, ...] = field(default_factory=tuple)
     warmup_steps: int = 0
-    value_dtype: ValueDType = ValueDType.FLOAT32
+    value_dtype: ValueDType = "auto"  # type: ignore[assignment]  # resolved below
     dense_dtype: ValueDType = ValueDType.FLOAT32
     budget: Optional[Union[int, float]] = None
     budget_split: str = "uniform"
@@ -260,6 +265,9 @@ class SparsityConfig:
     kernels: str = "auto"
     transport: str = "allgather"
     reduce_width: float = 1.25
+    #: Whether ``value_dtype="auto"`` chose the values' dtype (not an option:
+    #: set by the checks, left out of :meth:`to_dict`).
+    values_chosen: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not (isinstance(self.density, str) and self.density == "auto"):
@@ -274,12 +282,18 @@ class SparsityConfig:
             raise TypeError(f"auto_layers must be a bool, got {type(self.auto_layers).__name__}")
         object.__setattr__(self, "controller", _member(Controller, "controller", self.controller))
         object.__setattr__(
-            self, "value_dtype", _member(ValueDType, "value_dtype", self.value_dtype)
-        )
-        object.__setattr__(
             self, "dense_dtype", _member(ValueDType, "dense_dtype", self.dense_dtype)
         )
         self._check_budget()
+        if isinstance(self.value_dtype, str) and self.value_dtype == "auto":
+            # At a budget 16-bit values buy entries: issue 45's transformer
+            # at PowerSGD rank 4's bytes, docs/benchmarks.md.
+            auto = ValueDType.FLOAT16 if self.budget is not None else ValueDType.FLOAT32
+            object.__setattr__(self, "value_dtype", auto)
+            object.__setattr__(self, "values_chosen", True)
+        object.__setattr__(
+            self, "value_dtype", _member(ValueDType, "value_dtype", self.value_dtype, "'auto'")
+        )
         object.__setattr__(
             self, "index_coding", _member(IndexCoding, "index_coding", self.index_coding)
         )
@@ -404,6 +418,7 @@ class SparsityConfig:
     def to_dict(self) -> dict:
         """Plain-Python form, for logging, checkpoints and cross-rank checks."""
         d = asdict(self)
+        del d["values_chosen"]
         d["controller"] = self.controller.value
         d["value_dtype"] = self.value_dtype.value
         d["dense_dtype"] = self.dense_dtype.value
@@ -412,12 +427,13 @@ class SparsityConfig:
         return d
 
 
-def _member(kind, name: str, value):
-    """``kind(value)`` for an enum option, or ValueError naming it and its values."""
+def _member(kind, name: str, value, *more: str):
+    """``kind(value)`` for an enum option, or ValueError naming it and its
+    values (and ``more`` accepted spellings)."""
     try:
         return kind(value)
     except ValueError:
-        names = ", ".join(repr(c.value) for c in kind)
+        names = ", ".join([repr(c.value) for c in kind] + list(more))
         raise ValueError(f"{name} must be one of {names}, got {value!r}") from None
 
 

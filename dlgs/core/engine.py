@@ -410,6 +410,8 @@ class Engine:
                     if ex.auto_layers is not None
                     else f", split between layers by their residuals after step {SPLIT_AFTER}"
                 )
+        if ex.config.value_dtype.value != "float32":
+            density += f", values in {ex.config.value_dtype.value}"
         if ex.config.dense_dtype.value != "float32":
             density += f", dense messages in {ex.config.dense_dtype.value}"
         lines = [] if self.topology_probe is None else [self.topology_probe.describe()]

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from numbers import Real
 from typing import Any, List, NamedTuple, Optional, Sequence, Tuple, Union
 
@@ -49,6 +49,8 @@ __all__ = [
     "BLOCK",
     "dense_itemsize",
     "density_for_budget",
+    "fit_budget",
+    "budget_bytes",
     "layout_bytes",
     "DevicePart",
     "GroupLayout",
@@ -729,6 +731,26 @@ def layout_bytes(
     )
 
 
+def fit_budget(sizes: Sequence[int], config: SparsityConfig) -> SparsityConfig:
+    """``config`` (which has a budget) at the density that fits it
+    (:func:`density_for_budget`). Where ``value_dtype="auto"`` chose float16
+    and float32 values fit at density 1.0, float32 at density 1.0: a budget
+    that asks for no compression gets the plain sum."""
+    if config.values_chosen:
+        wide = replace(config, value_dtype=ValueDType.FLOAT32)
+        if layout_bytes(sizes, 1.0, wide) <= budget_bytes(sizes, config):
+            return replace(wide, density=1.0)
+    return replace(config, density=density_for_budget(sizes, config))
+
+
+def budget_bytes(sizes: Sequence[int], config: SparsityConfig) -> float:
+    """``config.budget`` in bytes per step (a fraction: of the float32 dense
+    bytes of ``sizes``)."""
+    budget = config.budget
+    assert budget is not None
+    return budget if isinstance(budget, int) else budget * 4 * sum(sizes)
+
+
 def density_for_budget(sizes: Sequence[int], config: SparsityConfig) -> float:
     """The largest density whose layer-wise layout sends at most
     ``config.budget`` bytes per step (an int, or a fraction of the float32
@@ -736,8 +758,7 @@ def density_for_budget(sizes: Sequence[int], config: SparsityConfig) -> float:
     rises). ``ValueError`` naming the budget where even one entry per sparse
     layer, with the small layers dense, costs more."""
     budget = config.budget
-    assert budget is not None
-    target = budget if isinstance(budget, int) else budget * 4 * sum(sizes)
+    target = budget_bytes(sizes, config)
     lo, hi = 1.0 / max(sizes), 1.0  # at lo every layer sends one entry
     least = layout_bytes(sizes, lo, config)
     if least > target:

@@ -39,7 +39,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from dataclasses import replace
 from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 from ..backend import ArrayOps
@@ -49,7 +48,7 @@ from ..selection.controller import make_controller
 from ..state.persist import ExchangeCheckpoints, SharedState
 from ..state.resume import Agreement
 from ..transport.flat import Transport, make_transport
-from ..wire import LayerPlan, density_for_budget, plan_layers
+from ..wire import LayerPlan, fit_budget, plan_layers
 from .device import DeviceSteps
 from .messages import Messages, lay_out_plan
 from .nonfinite import NonFiniteLog
@@ -152,9 +151,8 @@ class SparseExchange:
             )
         self.ops = ops
         self.comm = comm
-        if config.budget is not None:  # the density that fits the byte budget
-            density = density_for_budget([int(n) for _, n in layers], config)
-            config = replace(config, density=density)
+        if config.budget is not None:  # the density (and values) that fit the byte budget
+            config = fit_budget([int(n) for _, n in layers], config)
         self.config = config
         self.controller = make_controller(config)
         self.average = average
