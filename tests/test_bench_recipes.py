@@ -102,3 +102,26 @@ def test_auto_reports_each_rounds_density_and_warms_up_for_its_check():
     # Room for one return from the choice: profile_steps and a first step more.
     assert settle_steps(3, auto=True) == settle_steps(3) + 4 == 13
     assert warmup_steps("dlgs@auto", 3, 3) == 13 and warmup_steps("dlgs@0.01", 3, 3) == 9
+
+
+def test_a_budget_with_warmup_passes_the_density_and_values_it_priced():
+    """Warm-up refuses ``budget=``, so the harness passes the density the
+    budget gives, with the values' dtype it was priced at (float16 under
+    ``value_dtype="auto"``, float32 with ``+f32``), and that layout fits."""
+    convergence = pytest.importorskip("benchmarks.convergence")
+    import torch
+
+    from dlgs.core.config import SparsityConfig
+    from dlgs.core.wire import layout_bytes
+
+    model = torch.nn.Sequential(torch.nn.Linear(100, 100), torch.nn.Linear(100, 10))
+    sizes = [p.numel() for p in model.parameters()]
+    densities = {}
+    for spec, dtype in (("dlgs-@0.05+warmup", "float16"), ("dlgs-@0.05+warmup+f32", "float32")):
+        kwargs, _ = convergence.method_options(spec, 0.9, 10)
+        target = convergence.resolve_budget(kwargs, model)
+        assert "budget" not in kwargs and kwargs["value_dtype"] == dtype, kwargs
+        cfg = SparsityConfig(density=kwargs["density"], min_sparse_size=256, value_dtype=dtype)
+        assert 0.95 * target <= layout_bytes(sizes, cfg.density, cfg) <= target
+        densities[dtype] = kwargs["density"]
+    assert densities["float16"] > 1.4 * densities["float32"]
