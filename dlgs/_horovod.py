@@ -4,9 +4,12 @@ framework's Horovod module is a class attribute of the subclass)."""
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import logging
+import os
 import sys
 import threading
+import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .core.state.consistency import horovod_options
@@ -14,6 +17,8 @@ from .core.transport.topology import node_ranks, several_nodes, strays
 
 __all__ = [
     "EXIT_BARRIER_SECONDS",
+    "FAILED_EXIT_SECONDS",
+    "end_a_failed_exit_after",
     "HorovodSet",
     "check_dense_dtype",
     "check_two_level_set",
@@ -233,6 +238,13 @@ _EXIT_BARRIER: List[bool] = []
 #: any one step's last node collectives, so a normal exit never cuts it short.
 EXIT_BARRIER_SECONDS = 120.0
 
+#: How long a rank that exits on an uncaught exception gives Horovod's own
+#: shutdown (seconds) before it ends its process itself. Horovod's shutdown
+#: of a failing rank takes a fraction of a second; where its background thread
+#: is held in a Gloo operation that no peer joins, it would end only at Gloo's
+#: timeout (30 s by default), and every other rank with it.
+FAILED_EXIT_SECONDS = 2.0
+
 
 def _failing() -> bool:
     """Whether this interpreter is exiting on an uncaught exception (Python
@@ -255,7 +267,10 @@ def _wait_for_every_rank_at_exit(hvd: Any) -> None:
     second; issue 42). Where Horovod is down already (a rank failed, or the
     script shut it down) there is nothing to wait for; and the wait is bounded
     (:data:`EXIT_BARRIER_SECONDS`, on a daemon thread) for a rank that ends
-    with ``sys.exit(1)`` while another never comes."""
+    with ``sys.exit(1)`` while another never comes. A failing rank's own exit
+    is bounded too (:func:`end_a_failed_exit_after`): its Horovod shutdown,
+    held in a Gloo operation, would otherwise hold every rank until Gloo's
+    timeout."""
     if _EXIT_BARRIER:
         return
     _EXIT_BARRIER.append(True)
@@ -269,6 +284,7 @@ def _wait_for_every_rank_at_exit(hvd: Any) -> None:
     def barrier() -> None:
         if _failing():
             logger.debug("dlgs: no exit barrier (this rank is exiting on an exception)")
+            end_a_failed_exit_after(FAILED_EXIT_SECONDS)
             return
         waiting = threading.Thread(target=gather, name="dlgs-exit", daemon=True)
         waiting.start()
@@ -280,3 +296,25 @@ def _wait_for_every_rank_at_exit(hvd: Any) -> None:
             )
 
     atexit.register(barrier)
+
+
+def end_a_failed_exit_after(seconds: float) -> None:
+    """Bound the exit of a rank that fails: if the interpreter is still
+    alive ``seconds`` from now (its remaining exit handlers, Horovod's
+    shutdown among them, held up), print every thread's stack and end the
+    process with status 1. Its sockets close, so the peers' collectives fail
+    at once and ``horovodrun`` ends the job, as after any failed rank; the
+    handlers not yet run are skipped (the rank is failing already). A daemon
+    thread: an exit that completes in time ends it with the process."""
+
+    def end() -> None:
+        time.sleep(seconds)
+        logger.error(
+            "dlgs: this rank failed and its exit (Horovod's shutdown) did not end within "
+            "%.0f s; ending the process (stacks follow)",
+            seconds,
+        )
+        faulthandler.dump_traceback(all_threads=True)
+        os._exit(1)
+
+    threading.Thread(target=end, name="dlgs-failed-exit", daemon=True).start()

@@ -6,6 +6,9 @@ The shared MLP (mlp_steps.py) trained with form (b) on ``TOPOLOGY``
 (``allgather`` | ``reduce``), with one fault:
 
 - ``step``: rank 1 raises at step 3;
+- ``stuck-exit``: as ``step``, and rank 1's exit is held up after dlgs's
+  exit handler (a handler that sleeps a minute, as a Horovod shutdown held in
+  a Gloo operation would): dlgs must end the process itself;
 - ``construct``: rank 0 raises right after the optimizer is built;
 - ``load``: rank 0 loads a damaged checkpoint (NaN residuals and thresholds)
   in Horovod's resume recipe, which dlgs refuses;
@@ -44,6 +47,11 @@ hvd.init(process_sets="dynamic")
 rank = hvd.rank()
 _rank.append(rank)
 torch.set_num_threads(1)
+if fault == "stuck-exit" and rank == 1:
+    # Registered after Horovod's handler and before dlgs's (added with the
+    # optimizer), it runs after dlgs's and before Horovod's shutdown: exit
+    # handlers run last-registered first.
+    atexit.register(time.sleep, 60)
 options = {"merge": "none", "transport": transport}
 if topology == "hierarchical":
     options.update(topology="hierarchical", ranks_per_node=2)
@@ -100,6 +108,6 @@ if fault == "load" and rank == 0:
     opt.load_state_dict(state)  # refused: NaN in the checkpoint
     raise AssertionError("a damaged checkpoint loaded")
 for step in range(8):
-    if fault == "step" and rank == 1 and step == 3:
+    if fault in ("step", "stuck-exit") and rank == 1 and step == 3:
         raise injected("injected fault at step 3")
     train(model, opt, rank, steps=1, start=step)
