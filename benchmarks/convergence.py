@@ -32,7 +32,10 @@ The ``+`` options:
 * ``outer``: momentum in the wrapped optimizer, applied to the aggregate,
   instead of dlgs's momentum correction;
 * ``split``: with a budget, split between the layers by their residuals
-  after 10 steps (``budget_split="gradient"``) instead of one density;
+  after 10 steps (``budget_split="gradient"``) instead of one density. dlgs's
+  default under a budget since issue 45; here a budget without ``split``
+  keeps one density (``budget_split="uniform"``), so that the committed
+  results' method names keep their meaning;
 * ``dgc``: DGC's sampled top-k threshold (``controller="dgc"``); with
   ``warmup`` and momentum correction, DGC's recipe ("DGC-style top-k");
 * ``topk``: the exact top-k threshold every step (``controller="topk"``);
@@ -184,6 +187,8 @@ def method_options(method: str, momentum: float, warmup_steps: int) -> Optional[
             f"[ddp-]dlgs-DENSITY[+OPTION...] (DENSITY also @powersgd-R or @FRACTION) "
             f"with options {', '.join(OPTIONS)}, got {method!r}"
         ) from None
+    if "budget" in kwargs:
+        kwargs["budget_split"] = "uniform"  # unless +split: method names keep their meaning
     for o in opts:
         kwargs.update(OPTIONS[o])
     if "warmup" in opts:
@@ -212,7 +217,7 @@ def resolve_budget(kwargs: Dict, model: torch.nn.Module) -> Optional[int]:
     sizes = [p.numel() for p in model.parameters() if p.requires_grad]
     target = budget if isinstance(budget, int) else round(budget * 4 * sum(sizes))
     if kwargs.get("warmup") or kwargs.get("transport") == "reduce":
-        if kwargs.get("budget_split"):
+        if kwargs.get("budget_split") == "gradient":
             raise ValueError("+split needs the budget itself: not with +warmup or +reduce")
         config = SparsityConfig(
             budget=kwargs.pop("budget"),

@@ -303,18 +303,28 @@ def end_a_failed_exit_after(seconds: float) -> None:
     alive ``seconds`` from now (its remaining exit handlers, Horovod's
     shutdown among them, held up), print every thread's stack and end the
     process with status 1. Its sockets close, so the peers' collectives fail
-    at once and ``horovodrun`` ends the job, as after any failed rank; the
-    handlers not yet run are skipped (the rank is failing already). A daemon
-    thread: an exit that completes in time ends it with the process."""
+    at once and ``horovodrun`` ends the job, as after any failed rank. The
+    exit handlers not yet run by then are skipped (the rank is failing
+    already; standard output and error are flushed): a handler registered
+    before dlgs's that needs longer (an experiment tracker's upload, say) is
+    cut short. A daemon thread: an exit that completes in time ends it with
+    the process."""
 
     def end() -> None:
         time.sleep(seconds)
-        logger.error(
-            "dlgs: this rank failed and its exit (Horovod's shutdown) did not end within "
-            "%.0f s; ending the process (stacks follow)",
-            seconds,
-        )
-        faulthandler.dump_traceback(all_threads=True)
-        os._exit(1)
+        try:
+            logger.error(
+                "dlgs: this rank failed and its exit (Horovod's shutdown) did not end "
+                "within %.0f s; ending the process (stacks follow)",
+                seconds,
+            )
+            faulthandler.dump_traceback(all_threads=True)
+        finally:  # whatever the streams are, the process ends
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except Exception:  # noqa: BLE001 - closed or replaced: nothing to keep
+                    pass
+            os._exit(1)
 
     threading.Thread(target=end, name="dlgs-failed-exit", daemon=True).start()

@@ -46,6 +46,11 @@ def test_convergence_methods_parse_to_dlgs_options():
     # The DDP forms: plain DDP and PowerSGD take no dlgs options; dlgs's hook the same.
     assert parse("ddp", 0.9, 1) is None and parse("ddp-powersgd-4", 0.9, 1) is None
     assert parse("ddp-dlgs-0.01+outer", 0.9, 1) == parse("dlgs-0.01+outer", 0.9, 1)
+    # A budget keeps one density unless +split (dlgs's default splits): the
+    # committed results' method names keep their meaning.
+    assert parse("dlgs-@0.05", 0.9, 1)[0]["budget_split"] == "uniform"
+    assert parse("dlgs-@powersgd-1+split", 0.9, 1)[0]["budget_split"] == "gradient"
+    assert "budget_split" not in parse("dlgs-0.01", 0.9, 1)[0]
 
 
 def test_engines_pick_their_methods():

@@ -91,13 +91,25 @@ def test_a_layer_whose_magnitudes_are_larger_gets_the_larger_share():
 
 
 def test_budget_split_is_checked():
-    with pytest.raises(ValueError, match="budget_split must be one of 'uniform', 'gradient'"):
+    with pytest.raises(
+        ValueError, match="budget_split must be one of 'auto', 'uniform', 'gradient'"
+    ):
         SparsityConfig(budget=0.1, budget_split="global")
     with pytest.raises(ValueError, match="budget_split='gradient' splits a byte budget"):
         SparsityConfig(budget_split="gradient")
     assert (
         SparsityConfig(budget=0.1, budget_split="gradient").to_dict()["budget_split"] == "gradient"
     )
+
+
+def test_budget_split_auto_splits_a_budget_and_nothing_else():
+    """The default: the split under a budget (it won on Fashion-MNIST and the
+    transformer LM, issue 45), one density without one; the config holds the
+    resolved value, which the ranks compare."""
+    assert SparsityConfig(budget=0.1).budget_split == "gradient"
+    assert SparsityConfig(budget=5000).to_dict()["budget_split"] == "gradient"
+    assert SparsityConfig().budget_split == "uniform"
+    assert SparsityConfig(budget=0.1, budget_split="uniform").budget_split == "uniform"
 
 
 def run_split(budget, steps, make=None):

@@ -117,6 +117,48 @@ def test_ranks_hold_the_same_bits_every_step(options):
             assert torch.equal(recs[r][s], recs[0][s]), (r, s)
 
 
+def test_a_budget_splits_each_shard_alike_on_every_rank_within_it():
+    """``budget=`` under two levels bounds what each rank sends between nodes
+    (its shards' messages); the default split (``budget_split="auto"``) runs
+    after step 10 on each cross-node set, and every rank keeps the same bits."""
+    from dlgs.core.planning.budget import SPLIT_AFTER
+
+    cfg = SparsityConfig(budget=0.1, min_sparse_size=1000)
+    assert cfg.budget_split == "gradient"
+    steps = SPLIT_AFTER + 3
+    recs = run(
+        cfg,
+        normal,
+        steps,
+        lambda r, ex, out: (flat(out), ex.inner.auto_layers, ex.inner.wire_bytes()),
+    )
+    shards = [shard_size(n, LOCAL) for _, n in LAYERS]
+    target = 0.1 * 4 * sum(shards)
+    for s in range(steps):
+        for r in range(P):
+            assert torch.equal(recs[r][s][0], recs[0][s][0]), (r, s)
+            assert recs[r][s][2] <= target, (r, s, recs[r][s][2], target)
+    assert recs[0][SPLIT_AFTER - 2][1] is None  # one density until the split
+    for r in range(P):
+        assert recs[r][-1][1] is not None, r  # split, on every rank
+        assert recs[r][-1][1] == recs[r % LOCAL][-1][1]  # alike within a cross-node set
+    assert recs[0][-1][1] != recs[1][-1][1]  # each set splits its own shards
+
+    # Every rank resumes from its own checkpoint: the splits are agreed within
+    # each cross-node set (they differ between sets), not refused as a mismatch.
+    saved = run(cfg, normal, steps, lambda r, ex, out: ex.state_dict())
+    again = run(
+        cfg,
+        normal,
+        2,
+        lambda r, ex, out: (flat(out), ex.inner.auto_layers),
+        before=lambda r, ex: ex.load_state_dict(saved[r][-1], torch.zeros(1)),
+    )
+    for r in range(P):
+        assert again[r][-1][1] == recs[r][-1][1], r
+        assert torch.equal(again[r][-1][0], again[0][-1][0]), r
+
+
 @pytest.mark.parametrize("options", BUCKETS)
 @pytest.mark.parametrize("transport", ["allgather", "reduce"])
 def test_k_sparse_node_means_come_back_exactly(options, transport):

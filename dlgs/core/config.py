@@ -181,13 +181,15 @@ class SparsityConfig:
             with ``density="auto"``, warm-up or the reduction (whose bytes
             depend on the ranks). With ``topology="hierarchical"`` it is what
             each rank sends between nodes (its shard's messages).
-        budget_split: With ``budget``: ``"uniform"`` (default), one density
-            for every sparse layer; ``"gradient"``, after 10 steps at that
+        budget_split: With ``budget``: ``"uniform"``, one density for
+            every sparse layer; ``"gradient"``, after 10 steps at that
             density, each layer's own, as a global top-k of the residuals
             would split the same bytes (one host read of a sample of them
             on rank 0 and one broadcast, once;
             :mod:`dlgs.core.planning.budget`). Small layers, starved by one
-            density, get more of the bytes, large ones less.
+            density, get more of the bytes, large ones less. ``"auto"``
+            (default): ``"gradient"`` under a budget, else ``"uniform"``
+            (no budget to split); the config holds the resolved value.
         dense_dtype: ``"float32"`` (default), ``"float16"`` or ``"bfloat16"``:
             the dtype of dense messages on the wire (layers below
             ``min_sparse_size``, layers the merge plan sends dense, the fused
@@ -260,7 +262,7 @@ class SparsityConfig:
     value_dtype: ValueDType = "auto"  # type: ignore[assignment]  # resolved below
     dense_dtype: ValueDType = ValueDType.FLOAT32
     budget: Optional[Union[int, float]] = None
-    budget_split: str = "uniform"
+    budget_split: str = "auto"
     index_coding: IndexCoding = IndexCoding.AUTO
     kernels: str = "auto"
     transport: str = "allgather"
@@ -389,6 +391,10 @@ class SparsityConfig:
 
     def _check_budget(self) -> None:
         b = self.budget
+        if self.budget_split == "auto":
+            # Under a budget the split won on Fashion-MNIST and the
+            # transformer LM (issue 45, docs/benchmarks.md).
+            object.__setattr__(self, "budget_split", "gradient" if b is not None else "uniform")
         if self.budget_split not in BUDGET_SPLITS:
             raise ValueError(
                 f"budget_split must be one of {', '.join(map(repr, BUDGET_SPLITS))}, "
@@ -443,7 +449,7 @@ def _member(kind, name: str, value, *more: str):
 MASKING_MAX_DENSITY = 0.01
 
 #: The values of ``SparsityConfig.budget_split``.
-BUDGET_SPLITS = ("uniform", "gradient")
+BUDGET_SPLITS = ("auto", "uniform", "gradient")
 
 #: The values of ``SparsityConfig.kernels``.
 KERNELS = ("auto", "torch", "triton")

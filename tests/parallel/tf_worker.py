@@ -336,11 +336,17 @@ TF_DOOR_CELLS = {
     "compression.dp": ("compression", dict(density=0.05, merge="dp", profile_steps=2)),
     "compression.density_auto": ("compression", _AUTO_DENSITY),
     "keras.dense_fp16": ("keras", dict(density=0.05, dense_dtype="float16", merge="none")),
-    "tape.budget": ("tape", dict(budget=0.1, merge="dp", profile_steps=2, profile_budget=1.0)),
-    "keras.budget": ("keras", dict(budget=0.1, merge="dp", profile_steps=2, profile_budget=1.0)),
+    "tape.budget": (
+        "tape",
+        dict(budget=0.1, budget_split="uniform", merge="dp", profile_steps=2, profile_budget=1.0),
+    ),
+    "keras.budget": (
+        "keras",
+        dict(budget=0.1, budget_split="uniform", merge="dp", profile_steps=2, profile_budget=1.0),
+    ),
     "compression.budget": (
         "compression",
-        dict(budget=0.1, merge="dp", profile_steps=2, profile_budget=1.0),
+        dict(budget=0.1, budget_split="uniform", merge="dp", profile_steps=2, profile_budget=1.0),
     ),
     "compression.dense_fp16": (
         "compression",
@@ -349,9 +355,7 @@ TF_DOOR_CELLS = {
     **{
         f"{door}.budget_split": (
             door,
-            dict(
-                budget=0.1, budget_split="gradient", merge="dp", profile_steps=2, profile_budget=1.0
-            ),
+            dict(budget=0.1, merge="dp", profile_steps=2, profile_budget=1.0),
         )
         for door in ("tape", "keras", "compression")
     },

@@ -81,11 +81,11 @@ DOOR_CELLS = {
     "transport_auto": dict(density=0.05, transport="auto", merge="none"),
     "density_auto": dict(density="auto", merge="dp", profile_steps=2, profile_budget=1.0),
     # A tenth of the dense bytes per step, under a dp plan (issue 45).
-    "budget": dict(budget=0.1, merge="dp", profile_steps=2, profile_budget=1.0),
-    # ... split between layers by their residuals after 10 steps.
-    "budget_split": dict(
-        budget=0.1, budget_split="gradient", merge="dp", profile_steps=2, profile_budget=1.0
+    "budget": dict(
+        budget=0.1, budget_split="uniform", merge="dp", profile_steps=2, profile_budget=1.0
     ),
+    # ... split between layers by their residuals after 10 steps (the default).
+    "budget_split": dict(budget=0.1, merge="dp", profile_steps=2, profile_budget=1.0),
 }
 
 

@@ -53,8 +53,9 @@ logger = logging.getLogger(__name__)
 SHARED_KEYS = ("step", "plan", "hooks", "auto_density", "auto_layers", "regions")
 #: Of those, the ones agreed only among the ranks that move bytes together
 #: where the agreement spans several such groups (a two-level exchange's
-#: cross-node sets each keep their own reduction regions).
-GROUP_KEYS = ("regions",)
+#: cross-node sets each keep their own reduction regions, and each splits a
+#: byte budget between its own shards).
+GROUP_KEYS = ("regions", "auto_layers")
 
 
 def shared(state: Dict[str, Any]) -> Dict[str, Any]:
