@@ -108,8 +108,17 @@ def _elastic(tmp_path, form):
         out,
         form,
     ]
-    _launch([str(c) for c in cmd], timeout=150, cwd=ROOT, extra_path=ROOT / "tests" / "parallel")
-    records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    log = out / "log.jsonl"
+    try:
+        # The three jobs at once on two cores: 66-112 s each here. A hung worker
+        # prints its threads' stacks 30 s before the kill (DLGS_TEST_HANG_S).
+        _launch(
+            [str(c) for c in cmd], timeout=200, cwd=ROOT, extra_path=ROOT / "tests" / "parallel"
+        )
+    except pytest.fail.Exception as failed:
+        steps = log.read_text().splitlines()[-4:] if log.exists() else ["(none)"]
+        pytest.fail(f"{failed}\n--- {form}: the last steps recorded ---\n" + "\n".join(steps))
+    records = [json.loads(line) for line in log.read_text().splitlines()]
     return sorted(records, key=lambda r: r["time"])
 
 

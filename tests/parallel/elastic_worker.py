@@ -14,6 +14,7 @@ each step; the test checks that the ranks of each reset hold the same
 parameters at every batch.
 """
 
+import faulthandler
 import json
 import os
 import sys
@@ -29,6 +30,9 @@ out, form = sys.argv[1:3]
 BATCHES, COMMIT_EVERY, FAIL_AT = 40, 4, 14
 host = os.environ.get("HOROVOD_HOSTNAME", "")
 
+hang = int(os.environ.get("DLGS_TEST_HANG_S", "0"))
+if hang:  # the launcher kills the job soon after: show where every thread waits
+    faulthandler.dump_traceback_later(hang, exit=True)
 hvd.init()
 torch.set_num_threads(1)
 # No collective before hvd.elastic.run: a joining worker builds while the others sync.
