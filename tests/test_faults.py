@@ -110,8 +110,8 @@ def _elastic(tmp_path, form):
     ]
     log = out / "log.jsonl"
     try:
-        # The three jobs at once on two cores: 66-112 s each here. A hung worker
-        # prints its threads' stacks 30 s before the kill (DLGS_TEST_HANG_S).
+        # The three jobs at once on two cores: the test took 78-112 s here. A hung
+        # worker prints its threads' stacks 30 s before the kill (DLGS_TEST_HANG_S).
         _launch(
             [str(c) for c in cmd], timeout=200, cwd=ROOT, extra_path=ROOT / "tests" / "parallel"
         )
