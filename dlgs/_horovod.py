@@ -4,19 +4,25 @@ framework's Horovod module is a class attribute of the subclass)."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import faulthandler
 import logging
 import os
 import sys
 import threading
+import json
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+import urllib.error
+import urllib.request
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from .core.state.consistency import horovod_options
 from .core.transport.topology import node_ranks, several_nodes, strays
 
 __all__ = [
     "EXIT_BARRIER_SECONDS",
+    "explain_shutdown",
+    "left_ranks",
     "FAILED_EXIT_SECONDS",
     "end_a_failed_exit_after",
     "HorovodSet",
@@ -24,7 +30,9 @@ __all__ = [
     "check_two_level_set",
     "methods_of",
     "node_and_cross_sets",
+    "shutdown_explained",
     "two_levels",
+    "watch_exit",
 ]
 
 logger = logging.getLogger(__name__)
@@ -163,12 +171,13 @@ def two_levels(
     if topology == "auto":
         several = several_nodes(hvd.size(), ranks_per_node or hvd.local_size())
         topology = "hierarchical" if several else "flat"
+    watch_exit(hvd)
     if topology == "flat":
         return None
 
     def make():
         node, cross = node_and_cross_sets(hvd, ranks_per_node)
-        _wait_for_every_rank_at_exit(hvd)
+        watch_exit(hvd, barrier=True)
         return collectives(node, cross)
 
     return make
@@ -232,11 +241,21 @@ def _process_set(hvd: Any, ranks: List[int]) -> Any:
     return added
 
 
-_EXIT_BARRIER: List[bool] = []
+#: The exit handler's settings: registered (once per process), whether a
+#: two-level exchange needs the barrier, and the job's size (for
+#: :func:`explain_shutdown`, which runs after Horovod is down).
+_EXIT: Dict[str, Any] = {"registered": False, "barrier": False, "size": 1}
 
-#: How long the exit barrier waits for the other ranks (seconds): longer than
-#: any one step's last node collectives, so a normal exit never cuts it short.
-EXIT_BARRIER_SECONDS = 120.0
+#: How long the exit barrier waits for the other ranks (seconds). At the
+#: end of a job every rank reaches it within the last step's node collectives
+#: of one another (each node finishes the step on its own; milliseconds apart,
+#: as the exchange between nodes completes on every node at once), and the
+#: barrier then completes at once. A rank that leaves while the others still
+#: train (``sys.exit(n)``, a return from the script, a data loader with fewer
+#: batches) waits this long for ranks that never come (they are in a step
+#: that needs this rank), then shuts Horovod down, which ends them with an
+#: error: so this bound is how long a rank that leaves early holds the job.
+EXIT_BARRIER_SECONDS = 3.0
 
 #: How long a rank that exits on an uncaught exception gives Horovod's own
 #: shutdown (seconds) before it ends its process itself. Horovod's shutdown
@@ -248,32 +267,48 @@ FAILED_EXIT_SECONDS = 2.0
 
 def _failing() -> bool:
     """Whether this interpreter is exiting on an uncaught exception (Python
-    sets ``sys.last_value`` before it runs the ``atexit`` handlers)."""
+    sets ``sys.last_value`` before it runs the ``atexit`` handlers). A rank
+    that leaves by ``sys.exit`` or by returning is not told apart here: the
+    bounded barrier covers every way out."""
     return (
         getattr(sys, "last_value", None) is not None or getattr(sys, "last_exc", None) is not None
     )
 
 
-def _wait_for_every_rank_at_exit(hvd: Any) -> None:
-    """A step's last collectives run within each node, so one node can finish
-    its last step and exit while another still completes its own; Horovod
-    then shuts down under it ("Horovod has been shut down"). At a normal
-    exit, before Horovod's own shutdown (atexit runs last-registered first),
-    every rank waits for the others in one tiny object gather.
+def watch_exit(hvd: Any, barrier: bool = False) -> None:
+    """Make every way this rank can leave end the other ranks within seconds
+    (an ``atexit`` handler, registered once, that runs before Horovod's own
+    shutdown: handlers run last-registered first).
 
-    A rank that exits on an uncaught exception must not wait: the others are
-    blocked in a collective it will never join, and only its Horovod shutting
-    down ends them (with ``HorovodInternalError``, within a fraction of a
-    second; issue 42). Where Horovod is down already (a rank failed, or the
-    script shut it down) there is nothing to wait for; and the wait is bounded
-    (:data:`EXIT_BARRIER_SECONDS`, on a daemon thread) for a rank that ends
-    with ``sys.exit(1)`` while another never comes. A failing rank's own exit
-    is bounded too (:func:`end_a_failed_exit_after`): its Horovod shutdown,
-    held in a Gloo operation, would otherwise hold every rank until Gloo's
-    timeout."""
-    if _EXIT_BARRIER:
+    ``barrier``: a two-level exchange is in use. A step's last collectives
+    then run within each node, so one node can finish its last step and exit
+    while another still completes its own, and Horovod would shut down under
+    it ("Horovod has been shut down"). So at exit every rank waits for the
+    others in one tiny object gather, for at most :data:`EXIT_BARRIER_SECONDS`
+    (on a daemon thread); at the end of a job it completes at once.
+
+    The bound is what makes every way of leaving safe. A rank that leaves
+    while the others train (``sys.exit`` with any status, a return from the
+    script) finds no one at the barrier: the others are blocked in a step that
+    needs it. It stops waiting after the bound, says that it left, and shuts
+    Horovod down, which ends every other rank with ``HorovodInternalError``
+    (:func:`explain_shutdown` adds which rank left where the launcher tells).
+    A rank that exits on an uncaught exception does not wait at all (the
+    others are certainly blocked), and neither does one whose Horovod is down
+    already. Where the barrier did not complete, this rank's own exit is
+    bounded too (:func:`end_a_failed_exit_after`): its Horovod shutdown, held
+    in a Gloo operation, would otherwise hold every rank until Gloo's timeout.
+    Without the barrier (flat exchanges) a leaving rank shuts Horovod down at
+    once. A rank ended by ``os._exit`` or a signal runs no handler: its
+    closed sockets end the others' collectives, and the launcher the job."""
+    try:
+        _EXIT["size"] = hvd.size()
+    except ValueError:  # not initialised: the constructor fails on it next
+        pass
+    _EXIT["barrier"] = _EXIT["barrier"] or barrier
+    if _EXIT["registered"]:
         return
-    _EXIT_BARRIER.append(True)
+    _EXIT["registered"] = True
 
     def gather() -> None:
         try:
@@ -281,21 +316,31 @@ def _wait_for_every_rank_at_exit(hvd: Any) -> None:
         except Exception:  # noqa: BLE001 - Horovod down or not initialised: nothing to wait for
             logger.debug("dlgs: no exit barrier (Horovod is shut down)")
 
-    def barrier() -> None:
+    def at_exit() -> None:
         if _failing():
             logger.debug("dlgs: no exit barrier (this rank is exiting on an exception)")
+            _announce_leaving(hvd, "an uncaught exception")
             end_a_failed_exit_after(FAILED_EXIT_SECONDS)
+            return
+        if not _EXIT["barrier"]:
+            # Nothing tells a normal end from an early one here; the note
+            # matters only if another rank's step then fails.
+            _announce_leaving(hvd, "its script ended or called sys.exit")
             return
         waiting = threading.Thread(target=gather, name="dlgs-exit", daemon=True)
         waiting.start()
         waiting.join(EXIT_BARRIER_SECONDS)
         if waiting.is_alive():
-            logger.warning(
-                "dlgs: the other ranks did not reach exit within %.0f s; exiting",
+            _announce_leaving(hvd, "its script ended or called sys.exit while the others train")
+            logger.error(
+                "dlgs: rank %s left the job while the other ranks still train (none "
+                "reached exit within %.0f s): their steps end with an error",
+                _rank_or_unknown(hvd),
                 EXIT_BARRIER_SECONDS,
             )
+            end_a_failed_exit_after(FAILED_EXIT_SECONDS)
 
-    atexit.register(barrier)
+    atexit.register(at_exit)
 
 
 def end_a_failed_exit_after(seconds: float) -> None:
@@ -328,3 +373,109 @@ def end_a_failed_exit_after(seconds: float) -> None:
             os._exit(1)
 
     threading.Thread(target=end, name="dlgs-failed-exit", daemon=True).start()
+
+
+# -- which rank left -------------------------------------------------------------------
+#
+# The ranks that stay learn only that Horovod shut down. Under horovodrun's
+# Gloo launcher every rank can reach the launcher's key-value store (the
+# rendezvous server, ``HOROVOD_GLOO_RENDEZVOUS_ADDR``/``_PORT``): a rank that
+# leaves writes a line there before its shutdown, and the others read it when
+# their step fails. Elsewhere (MPI, a launcher of one's own) the leaving
+# rank's own log line says which.
+
+_LEFT_SCOPE = "dlgs_left"
+#: The store's requests are bounded: a failing job must not wait on them.
+_STORE_TIMEOUT_S = 1.0
+#: Entries older than this at a failure are another failure's (Horovod
+#: Elastic's earlier rounds) and are not reported.
+_LEFT_RECENT_S = 120.0
+
+
+def _store_url(key: str) -> Optional[str]:
+    addr = os.environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR")
+    port = os.environ.get("HOROVOD_GLOO_RENDEZVOUS_PORT")
+    if not addr or not port:
+        return None
+    return f"http://{addr}:{port}/{_LEFT_SCOPE}/{key}"
+
+
+def _rank_or_unknown(hvd: Any) -> str:
+    try:
+        return str(hvd.rank())
+    except Exception:  # noqa: BLE001 - Horovod down: the rank is no longer known
+        return "?"
+
+
+def _announce_leaving(hvd: Any, how: str) -> None:
+    """Tell the launcher's store that this rank is leaving (where there is
+    one; never raises, bounded by :data:`_STORE_TIMEOUT_S`)."""
+    rank = _rank_or_unknown(hvd)
+    url = _store_url(f"rank{rank}")
+    if url is None:
+        return
+    body = json.dumps({"rank": rank, "how": how, "time": time.time()}).encode()
+    try:
+        request = urllib.request.Request(url, data=body, method="PUT")
+        urllib.request.urlopen(request, timeout=_STORE_TIMEOUT_S).close()
+    except (OSError, ValueError, urllib.error.URLError):  # the launcher is gone: nothing to tell
+        logger.debug("dlgs: could not record this rank's exit in the launcher's store")
+
+
+def left_ranks(size: int) -> List[Tuple[int, str]]:
+    """The ranks of a job of ``size`` that recorded leaving it lately (and
+    how), read from the launcher's store: empty where there is none. Called
+    only once a step failed; one request per rank, each bounded."""
+    if _store_url("probe") is None:
+        return []
+    found, now, deadline = [], time.time(), time.monotonic() + 2 * _STORE_TIMEOUT_S
+    for r in range(size):
+        if time.monotonic() > deadline:
+            break
+        try:
+            url = _store_url(f"rank{r}")
+            with urllib.request.urlopen(url, timeout=_STORE_TIMEOUT_S) as reply:  # type: ignore[arg-type]
+                entry = json.loads(reply.read().decode())
+        except (OSError, ValueError, urllib.error.URLError):  # not there (404) or unreachable
+            continue
+        if now - float(entry.get("time", 0)) < _LEFT_RECENT_S:
+            found.append((r, str(entry.get("how", "?"))))
+    return found
+
+
+def explain_shutdown(err: BaseException) -> BaseException:
+    """``err`` (Horovod's "has been shut down" error in a step's collective)
+    with a note naming the ranks that left, where the launcher's store tells
+    (Python 3.11's exception notes; the type is kept, so Horovod Elastic
+    still recovers from it), and logged."""
+    if getattr(err, "_dlgs_explained", False):
+        return err
+    left = left_ranks(_EXIT["size"])
+    if left:
+        what = "; ".join(f"rank {r} left ({how})" for r, how in left)
+        text = f"dlgs: {what}: the step this rank was in needed it"
+    else:
+        text = (
+            "dlgs: another rank left the job or failed while this rank was in a step "
+            "(its output says which: 'dlgs: rank N left the job', or its traceback)"
+        )
+    logger.error("%s", text)
+    if hasattr(err, "add_note"):
+        err.add_note(text)
+    try:
+        err._dlgs_explained = True  # type: ignore[attr-defined]
+    except AttributeError:  # an exception type with slots: a second note is harmless
+        pass
+    return err
+
+
+@contextlib.contextmanager
+def shutdown_explained() -> Iterator[None]:
+    """Around a wait on a step's collective: Horovod's "has been shut down"
+    error goes on with :func:`explain_shutdown`'s note (same type)."""
+    try:
+        yield
+    except Exception as err:
+        if "shut down" in str(err):
+            explain_shutdown(err)
+        raise

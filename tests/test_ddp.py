@@ -20,6 +20,7 @@ SCENARIOS = [
     "exact_reconstruction",
     "conservation",
     "unused_parameters",
+    "empty_parameters",
     "resume",
     "one_rank_load",
     "pickled_state",
@@ -46,6 +47,13 @@ def test_density_one_equals_ddp_without_a_hook(ranks):
             assert rec["hook"] == rec["plain"], f"rank {r} {case}"
     a, b = value(ranks, "dense_equals_ddp")
     assert a == b
+
+
+def test_parameters_with_no_elements_train_as_under_plain_ddp(ranks):
+    a, b = value(ranks, "empty_parameters")
+    assert a == b
+    assert len(set(a["sparse"])) == 4  # it trains
+    assert a["dense"] == a["plain"]
 
 
 def test_sparse_training_keeps_ranks_bit_identical_after_every_step(ranks):

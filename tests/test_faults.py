@@ -19,13 +19,14 @@ ENDS_WITHIN_S = 5.0
 
 
 def _run_fault(tmp_path, fault, topology="flat", transport="allgather", np=4, backend="gloo"):
-    proc = horovodrun(
-        backend,
-        np,
-        [ROOT / "tests" / "parallel" / "fault_worker.py", tmp_path, fault, topology, transport],
-        timeout=120,
-        fails=True,
-    )
+    worker = ROOT / "tests" / "parallel" / "fault_worker.py"
+    return _ends(tmp_path, np, worker, [fault, topology, transport], backend)
+
+
+def _ends(tmp_path, np, worker, args, backend="gloo"):
+    """Run ``worker OUT ARGS`` on ``np`` ranks (it must fail); the job and
+    each rank's end, in seconds after the fault the worker recorded."""
+    proc = horovodrun(backend, np, [worker, tmp_path, *args], timeout=120, fails=True)
     done = time.time()
     at = json.loads((tmp_path / "fault.json").read_text())["time"]
     ends = {}
@@ -174,3 +175,67 @@ def test_a_load_on_one_rank_after_training_began_goes_on_with_ranks_identical(tm
             assert r[case]["digests"] == rec["digests"], case
             assert r[case]["step"] == rec["step"], case
         assert [r[case]["warned"] for r in ranks] == [False, True, False, False], case
+
+
+# -- a rank that leaves on its own --------------------------------------------------
+
+#: A rank that leaves while the others train waits this long at the exit
+#: barrier of the two-level exchange (dlgs._horovod.EXIT_BARRIER_SECONDS),
+#: and one that calls resync() alone this long at the agreement (the worker
+#: sets RESYNC_WAIT_SECONDS): the others end within ENDS_WITHIN_S after that.
+LEAVE_WAIT_S = 3.0
+
+#: (how rank 1 leaves, topology, door, ranks). Every door and topology where
+#: a rank that left could hold the others: sys.exit with either status and a
+#: normal return under the two-level exchange's exit barrier (every door,
+#: TensorFlow's tape included), the flat exchange, a process ended without
+#: exit handlers, and resync() called on one rank.
+LEAVE_CELLS = [
+    ("exit1", "hierarchical", "tf", 4),
+    ("exit1", "hierarchical", "b", 4),
+    ("exit1", "hierarchical", "a", 4),
+    ("return", "hierarchical", "b", 4),
+    ("exit0", "hierarchical", "a", 4),
+    ("os_exit", "hierarchical", "b", 4),
+    ("sigterm", "hierarchical", "b", 4),
+    ("return", "flat", "b", 2),
+    ("exit1", "flat", "a", 2),
+    ("resync", "flat", "b", 2),
+]
+
+
+def test_a_rank_that_leaves_on_its_own_ends_every_rank_within_seconds(tmp_path):
+    """Rank 1 leaves at step 3 while the others train (``leave_worker.py``):
+    by sys.exit(1) or sys.exit(0), by returning from the script, by
+    os._exit, by a signal, or by calling resync() alone. Every rank ends
+    within seconds on every door and topology (a hang is the launcher's kill
+    at 120 s), and where the survivors raise, their error says rank 1 left
+    (read from horovodrun's store). Two jobs at a time: each mostly waits."""
+    worker = ROOT / "tests" / "parallel" / "leave_worker.py"
+
+    def run(cell):
+        how, topology, door, np = cell
+        out = tmp_path / "-".join(map(str, cell))
+        out.mkdir()
+        proc, ends = _ends(out, np, worker, [how, topology, door])
+        errors = {p.name: p.read_text() for p in out.glob("error*.txt")}
+        return proc, ends, errors
+
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(run, LEAVE_CELLS))
+    report = {cell: max(ends.values()) for cell, (_, ends, _) in zip(LEAVE_CELLS, results)}
+    for cell, (proc, ends, errors) in zip(LEAVE_CELLS, results):
+        how = cell[0]
+        within = ENDS_WITHIN_S + (LEAVE_WAIT_S if how != "os_exit" and how != "sigterm" else 0)
+        assert max(ends.values()) < within, f"{cell}: {ends} (all: {report}){_tails(proc)}"
+        survivors = {k: v for k, v in errors.items() if k != "error1.txt"}
+        if how == "resync":
+            assert "resync() or reprofile() on rank 1" in errors.get("error1.txt", ""), cell
+        elif how in ("exit1", "exit0", "return"):
+            # Every survivor that raised before the launcher ended it names the
+            # rank that left; after a status 0 the launcher ends no one, so
+            # every survivor raised.
+            if how != "exit1":
+                assert len(survivors) == cell[3] - 1, f"{cell}: {sorted(survivors)}{_tails(proc)}"
+            for name, text in survivors.items():
+                assert "rank 1 left" in text, f"{cell} {name}: {text[:2000]}"

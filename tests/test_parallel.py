@@ -24,6 +24,7 @@ SCENARIOS = [
     "conservation",
     "sparse_embedding",
     "dtypes_and_frozen",
+    "empty_parameters",
     "resume",
     "resume_recipe",
     "step_after_synchronize",
@@ -126,6 +127,15 @@ def test_low_precision_frozen_and_unused_parameters(ranks):
     for key in r0:
         assert r0[key]["digests"] == r1[key]["digests"], f"{key}: ranks differ"
         assert r0[key]["finite"]
+
+
+def test_parameters_with_no_elements_train_as_under_stock_horovod(ranks):
+    r0, r1 = value(ranks, "empty_parameters")
+    for case in r0:
+        assert r0[case]["digests"] == r1[case]["digests"], f"{case}: ranks differ"
+        assert r0[case]["finite"], case
+        assert len(set(r0[case]["digests"])) == 4, f"{case}: it trains"
+    assert r0["b_dense"]["digests"] == r0["horovod"]["digests"], "density 1.0 against Horovod"
 
 
 def test_resume_reproduces_uninterrupted_run(ranks):

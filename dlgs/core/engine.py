@@ -367,7 +367,11 @@ class Engine:
         different steps (a stale file on one rank) raise
         :class:`~dlgs.RankMismatchError` on every rank. A collective at the
         next gradient: call it on **every** rank between the same two steps
-        (a load alone keeps the agreed step and plan, docs/design.md)."""
+        (a load alone keeps the agreed step and plan, docs/design.md). A rank
+        that calls it alone waits at most
+        :data:`~dlgs.core.state.resume.RESYNC_WAIT_SECONDS` for the others
+        there, then raises :class:`~dlgs.RankMismatchError`; its exit ends
+        the others (they are in their step, waiting for it)."""
         self._settle()
         if self._exchange is not None:
             self._exchange.resync()
@@ -381,10 +385,21 @@ class Engine:
         from the same step. With ``drift_window=0`` or ``merge="none"`` it
         takes effect at once and is then a collective: call it on every rank
         between the same two steps
-        (:meth:`~dlgs.core.planning.online.OnlinePlanner.request_restart`)."""
+        (:meth:`~dlgs.core.planning.online.OnlinePlanner.request_restart`);
+        called on one rank alone it raises
+        :class:`~dlgs.RankMismatchError` there at the next gradient, after
+        :data:`~dlgs.core.state.resume.RESYNC_WAIT_SECONDS`, as
+        :meth:`resync` does."""
         if self._planner is not None and self._planner.request_restart(self.comm.size):
-            if self._exchange is not None:  # every rank restarted: it profiles at once
-                self._exchange.request_host_step()
+            if self._exchange is None:
+                return
+            if self.comm.size > 1:
+                # Every rank restarted, or this one alone by mistake: the ranks
+                # meet at the next gradient (a bounded wait, the same as
+                # resync()'s), so a one-rank call is a named error, not a hang.
+                self._exchange.resync()
+            else:
+                self._exchange.request_host_step()  # it profiles at once
 
     def describe(self) -> str:
         """What dlgs is doing now, in every state (before the first step,

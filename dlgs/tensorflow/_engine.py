@@ -35,7 +35,13 @@ import numpy as np
 import tensorflow as tf
 
 from .. import _options
-from .._horovod import HorovodSet, check_dense_dtype, check_two_level_set, two_levels
+from .._horovod import (
+    HorovodSet,
+    check_dense_dtype,
+    check_two_level_set,
+    shutdown_explained,
+    two_levels,
+)
 from .._options import check_topology
 from ..core.engine import Engine as CoreEngine
 from ..core.engine import check_unique_names
@@ -207,7 +213,10 @@ class HorovodCollectives(HorovodSet):
 
     def synchronize(self, handle):
         # A graph's collective is its output tensor; an eager one a future.
-        return handle.result() if isinstance(handle, Future) else handle
+        if not isinstance(handle, Future):
+            return handle
+        with shutdown_explained():
+            return handle.result()
 
     def allgather_object(self, obj, name):
         return hvd.allgather_object(obj, name=name, process_set=self.process_set)
@@ -264,7 +273,8 @@ class HorovodNodeCollectives:
         return self._start(hvd.allreduce, tensor, name, op=hvd.Average)
 
     def synchronize(self, handle):
-        return handle.result()
+        with shutdown_explained():
+            return handle.result()
 
     def poll(self, handle):
         return handle.done()

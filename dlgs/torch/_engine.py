@@ -13,7 +13,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import horovod.torch as hvd
 import torch
 
-from .._horovod import HorovodSet, two_levels
+from .._horovod import HorovodSet, shutdown_explained, two_levels
 from ..core.config import SparsityConfig
 from ..core.engine import Engine
 from ..core.planning.online import OnlinePlanner
@@ -87,12 +87,13 @@ class HorovodCollectives(HorovodSet):
         return handle, ctx
 
     def synchronize(self, handle):
-        if isinstance(handle, _AllToAll):
-            return hvd.synchronize(handle.handle)[0]  # (output, received splits)
-        if isinstance(handle, tuple):
-            handle, ctx = handle
-            return self.compression.decompress(hvd.synchronize(handle), ctx)
-        return hvd.synchronize(handle)
+        with shutdown_explained():
+            if isinstance(handle, _AllToAll):
+                return hvd.synchronize(handle.handle)[0]  # (output, received splits)
+            if isinstance(handle, tuple):
+                handle, ctx = handle
+                return self.compression.decompress(hvd.synchronize(handle), ctx)
+            return hvd.synchronize(handle)
 
 
 class _AllToAll:
@@ -125,7 +126,8 @@ class HorovodNodeCollectives:
         return hvd.allreduce_async(tensor, name=name, op=hvd.Average, process_set=self.process_set)
 
     def synchronize(self, handle):
-        return hvd.synchronize(handle)
+        with shutdown_explained():
+            return hvd.synchronize(handle)
 
     def poll(self, handle):
         return hvd.poll(handle)

@@ -239,7 +239,11 @@ class TorchOps:
         # The max-norm propagates NaN and cannot overflow (a sum could); NaN < inf
         # is false, so one comparison covers both.
         # torch's one-kernel norm of a list (torch.linalg has none).
-        flat = [x if x.dim() == 1 else x.reshape(-1) for x in xs]
+        # Empty tensors (a parameter with no elements) hold nothing non-finite,
+        # and the max-norm of an empty tensor is undefined: left out.
+        flat = [x if x.dim() == 1 else x.reshape(-1) for x in xs if x.numel()]
+        if not flat:
+            return torch.zeros((), dtype=torch.bool, device=xs[0].device)
         norms = torch._foreach_norm(flat, math.inf)  # noqa: SLF001
         return ~torch.lt(
             torch.stack(norms), _const(math.inf, norms[0].dtype, norms[0].device)

@@ -632,6 +632,61 @@ def dtypes_and_frozen():
     return out
 
 
+class WithEmpty(torch.nn.Module):
+    """The MLP with two parameters of no elements: one used in the forward
+    pass (its gradient is an empty tensor), one merely present (no gradient)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = mlp(4)
+        self.used = torch.nn.Parameter(torch.zeros(0, 5))
+        self.present = torch.nn.Parameter(torch.zeros(0))
+
+    def forward(self, x):
+        return self.body(x) + self.used.sum()
+
+
+@scenario
+def empty_parameters():
+    """Parameters with no elements, as stock Horovod trains them: both forms,
+    the allgather and the reduction, sparse and at density 1.0 (which must
+    equal stock Horovod's optimizer on the same model)."""
+    out = {}
+    cases = {
+        "b": ("b", 0.05, "allgather"),
+        "b_reduce": ("b", 0.05, "reduce"),
+        "a": ("a", 0.05, "allgather"),
+        "b_dense": ("b", 1.0, "allgather"),
+        "horovod": ("horovod", None, None),
+    }
+    for case, (form, density, transport) in cases.items():
+        torch.manual_seed(0)
+        model = WithEmpty()
+        sgd = torch.optim.SGD(model.parameters(), lr=0.05)
+        named = list(model.named_parameters())
+        if form == "horovod":
+            opt = hvd.DistributedOptimizer(sgd, named_parameters=named)
+        elif form == "a":
+            comp = dlgs.torch.Compression(
+                named, density=density, min_sparse_size=64, transport=transport
+            )
+            opt = hvd.DistributedOptimizer(sgd, named_parameters=named, compression=comp)
+            comp.attach(opt)
+        else:
+            opt = dlgs.torch.DistributedOptimizer(
+                sgd,
+                named_parameters=named,
+                density=density,
+                min_sparse_size=64,
+                transport=transport,
+            )
+        out[case] = {
+            "digests": train(model, opt, 4),
+            "finite": bool(torch.isfinite(flat_params(model)).all()),
+        }
+    return out
+
+
 # -- against the independent reference (tests/reference.py) ---------------------------
 
 REFERENCE_CASES = {

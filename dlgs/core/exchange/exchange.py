@@ -590,5 +590,5 @@ class SparseExchange:
         :meth:`dlgs.core.engine.Engine.resync`): a state loaded since the last
         agreement takes part as a load, with its step, plan and density."""
         self._between_steps("resync()")
-        self.checkpoints.agree_again(holds_state=False)
+        self.checkpoints.agree_again(holds_state=False, bounded=True)
         self.request_host_step()  # the agreement, on every rank

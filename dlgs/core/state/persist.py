@@ -203,11 +203,13 @@ class ExchangeCheckpoints:
         # be rolled back or forward silently by them.
         ex.agreement.due(loaded=True)
 
-    def agree_again(self, holds_state: bool) -> None:
+    def agree_again(self, holds_state: bool, bounded: bool = False) -> None:
         """Every rank agrees at the next gradient (then lays out anew): a
         state loaded since the last agreement takes part as a load, with its
-        shared part; ``holds_state``: so does what this rank holds without one."""
-        stashed = self.exchange.agreement.due(holds_state=holds_state)
+        shared part; ``holds_state``: so does what this rank holds without one;
+        ``bounded``: ``resync()`` asked (see
+        :meth:`~dlgs.core.state.resume.Agreement.due`)."""
+        stashed = self.exchange.agreement.due(holds_state=holds_state, bounded=bounded)
         if stashed is not None:
             self.apply_shared(stashed)
         self.exchange.relayout_next()

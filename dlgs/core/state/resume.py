@@ -30,12 +30,14 @@ began runs none (the other ranks would not join it: issue 42).
 from __future__ import annotations
 
 import logging
+import threading
 import zlib
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Protocol, Sequence, Tuple
 
 from .consistency import RankMismatchError
 
 __all__ = [
+    "RESYNC_WAIT_SECONDS",
     "GROUP_KEYS",
     "SHARED_KEYS",
     "Agreement",
@@ -46,6 +48,16 @@ __all__ = [
     "resolve",
     "shared",
 ]
+
+#: How long the agreement that ``resync()`` asks for waits for the other
+#: ranks (seconds). ``resync()`` is a collective: every rank calls it between
+#: the same two steps, and the ranks meet at the next step's first gradient,
+#: each as soon as it gets there (so this is also how far behind the slowest
+#: rank may arrive). A rank that called it alone would wait for ranks that are
+#: in their step's collectives, waiting for it: after this long it raises
+#: :class:`~dlgs.core.state.consistency.RankMismatchError` instead, and its
+#: exit ends the others.
+RESYNC_WAIT_SECONDS = 60.0
 
 logger = logging.getLogger(__name__)
 
@@ -220,6 +232,9 @@ class Agreement:
         self.world: Optional[Tuple[int, int]] = None
         #: A state loaded while training: its shared part, for the next agreement.
         self.stashed: Optional[Dict[str, Any]] = None
+        #: The next agreement was asked for by ``resync()``, which a rank may
+        #: call alone by mistake: it waits at most :data:`RESYNC_WAIT_SECONDS`.
+        self.bounded = False
         #: Under Horovod Elastic: the check that every rank has the same
         #: layers and options, run at each agreement (every rank) instead of
         #: at construction; None elsewhere.
@@ -244,12 +259,15 @@ class Agreement:
         world, elastic = self.world, self.elastic_check is not None
         return world is not None and world[0] > 1 and not self.pending and not elastic
 
-    def due(self, loaded: bool = False, holds_state: bool = False) -> Optional[Dict[str, Any]]:
+    def due(
+        self, loaded: bool = False, holds_state: bool = False, bounded: bool = False
+    ) -> Optional[Dict[str, Any]]:
         """Agree at the next gradient. ``loaded``: a state was just loaded;
         ``holds_state``: what this rank holds counts as a loaded state (an
         Elastic reset: a worker that joined takes it). Returns the state
         stashed by a load while training, whose shared part the caller puts
         in force first (it then takes part as a load), or None."""
+        self.bounded = self.bounded or bounded
         stashed, self.stashed = (None, self.stashed) if loaded else (self.stashed, None)
         self.loaded = self.loaded or loaded or holds_state or stashed is not None
         self.pending = True
@@ -261,9 +279,43 @@ class Agreement:
         put in force, or None."""
         self.pending, self.stashed = False, None
         loaded, self.loaded = self.loaded, False
+        bounded, self.bounded = self.bounded, False
         self.world = (self.comm.size, self.comm.rank)
         if self.comm.size <= 1:
             return None
         if self.elastic_check is not None:
             self.elastic_check()
-        return agree_shared(self.comm, loaded, mine(), self.name, self.group)
+        comm = _Bounded(self.comm, RESYNC_WAIT_SECONDS) if bounded else self.comm
+        return agree_shared(comm, loaded, mine(), self.name, self.group)
+
+
+class _Bounded:
+    """``comm``'s gather, waited for at most ``seconds`` (on a daemon thread;
+    one left waiting is ended by the exit that follows the error)."""
+
+    def __init__(self, comm: Any, seconds: float):
+        self.comm, self.seconds = comm, seconds
+        self.size, self.rank = comm.size, comm.rank
+
+    def allgather_object(self, obj: Any, name: str) -> List[Any]:
+        result: Dict[str, Any] = {}
+
+        def gather() -> None:
+            try:
+                result["value"] = self.comm.allgather_object(obj, name)
+            except BaseException as err:  # noqa: BLE001 - re-raised on the caller's thread
+                result["error"] = err
+
+        waiting = threading.Thread(target=gather, name="dlgs-resync", daemon=True)
+        waiting.start()
+        waiting.join(self.seconds)
+        if "error" in result:
+            raise result["error"]
+        if "value" not in result:
+            raise RankMismatchError(
+                f"resync() or reprofile() on rank {self.rank}: the other ranks did not reach "
+                f"the agreement it asked for within {self.seconds:.0f} s. Both are collective "
+                "here: call them on every rank between the same two steps (a checkpoint "
+                "loaded on one rank alone needs no resync())"
+            )
+        return result["value"]
