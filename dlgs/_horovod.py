@@ -6,11 +6,11 @@ from __future__ import annotations
 import atexit
 import contextlib
 import faulthandler
+import json
 import logging
 import os
 import sys
 import threading
-import json
 import time
 import urllib.error
 import urllib.request
@@ -448,7 +448,7 @@ def explain_shutdown(err: BaseException) -> BaseException:
     with a note naming the ranks that left, where the launcher's store tells
     (Python 3.11's exception notes; the type is kept, so Horovod Elastic
     still recovers from it), and logged."""
-    if getattr(err, "_dlgs_explained", False):
+    if any(str(note).startswith("dlgs:") for note in getattr(err, "__notes__", ())):
         return err
     left = left_ranks(_EXIT["size"])
     if left:
@@ -462,10 +462,6 @@ def explain_shutdown(err: BaseException) -> BaseException:
     logger.error("%s", text)
     if hasattr(err, "add_note"):
         err.add_note(text)
-    try:
-        err._dlgs_explained = True  # type: ignore[attr-defined]
-    except AttributeError:  # an exception type with slots: a second note is harmless
-        pass
     return err
 
 

@@ -185,22 +185,20 @@ def test_a_load_on_one_rank_after_training_began_goes_on_with_ranks_identical(tm
 #: sets RESYNC_WAIT_SECONDS): the others end within ENDS_WITHIN_S after that.
 LEAVE_WAIT_S = 3.0
 
-#: (how rank 1 leaves, topology, door, ranks). Every door and topology where
-#: a rank that left could hold the others: sys.exit with either status and a
-#: normal return under the two-level exchange's exit barrier (every door,
-#: TensorFlow's tape included), the flat exchange, a process ended without
-#: exit handlers, and resync() called on one rank.
+#: (how rank 1 leaves, topology, door, ranks): sys.exit and a normal return
+#: under the two-level exchange's exit barrier (both torch forms), the flat
+#: exchange (TensorFlow's tape too), a process ended without exit handlers
+#: (os._exit, a signal), and resync() called on one rank. The exit handler is
+#: one for every door (dlgs._horovod.watch_exit), and each cell costs a launch
+#: (10 s here; 50 s for TensorFlow on 4 ranks), so not every product is run.
 LEAVE_CELLS = [
-    ("exit1", "hierarchical", "tf", 4),
+    ("return", "flat", "tf", 2),
     ("exit1", "hierarchical", "b", 4),
-    ("exit1", "hierarchical", "a", 4),
-    ("return", "hierarchical", "b", 4),
-    ("exit0", "hierarchical", "a", 4),
-    ("os_exit", "hierarchical", "b", 4),
-    ("sigterm", "hierarchical", "b", 4),
+    ("return", "hierarchical", "a", 4),
     ("return", "flat", "b", 2),
-    ("exit1", "flat", "a", 2),
     ("resync", "flat", "b", 2),
+    ("sigterm", "flat", "a", 2),
+    ("os_exit", "flat", "b", 2),
 ]
 
 
@@ -210,7 +208,7 @@ def test_a_rank_that_leaves_on_its_own_ends_every_rank_within_seconds(tmp_path):
     os._exit, by a signal, or by calling resync() alone. Every rank ends
     within seconds on every door and topology (a hang is the launcher's kill
     at 120 s), and where the survivors raise, their error says rank 1 left
-    (read from horovodrun's store). Two jobs at a time: each mostly waits."""
+    (read from horovodrun's store). Two jobs at a time."""
     worker = ROOT / "tests" / "parallel" / "leave_worker.py"
 
     def run(cell):
@@ -223,6 +221,7 @@ def test_a_rank_that_leaves_on_its_own_ends_every_rank_within_seconds(tmp_path):
 
     with ThreadPoolExecutor(2) as pool:
         results = list(pool.map(run, LEAVE_CELLS))
+    # Fault to the last rank's end, per cell (in the report of any failure).
     report = {cell: max(ends.values()) for cell, (_, ends, _) in zip(LEAVE_CELLS, results)}
     for cell, (proc, ends, errors) in zip(LEAVE_CELLS, results):
         how = cell[0]
@@ -231,11 +230,15 @@ def test_a_rank_that_leaves_on_its_own_ends_every_rank_within_seconds(tmp_path):
         survivors = {k: v for k, v in errors.items() if k != "error1.txt"}
         if how == "resync":
             assert "resync() or reprofile() on rank 1" in errors.get("error1.txt", ""), cell
-        elif how in ("exit1", "exit0", "return"):
-            # Every survivor that raised before the launcher ended it names the
-            # rank that left; after a status 0 the launcher ends no one, so
-            # every survivor raised.
-            if how != "exit1":
+        elif how in ("exit1", "return"):
+            # After a status 0 the launcher ends no one: every survivor raised.
+            if how == "return":
                 assert len(survivors) == cell[3] - 1, f"{cell}: {sorted(survivors)}{_tails(proc)}"
+            if cell[1] == "hierarchical":  # the leaving rank says so itself
+                assert "dlgs: rank 1 left the job" in proc.stderr + proc.stdout, _tails(proc)
+            # Each survivor that raised (before the launcher ended it) in one
+            # of dlgs's waits names the rank that left; form (a)'s dense
+            # layers wait in Horovod's own optimizer, whose error is Horovod's.
             for name, text in survivors.items():
-                assert "rank 1 left" in text, f"{cell} {name}: {text[:2000]}"
+                if cell[2] != "a":
+                    assert "rank 1 left" in text, f"{cell} {name}: {text[:2000]}"

@@ -41,6 +41,7 @@ from .._horovod import (
     check_two_level_set,
     shutdown_explained,
     two_levels,
+    watch_exit,
 )
 from .._options import check_topology
 from ..core.engine import Engine as CoreEngine
@@ -111,6 +112,7 @@ def topology_options(
     kind, ranks_per_node = topology
     check_two_level_set(hvd, kind, op, process_set)
     if kind == "flat":
+        watch_exit(hvd)  # a rank that leaves says so (two_levels does it otherwise)
         return {}
     return {
         "topology": two_levels(hvd, kind, ranks_per_node, _node_and_cross),
