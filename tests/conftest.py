@@ -90,6 +90,9 @@ def _launch(cmd, *, timeout: float, cwd, extra_path, fails=False) -> subprocess.
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
     env.setdefault("OMP_NUM_THREADS", "1")
     env["DLGS_TEST_HANG_S"] = str(max(1, int(timeout) - 30))
+    # When the launch began: a scenario worker records its ranks' start-up
+    # (processes, imports, hvd.init) from it, for tools/run_tests.py's report.
+    env["DLGS_TEST_LAUNCHED_AT"] = repr(time.time())
     paths = [str(ROOT)] + ([str(extra_path)] if extra_path else [])
     env["PYTHONPATH"] = os.pathsep.join(paths + [env.get("PYTHONPATH", "")])
     start = time.monotonic()
@@ -111,6 +114,7 @@ def _launch(cmd, *, timeout: float, cwd, extra_path, fails=False) -> subprocess.
             f"{' '.join(cmd)} hung: killed after {timeout:.0f} s\n--- stdout ---\n"
             f"{stdout[-4000:]}\n--- stderr ---\n{stderr[-4000:]}"
         )
+    _record_launch(cmd, time.monotonic() - start)
     if fails and proc.returncode == 0:
         pytest.fail(
             f"{' '.join(cmd)} exited 0, expected a failure\n{stdout[-4000:]}\n{stderr[-4000:]}"
@@ -121,6 +125,30 @@ def _launch(cmd, *, timeout: float, cwd, extra_path, fails=False) -> subprocess.
             f"\n--- stdout ---\n{stdout[-4000:]}\n--- stderr ---\n{stderr[-4000:]}"
         )
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+def _record_launch(cmd, seconds: float) -> None:
+    """One launch in ``_LAUNCHES``, with its ranks' start-up where a scenario
+    worker wrote it (``OUT/startup{rank}.json``, OUT the argument after the
+    worker script)."""
+    args = [str(c) for c in cmd]
+    at = next((i for i, c in enumerate(args) if c.endswith(".py")), None)
+    startup = []
+    if at is not None and at + 1 < len(args):
+        for path in Path(args[at + 1]).glob("startup*.json"):
+            try:
+                startup.append(float(json.loads(path.read_text())))
+            except (OSError, ValueError):
+                pass
+    _LAUNCHES.append(
+        {
+            "test": os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0],
+            "launcher": "torchrun" if "torch.distributed.run" in args else Path(args[0]).name,
+            "worker": Path(args[at]).name if at is not None else "?",
+            "seconds": round(seconds, 2),
+            "startup": max(startup) if startup else None,
+        }
+    )
 
 
 def load_ranks(out_dir: Path, np: int):
@@ -296,6 +324,11 @@ DURATIONS = ROOT / ".pytest_cache" / "dlgs-durations.json"
 #: the repository: what a fresh clone (CI) estimates them from.
 SLOW_DURATIONS = ROOT / "tests" / "slow-durations.json"
 _measured: dict = {}
+#: This session's real-rank launches (``_launch``): the test, the launcher,
+#: the worker, the seconds, and the ranks' start-up where a scenario worker
+#: recorded it; written beside the durations for tools/run_tests.py.
+_LAUNCHES: list = []
+LAST_RUN = ROOT / ".pytest_cache" / "dlgs-last-run.json"
 
 
 def pytest_runtest_logreport(report):
@@ -313,6 +346,7 @@ def pytest_sessionfinish(session):
         known = {}
     known.update(_measured)
     DURATIONS.parent.mkdir(exist_ok=True)
+    LAST_RUN.write_text(json.dumps({"tests": _measured, "launches": _LAUNCHES}, indent=0))
     DURATIONS.write_text(json.dumps(known, indent=0, sort_keys=True))
     slow = {k: round(v["seconds"], 1) for k, v in _measured.items() if v["slow"]}
     if slow:  # tracked: a fresh clone's estimate (commit it after a run of the slow tests)

@@ -199,3 +199,45 @@ def test_loads_after_training_began_are_each_ranks_own_and_train_on(ranks):
         assert rec["other_step"] is None, f"rank {r}: {rec['other_step']}"
     assert recs[0]["step"] == recs[1]["step"] == 6  # the agreed step goes on
     assert recs[0]["params"] == recs[1]["params"]
+
+
+class _Gather:
+    """A one-rank stand-in for the agreement's collectives: its gather blocks
+    (the other ranks never come) or answers at once."""
+
+    size, rank = 2, 1
+
+    def __init__(self, blocks: bool):
+        self.blocks = blocks
+
+    def allgather_object(self, obj, name):
+        if self.blocks:
+            import threading
+
+            threading.Event().wait(30)  # a daemon thread: ends with the test process
+        return [obj, obj]
+
+
+def test_an_agreement_that_resync_asked_for_waits_a_bounded_time(monkeypatch):
+    """resync() on one rank alone: its agreement raises RankMismatchError
+    naming the call after RESYNC_WAIT_SECONDS, instead of waiting forever for
+    ranks that are in their step; a construction's or a load's agreement is
+    not bounded (a rank may start late), and one that completes is unchanged."""
+    import time
+
+    from dlgs.core.state import resume
+
+    monkeypatch.setattr(resume, "RESYNC_WAIT_SECONDS", 0.3)
+    agreement = resume.Agreement(_Gather(blocks=True), "dlgs.agree")
+    agreement.due(bounded=True)
+    began = time.monotonic()
+    with pytest.raises(RankMismatchError, match=r"resync\(\) or reprofile\(\) on rank 1"):
+        agreement.run(lambda: {"step": 3})
+    assert time.monotonic() - began < 5
+    assert not agreement.bounded and not agreement.pending
+    answered = resume.Agreement(_Gather(blocks=False), "dlgs.agree")
+    answered.due(bounded=True)
+    assert answered.run(lambda: {"step": 3}) is None  # every rank the same: nothing to adopt
+    later = resume.Agreement(_Gather(blocks=False), "dlgs.agree")
+    later.due(loaded=True)
+    assert not later.bounded

@@ -192,3 +192,18 @@ def test_the_dynamic_controller_learns_on_the_device_as_on_the_host():
         # not anchor and step 9 anchors.
         assert kinds == "hdddhdddhhdddh", kinds
         assert step == 14
+
+
+def test_the_non_finite_check_passes_over_empty_tensors():
+    """A parameter with no elements has nothing non-finite (torch's max-norm
+    of an empty tensor is an error, so it is left out of the check)."""
+    import math
+
+    import torch
+
+    from dlgs.torch._ops import OPS
+
+    empty = torch.zeros(0, 5)
+    assert not bool(OPS.any_nonfinite([empty]))
+    assert not bool(OPS.any_nonfinite([empty, torch.ones(3)]))
+    assert bool(OPS.any_nonfinite([empty, torch.tensor([1.0, math.inf])]))

@@ -182,8 +182,12 @@ def test_a_load_on_one_rank_after_training_began_goes_on_with_ranks_identical(tm
 #: A rank that leaves while the others train waits this long at the exit
 #: barrier of the two-level exchange (dlgs._horovod.EXIT_BARRIER_SECONDS),
 #: and one that calls resync() alone this long at the agreement (the worker
-#: sets RESYNC_WAIT_SECONDS): the others end within ENDS_WITHIN_S after that.
-LEAVE_WAIT_S = 3.0
+#: sets RESYNC_WAIT_SECONDS); then its Horovod shutdown may be held (in a
+#: Gloo operation of a process set) until dlgs ends the process
+#: (FAILED_EXIT_SECONDS, 2 s), and horovodrun ends the others (up to 3.7 s
+#: after that here). The others end within ENDS_WITHIN_S after the wait and
+#: the bound: 6.1 s at most over 30 runs here (benchmarks.leave).
+LEAVE_WAIT_S = 3.0 + 2.0
 
 #: (how rank 1 leaves, topology, door, ranks): sys.exit and a normal return
 #: under the two-level exchange's exit barrier (both torch forms), the flat

@@ -24,14 +24,65 @@ import os
 import subprocess
 import sys
 import time
+from typing import Any, Dict, List
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+#: Where ``tests/conftest.py`` writes the last pytest run's per-test seconds
+#: and its real-rank launches.
+LAST_RUN = os.path.join(ROOT, ".pytest_cache", "dlgs-last-run.json")
+#: What every run of this script has measured so far (both parts).
+_RUNS: List[Dict[str, Any]] = []
 
 
 def pytest(args, marker: str) -> int:
     cmd = [sys.executable, "-m", "pytest", "-q", "tests", "-m", marker, *args]
     print("+ " + " ".join(cmd), flush=True)
-    return subprocess.call(cmd)
+    try:
+        os.remove(LAST_RUN)
+    except OSError:
+        pass
+    status = subprocess.call(cmd)
+    try:
+        with open(LAST_RUN) as f:
+            _RUNS.append(json.load(f))
+    except (OSError, ValueError):
+        pass
+    return status
+
+
+def where_the_time_went(slowest: int = 10) -> str:
+    """The slowest tests and the real-rank launches of this run, as text."""
+    tests: Dict[str, float] = {}
+    launches: List[Dict[str, Any]] = []
+    for run in _RUNS:
+        tests.update({k: v["seconds"] for k, v in run.get("tests", {}).items()})
+        launches += run.get("launches", [])
+    if not tests:
+        return "run_tests: no per-test durations were recorded"
+    lines = [f"run_tests: the {slowest} slowest tests (setup, call and teardown), of {len(tests)}:"]
+    for name, sec in sorted(tests.items(), key=lambda kv: -kv[1])[:slowest]:
+        lines.append(f"  {sec:7.1f} s  {name}")
+    by_kind: Dict[str, List[float]] = {}
+    starts: Dict[str, List[float]] = {}
+    for launch in launches:
+        kind = launch["launcher"]
+        by_kind.setdefault(kind, []).append(launch["seconds"])
+        if launch.get("startup") is not None:
+            starts.setdefault(kind, []).append(launch["startup"])
+    total = sum(tests.values())
+    lines.append(f"run_tests: {total:.0f} s in tests; real-rank launches:")
+    for kind, secs in sorted(by_kind.items()):
+        start = starts.get(kind, [])
+        known = (
+            f"; start-up (processes, imports, hvd.init) {sum(start):.0f} s over the "
+            f"{len(start)} scenario launches that record it"
+            if start
+            else ""
+        )
+        lines.append(f"  {kind}: {len(secs)} launches, {sum(secs):.0f} s{known}")
+    return "\n".join(lines)
 
 
 def slow_seconds(default: float):
@@ -82,12 +133,15 @@ def main(argv=None) -> int:
             "so they did not run here. Run them with: python -m pytest -q tests -m slow",
             flush=True,
         )
+        print(where_the_time_went(), flush=True)
         return status
     print(
         f"run_tests: {used:.0f} s so far; the slow tests (about {need:.0f} s, {source}) fit",
         flush=True,
     )
-    return pytest(rest, "slow") or status
+    status = pytest(rest, "slow") or status
+    print(where_the_time_went(), flush=True)
+    return status
 
 
 if __name__ == "__main__":

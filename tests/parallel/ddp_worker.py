@@ -22,6 +22,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch_common import (
     DOOR_CELLS,
+    WithEmpty,
     conservation_error,
     digest,
     door_cell_record,
@@ -280,19 +281,6 @@ def unused_parameters():
     return {"digests": digests}
 
 
-class _WithEmpty(torch.nn.Module):
-    """The MLP with a used and a merely present parameter of no elements."""
-
-    def __init__(self):
-        super().__init__()
-        self.body = mlp(0, 64)
-        self.used = torch.nn.Parameter(torch.zeros(0, 5))
-        self.present = torch.nn.Parameter(torch.zeros(0))
-
-    def forward(self, x):
-        return self.body(x) + self.used.sum()
-
-
 @scenario
 def empty_parameters():
     """Parameters with no elements train as under plain DDP: sparse with
@@ -300,7 +288,7 @@ def empty_parameters():
     out = {}
     for case, density in (("sparse", 0.05), ("dense", 1.0), ("plain", None)):
         torch.manual_seed(0)
-        model = DDP(_WithEmpty(), bucket_cap_mb=0.01, find_unused_parameters=True)
+        model = DDP(WithEmpty(0), bucket_cap_mb=0.01, find_unused_parameters=True)
         if density is not None:
             hooked(model, density=density, min_sparse_size=64, merge="none")
         out[case] = train(model, sgd(model), 4)

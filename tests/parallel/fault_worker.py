@@ -27,17 +27,9 @@ import json
 import sys
 import time
 
+import exit_record  # before Horovod: its handler runs after Horovod's shutdown
+
 out, fault, topology, transport = sys.argv[1:5]
-_rank = []
-
-
-def _record_exit():
-    if _rank:
-        with open(f"{out}/exit{_rank[0]}.json", "w") as f:
-            json.dump({"time": time.time()}, f)
-
-
-atexit.register(_record_exit)  # before Horovod's: runs after its shutdown
 
 import horovod.torch as hvd  # noqa: E402
 import torch  # noqa: E402
@@ -45,7 +37,7 @@ from mlp_steps import dlgs_opts, model_and_opt, train  # noqa: E402
 
 hvd.init(process_sets="dynamic")
 rank = hvd.rank()
-_rank.append(rank)
+exit_record.set_rank(out, rank)
 torch.set_num_threads(1)
 if fault == "stuck-exit" and rank == 1:
     # Registered after Horovod's handler and before dlgs's (added with the

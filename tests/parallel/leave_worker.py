@@ -22,7 +22,6 @@ with the time it left; every rank that fails writes ``OUT/error{rank}.txt``
 with its error and the notes on it.
 """
 
-import atexit
 import json
 import os
 import signal
@@ -30,17 +29,9 @@ import sys
 import time
 import traceback
 
+import exit_record  # before Horovod: its handler runs after Horovod's shutdown
+
 out, how, topology, door = sys.argv[1:5]
-_rank = []
-
-
-def _record_exit():
-    if _rank:
-        with open(f"{out}/exit{_rank[0]}.json", "w") as f:
-            json.dump({"time": time.time()}, f)
-
-
-atexit.register(_record_exit)  # before Horovod's: runs after its shutdown
 
 if door == "tf":
     import horovod.tensorflow as hvd
@@ -62,7 +53,7 @@ dlgs.core.state.resume.RESYNC_WAIT_SECONDS = 3.0
 
 hvd.init(process_sets="dynamic")
 rank = hvd.rank()
-_rank.append(rank)
+exit_record.set_rank(out, rank)
 options = {"merge": "none", "density": 0.05, "min_sparse_size": 1000}
 if topology == "hierarchical":
     options.update(topology="hierarchical", ranks_per_node=2)

@@ -31,6 +31,10 @@ def main(argv: Sequence[str], hvd) -> None:
     if hang:  # the launcher kills us soon after: show where every thread waits
         faulthandler.dump_traceback_later(hang, exit=True)
     hvd.init()
+    launched = os.environ.get("DLGS_TEST_LAUNCHED_AT")
+    if launched:  # the launch's start-up on this rank: processes, imports, hvd.init
+        startup = round(time.time() - float(launched), 2)
+        (out_dir / f"startup{hvd.rank()}.json").write_text(json.dumps(startup))
     results = {}
     for name in argv[2:]:
         began = time.perf_counter()

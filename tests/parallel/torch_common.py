@@ -21,6 +21,21 @@ def mlp(seed: int, hidden: int = 64) -> torch.nn.Module:
     )
 
 
+class WithEmpty(torch.nn.Module):
+    """``mlp(seed)`` with two parameters of no elements: one used in the
+    forward pass (its gradient is an empty tensor), one merely present (no
+    gradient)."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        self.body = mlp(seed)
+        self.used = torch.nn.Parameter(torch.zeros(0, 5))
+        self.present = torch.nn.Parameter(torch.zeros(0))
+
+    def forward(self, x):
+        return self.body(x) + self.used.sum()
+
+
 def digest(model) -> str:
     h = hashlib.sha256()
     for p in model.parameters():

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from scenarios import main, scenario  # tests/parallel, the script's own folder
 from torch_common import (
     DOOR_CELLS,
+    WithEmpty,
     conservation_error,
     digest,
     door_cell_record,
@@ -632,20 +633,6 @@ def dtypes_and_frozen():
     return out
 
 
-class WithEmpty(torch.nn.Module):
-    """The MLP with two parameters of no elements: one used in the forward
-    pass (its gradient is an empty tensor), one merely present (no gradient)."""
-
-    def __init__(self):
-        super().__init__()
-        self.body = mlp(4)
-        self.used = torch.nn.Parameter(torch.zeros(0, 5))
-        self.present = torch.nn.Parameter(torch.zeros(0))
-
-    def forward(self, x):
-        return self.body(x) + self.used.sum()
-
-
 @scenario
 def empty_parameters():
     """Parameters with no elements, as stock Horovod trains them: both forms,
@@ -661,7 +648,7 @@ def empty_parameters():
     }
     for case, (form, density, transport) in cases.items():
         torch.manual_seed(0)
-        model = WithEmpty()
+        model = WithEmpty(4)
         sgd = torch.optim.SGD(model.parameters(), lr=0.05)
         named = list(model.named_parameters())
         if form == "horovod":
