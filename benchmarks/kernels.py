@@ -83,22 +83,9 @@ GOAL_RATIO_VS_SINGLE_PASS = 2.0
 BYTES_PER_ELEMENT = 32
 
 CSV_FIELDS = (
-    "method",
-    "size",
-    "density",
-    "device",
-    "threads",
-    "median_ms",
-    "p10_ms",
-    "p90_ms",
-    "selected_count",
-    "achieved_density",
-    "speedup_vs_topk",
-    "ratio_vs_single_pass",
-    "k",
-    "repeats",
-    "calls_per_sample",
-    "status",
+    "method", "size", "density", "device", "threads", "median_ms", "p10_ms", "p90_ms",
+    "selected_count", "achieved_density", "speedup_vs_topk", "ratio_vs_single_pass",
+    "k", "repeats", "calls_per_sample", "status",
 )
 
 
@@ -140,7 +127,6 @@ class Result:
 
     def row(self) -> dict[str, Any]:
         """The CSV row."""
-
         def num(v: float | None, fmt: str) -> str:
             return "" if v is None else format(v, fmt)
 
@@ -165,7 +151,6 @@ class Result:
 
 
 # -- argument parsing ------------------------------------------------------------
-
 
 def _float_list(text: str) -> list[float]:
     try:
@@ -202,81 +187,38 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         prog="python -m benchmarks.kernels",
         description="Time gradient selection kernels (dlgs select vs torch.topk vs a single pass).",
     )
-    p.add_argument(
-        "--sizes",
-        type=_size_list,
-        default=_size_list("1e4,1e5,1e6,1e7,2.5e7"),
-        help="tensor sizes, comma-separated (default: 1e4,1e5,1e6,1e7,2.5e7)",
-    )
-    p.add_argument(
-        "--densities",
-        type=_density_list,
-        default=_density_list("0.01,0.001"),
-        help="densities, comma-separated (default: 0.01,0.001)",
-    )
-    p.add_argument(
-        "--methods",
-        type=_method_list,
-        default=list(METHODS),
-        help=f"methods to time (default: {','.join(METHODS)})",
-    )
+    p.add_argument("--sizes", type=_size_list, default=_size_list("1e4,1e5,1e6,1e7,2.5e7"),
+                   help="tensor sizes, comma-separated (default: 1e4,1e5,1e6,1e7,2.5e7)")
+    p.add_argument("--densities", type=_density_list, default=_density_list("0.01,0.001"),
+                   help="densities, comma-separated (default: 0.01,0.001)")
+    p.add_argument("--methods", type=_method_list, default=list(METHODS),
+                   help=f"methods to time (default: {','.join(METHODS)})")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default: 2)")
-    p.add_argument(
-        "--repeats",
-        type=int,
-        default=20,
-        help="most timed samples per method and cell (default: 20)",
-    )
-    p.add_argument(
-        "--min-repeats",
-        type=int,
-        default=5,
-        help="fewest timed samples per method and cell, whatever the time cap "
-        "(default: 5; dynamic_amortized, whose samples are 32 calls, 3)",
-    )
-    p.add_argument(
-        "--warmup",
-        type=int,
-        default=5,
-        help="untimed calls before timing, fewer for slow calls (default: 5; "
-        "dynamic always makes at least 3)",
-    )
-    p.add_argument(
-        "--method-seconds",
-        type=float,
-        default=2.0,
-        help="time cap for one method's samples in one cell; large sizes get fewer "
-        "samples, down to --min-repeats (default: 2.0)",
-    )
-    p.add_argument(
-        "--min-sample-ms",
-        type=float,
-        default=2.0,
-        help="a timed sample repeats the call until it lasts about this long (default: 2.0)",
-    )
-    p.add_argument(
-        "--max-seconds",
-        type=float,
-        default=240.0,
-        help="budget for the whole run; cells left when it is spent are skipped and "
-        "listed in kernels.md (default: 240)",
-    )
-    p.add_argument(
-        "--max-bytes",
-        type=float,
-        default=None,
-        help="skip sizes needing more than this many bytes (estimated "
-        f"{BYTES_PER_ELEMENT} per element; default: half the free device/host "
-        "memory)",
-    )
+    p.add_argument("--repeats", type=int, default=20,
+                   help="most timed samples per method and cell (default: 20)")
+    p.add_argument("--min-repeats", type=int, default=5,
+                   help="fewest timed samples per method and cell, whatever the time cap "
+                        "(default: 5; dynamic_amortized, whose samples are 32 calls, 3)")
+    p.add_argument("--warmup", type=int, default=5,
+                   help="untimed calls before timing, fewer for slow calls (default: 5; "
+                        "dynamic always makes at least 3)")
+    p.add_argument("--method-seconds", type=float, default=2.0,
+                   help="time cap for one method's samples in one cell; large sizes get fewer "
+                        "samples, down to --min-repeats (default: 2.0)")
+    p.add_argument("--min-sample-ms", type=float, default=2.0,
+                   help="a timed sample repeats the call until it lasts about this long "
+                        "(default: 2.0)")
+    p.add_argument("--max-seconds", type=float, default=240.0,
+                   help="budget for the whole run; cells left when it is spent are skipped and "
+                        "listed in kernels.md (default: 240)")
+    p.add_argument("--max-bytes", type=float, default=None,
+                   help="skip sizes needing more than this many bytes (estimated "
+                        f"{BYTES_PER_ELEMENT} per element; default: half the free device/host "
+                        "memory)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        help="output directory (default: benchmarks/results/kernels-<device>)",
-    )
+    p.add_argument("--out", type=Path, default=None,
+                   help="output directory (default: benchmarks/results/kernels-<device>)")
     p.add_argument("--no-plot", action="store_true", help="do not write kernels.png")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     args = p.parse_args(argv)
@@ -289,7 +231,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 # -- timing ------------------------------------------------------------------------
-
 
 def _synchronizer(device: torch.device) -> Callable[[], None]:
     if device.type == "cuda":
@@ -361,7 +302,8 @@ def measure(
     while True:
         late = time.perf_counter() > deadline
         pending = [
-            t for t in timers if len(t.times) < (min(t.target, t.min_repeats) if late else t.target)
+            t for t in timers
+            if len(t.times) < (min(t.target, t.min_repeats) if late else t.target)
         ]
         if not pending:
             return
@@ -370,18 +312,12 @@ def measure(
 
 
 def make_method(
-    name: str,
-    x: torch.Tensor,
-    k: int,
-    density: float,
-    threshold: torch.Tensor,
-    scratch_abs: torch.Tensor,
-    scratch_mask: torch.Tensor,
+    name: str, x: torch.Tensor, k: int, density: float, threshold: torch.Tensor,
+    scratch_abs: torch.Tensor, scratch_mask: torch.Tensor,
 ) -> tuple[Callable[[], Any], Callable[[], int]]:
     """``(call, selected)``: one selection of ``name`` on ``x``, and a function
     that reads (synchronising) how many elements the last call selected."""
     if name == "topk":
-
         def call_topk() -> Any:
             return torch.topk(x.abs(), k, sorted=False)
 
@@ -424,7 +360,6 @@ def make_method(
 
 # -- the grid ----------------------------------------------------------------------
 
-
 def estimate_bytes(size: int) -> int:
     """Estimated peak memory of one cell."""
     return BYTES_PER_ELEMENT * size
@@ -460,18 +395,15 @@ def run_grid(args: argparse.Namespace) -> tuple[list[Result], list[str]]:
         for m in args.methods:
             results.append(Result(m, cell, args.device, args.threads, status=status))
 
-    with (
-        logging_redirect_tqdm(loggers=[logger]),
-        tqdm(total=len(cells), desc="kernels", unit="cell", file=sys.stderr) as bar,
-    ):
+    with logging_redirect_tqdm(loggers=[logger]), tqdm(
+        total=len(cells), desc="kernels", unit="cell", file=sys.stderr
+    ) as bar:
         for size in args.sizes:
             size_cells = [c for c in cells if c.size == size]
             need = estimate_bytes(size)
             if need > max_bytes:
-                msg = (
-                    f"size {size:.3g} skipped: needs about {need / 2**30:.2f} GiB, "
-                    f"more than --max-bytes {max_bytes / 2**30:.2f} GiB"
-                )
+                msg = (f"size {size:.3g} skipped: needs about {need / 2**30:.2f} GiB, "
+                       f"more than --max-bytes {max_bytes / 2**30:.2f} GiB")
                 logger.warning(msg)
                 notes.append(msg)
                 for cell in size_cells:
@@ -482,10 +414,8 @@ def run_grid(args: argparse.Namespace) -> tuple[list[Result], list[str]]:
             for cell in size_cells:
                 elapsed = time.perf_counter() - start
                 if elapsed > args.max_seconds:
-                    msg = (
-                        f"size {cell.size:.3g}, density {cell.density:g} skipped: "
-                        f"--max-seconds {args.max_seconds:g} spent ({elapsed:.0f} s elapsed)"
-                    )
+                    msg = (f"size {cell.size:.3g}, density {cell.density:g} skipped: "
+                           f"--max-seconds {args.max_seconds:g} spent ({elapsed:.0f} s elapsed)")
                     logger.warning(msg)
                     notes.append(msg)
                     skipped(cell, "skipped: budget")
@@ -507,13 +437,8 @@ def run_grid(args: argparse.Namespace) -> tuple[list[Result], list[str]]:
 
 
 def _time_cell(
-    args: argparse.Namespace,
-    cell: Cell,
-    x: torch.Tensor,
-    scratch_abs: torch.Tensor,
-    scratch_mask: torch.Tensor,
-    sync: Callable[[], None],
-    deadline: float,
+    args: argparse.Namespace, cell: Cell, x: torch.Tensor, scratch_abs: torch.Tensor,
+    scratch_mask: torch.Tensor, sync: Callable[[], None], deadline: float,
 ) -> list[Result]:
     k = cell.k
     # The exact k-th largest |x|, the threshold of single_pass (untimed).
@@ -521,9 +446,8 @@ def _time_cell(
     timers = []
     for method in args.methods:
         fn, selected = make_method(method, x, k, cell.density, threshold, scratch_abs, scratch_mask)
-        timer = Timer(
-            method, fn, selected, min_warmup=min(1, args.warmup), min_repeats=args.min_repeats
-        )
+        timer = Timer(method, fn, selected, min_warmup=min(1, args.warmup),
+                      min_repeats=args.min_repeats)
         if method == "dynamic":
             # The first call anchors (exact top-k); time the steady state after it.
             timer.min_warmup = 3
@@ -531,23 +455,13 @@ def _time_cell(
             timer.block = AMORTIZE_CALLS
             timer.min_repeats = min(args.min_repeats, 3)
         timers.append(timer)
-    measure(
-        timers,
-        sync,
-        warmup=args.warmup,
-        repeats=args.repeats,
-        seconds=args.method_seconds,
-        min_sample_s=args.min_sample_ms / 1e3,
-        deadline=deadline,
-    )
+    measure(timers, sync, warmup=args.warmup, repeats=args.repeats, seconds=args.method_seconds,
+            min_sample_s=args.min_sample_ms / 1e3, deadline=deadline)
     out = []
     for t in timers:
         ms = np.asarray(t.times) * 1e3
         res = Result(
-            t.name,
-            cell,
-            args.device,
-            args.threads,
+            t.name, cell, args.device, args.threads,
             median_ms=float(np.median(ms)),
             p10_ms=float(np.percentile(ms, 10)),
             p90_ms=float(np.percentile(ms, 90)),
@@ -555,17 +469,9 @@ def _time_cell(
             repeats=len(t.times),
             calls_per_sample=t.calls,
         )
-        logger.debug(
-            "%s n=%d d=%g: median %.4g ms over %d samples of %d calls, selected %s (k=%d)",
-            t.name,
-            cell.size,
-            cell.density,
-            res.median_ms,
-            res.repeats,
-            t.calls,
-            res.selected_count,
-            k,
-        )
+        logger.debug("%s n=%d d=%g: median %.4g ms over %d samples of %d calls, selected %s (k=%d)",
+                     t.name, cell.size, cell.density, res.median_ms, res.repeats, t.calls,
+                     res.selected_count, k)
         out.append(res)
     return out
 
@@ -588,7 +494,6 @@ def _fill_ratios(results: list[Result]) -> None:
 
 # -- outputs -----------------------------------------------------------------------
 
-
 def write_csv(results: Sequence[Result], path: Path) -> None:
     """One row per size x density x method."""
     with open(path, "w", newline="") as f:
@@ -603,17 +508,13 @@ def _fmt(v: float | None, fmt: str = ".3g", suffix: str = "") -> str:
 
 
 def _table(results: Sequence[Result]) -> str:
-    head = (
-        "| size | density | method | median ms | p10 ms | p90 ms | selected | achieved density "
-        "| speedup vs topk | x single_pass | samples x calls |"
-    )
+    head = ("| size | density | method | median ms | p10 ms | p90 ms | selected | achieved density "
+            "| speedup vs topk | x single_pass | samples x calls |")
     lines = [head, "|" + "---:|" * 2 + ":---|" + "---:|" * 8]
     for r in results:
         if r.median_ms is None:
-            lines.append(
-                f"| {r.cell.size:.3g} | {r.cell.density:g} | {r.method} | {r.status} "
-                "| | | | | | | |"
-            )
+            lines.append(f"| {r.cell.size:.3g} | {r.cell.density:g} | {r.method} | {r.status} "
+                         "| | | | | | | |")
             continue
         lines.append(
             f"| {r.cell.size:.3g} | {r.cell.density:g} | {r.method} | {r.median_ms:.4g} "
@@ -626,11 +527,8 @@ def _table(results: Sequence[Result]) -> str:
 
 def goal_lines(results: Sequence[Result]) -> list[str]:
     """Markdown bullets stating whether each goal was met, from the measurements."""
-    cell = {
-        r.method: r
-        for r in results
-        if r.cell.size == GOAL_SIZE and math.isclose(r.cell.density, GOAL_DENSITY)
-    }
+    cell = {r.method: r for r in results
+            if r.cell.size == GOAL_SIZE and math.isclose(r.cell.density, GOAL_DENSITY)}
     where = f"density {GOAL_DENSITY:g}, {GOAL_SIZE:.3g} elements"
     dyn = cell.get("dynamic")
     out = []
@@ -639,10 +537,8 @@ def goal_lines(results: Sequence[Result]) -> list[str]:
         return [f"- Goals at {where}: **not measured** (`dynamic` {status})."]
     topk, single = cell.get("topk"), cell.get("single_pass")
     if dyn.speedup_vs_topk is None or topk is None:
-        out.append(
-            f"- `dynamic` >= {GOAL_SPEEDUP_VS_TOPK:g}x faster than `topk` at {where}: "
-            "**not measured** (no `topk` timing)."
-        )
+        out.append(f"- `dynamic` >= {GOAL_SPEEDUP_VS_TOPK:g}x faster than `topk` at {where}: "
+                   "**not measured** (no `topk` timing).")
     else:
         met = dyn.speedup_vs_topk >= GOAL_SPEEDUP_VS_TOPK
         out.append(
@@ -651,10 +547,8 @@ def goal_lines(results: Sequence[Result]) -> list[str]:
             f"{dyn.median_ms:.4g} ms = {dyn.speedup_vs_topk:.2f}x."
         )
     if dyn.ratio_vs_single_pass is None or single is None:
-        out.append(
-            f"- `dynamic` within {GOAL_RATIO_VS_SINGLE_PASS:g}x of `single_pass` at "
-            f"{where}: **not measured** (no `single_pass` timing)."
-        )
+        out.append(f"- `dynamic` within {GOAL_RATIO_VS_SINGLE_PASS:g}x of `single_pass` at "
+                   f"{where}: **not measured** (no `single_pass` timing).")
     else:
         met = dyn.ratio_vs_single_pass <= GOAL_RATIO_VS_SINGLE_PASS
         out.append(
@@ -697,43 +591,31 @@ def _environment(
         except OSError:
             pass
     env = [
-        (
-            f"- torch {torch.__version__}, Python {platform.python_version()}, "
-            f"device `{args.device}` ({hw}), torch threads {torch.get_num_threads()} "
-            f"(`--threads {args.threads}`), {os.cpu_count()} CPUs visible"
-        ),
+        (f"- torch {torch.__version__}, Python {platform.python_version()}, "
+         f"device `{args.device}` ({hw}), torch threads {torch.get_num_threads()} "
+         f"(`--threads {args.threads}`), {os.cpu_count()} CPUs visible"),
     ]
     load_end = _load_average()
     if load_start is not None and load_end is not None:
-        env.append(
-            f"- host load average (1 min) at the start / end of the run: "
-            f"{load_start[0]:.2f} / {load_end[0]:.2f} on {os.cpu_count()} CPUs"
-        )
+        env.append(f"- host load average (1 min) at the start / end of the run: "
+                   f"{load_start[0]:.2f} / {load_end[0]:.2f} on {os.cpu_count()} CPUs")
         if args.device == "cpu" and max(load_start[0], load_end[0]) > 0.5 * (os.cpu_count() or 1):
-            env.append(
-                "- **warning**: the host was busy with other work during the run, so "
-                "CPU times are noisy, multi-threaded kernels most (a descheduled worker "
-                "thread stalls the whole parallel kernel)"
-            )
+            env.append("- **warning**: the host was busy with other work during the run, so "
+                       "CPU times are noisy, multi-threaded kernels most (a descheduled worker "
+                       "thread stalls the whole parallel kernel)")
     return env
 
 
 def format_markdown(
-    results: Sequence[Result],
-    notes: Sequence[str],
-    args: argparse.Namespace,
-    command: str,
-    elapsed: float,
-    load_start: tuple[float, float, float] | None = None,
+    results: Sequence[Result], notes: Sequence[str], args: argparse.Namespace,
+    command: str, elapsed: float, load_start: tuple[float, float, float] | None = None,
 ) -> str:
     """The whole kernels.md."""
     parts = [
         f"# Selection kernels on {args.device}",
         "",
-        (
-            f"Generated {datetime.datetime.now().isoformat(timespec='seconds')} by "
-            f"`benchmarks/kernels.py` in {elapsed:.0f} s."
-        ),
+        (f"Generated {datetime.datetime.now().isoformat(timespec='seconds')} by "
+         f"`benchmarks/kernels.py` in {elapsed:.0f} s."),
         "",
         "Command:",
         "",
@@ -743,19 +625,17 @@ def format_markdown(
         "",
         *_environment(args, load_start),
         "",
-        (
-            f"Input `x = torch.randn(n)` (seed {args.seed}), `k = ceil(density * n)`. Times are "
-            "per call: median, 10th and 90th percentile over the timed samples; a sample runs the "
-            f"call back to back until it lasts about {args.min_sample_ms:g} ms "
-            "(`samples x calls`), and the methods of a cell are sampled in turn, so that load from "
-            "elsewhere hits them alike. `dynamic` is `dlgs.core.select` in steady state "
-            "(`anchor_every=0`, anchored once in the warm-up); `dynamic_amortized` is the default "
-            f"`anchor_every={AMORTIZE_CALLS}`, timed over blocks of {AMORTIZE_CALLS} calls that "
-            "include one exact-top-k anchor; `dgc` is `select` with the DGC controller; `topk` is "
-            "`torch.topk(x.abs(), k, sorted=False)`; `single_pass` is `|x| >= t` and a count into "
-            "preallocated buffers, `t` the exact k-th largest (the lower bound). `x single_pass` is "
-            "the method's time over `single_pass`'s."
-        ),
+        (f"Input `x = torch.randn(n)` (seed {args.seed}), `k = ceil(density * n)`. Times are "
+         "per call: median, 10th and 90th percentile over the timed samples; a sample runs the "
+         f"call back to back until it lasts about {args.min_sample_ms:g} ms "
+         "(`samples x calls`), and the methods of a cell are sampled in turn, so that load from "
+         "elsewhere hits them alike. `dynamic` is `dlgs.core.select` in steady state "
+         "(`anchor_every=0`, anchored once in the warm-up); `dynamic_amortized` is the default "
+         f"`anchor_every={AMORTIZE_CALLS}`, timed over blocks of {AMORTIZE_CALLS} calls that "
+         "include one exact-top-k anchor; `dgc` is `select` with the DGC controller; `topk` is "
+         "`torch.topk(x.abs(), k, sorted=False)`; `single_pass` is `|x| >= t` and a count into "
+         "preallocated buffers, `t` the exact k-th largest (the lower bound). `x single_pass` is "
+         "the method's time over `single_pass`'s."),
         "",
         "## Goals",
         "",
@@ -780,23 +660,14 @@ def plot_results(results: Sequence[Result], path: Path, title: str) -> None:
 
     densities = sorted({r.cell.density for r in results}, reverse=True)
     methods = [m for m in METHODS if any(r.method == m for r in results)]
-    styles = {
-        "dynamic": "o-",
-        "dynamic_amortized": "o--",
-        "topk": "s-",
-        "dgc": "^-",
-        "single_pass": "k:",
-    }
-    fig, axes = plt.subplots(
-        1, len(densities), figsize=(6 * len(densities), 4.6), sharey=True, squeeze=False
-    )
+    styles = {"dynamic": "o-", "dynamic_amortized": "o--", "topk": "s-", "dgc": "^-",
+              "single_pass": "k:"}
+    fig, axes = plt.subplots(1, len(densities), figsize=(6 * len(densities), 4.6),
+                             sharey=True, squeeze=False)
     for ax, d in zip(axes[0], densities):
         for m in methods:
-            pts = sorted(
-                (r.cell.size, r.median_ms)
-                for r in results
-                if r.method == m and r.cell.density == d and r.median_ms is not None
-            )
+            pts = sorted((r.cell.size, r.median_ms) for r in results
+                         if r.method == m and r.cell.density == d and r.median_ms is not None)
             if pts:
                 xs, ys = zip(*pts)
                 ax.plot(xs, ys, styles.get(m, "o-"), label=m, markersize=4)
@@ -818,23 +689,16 @@ def main(argv: Sequence[str] | None = None) -> list[Result]:
     """Run the benchmark and write kernels.csv, kernels.md and kernels.png."""
     raw = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(raw)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device available")
     torch.set_num_threads(args.threads)
     command = "python -m benchmarks.kernels" + ("" if not raw else " " + shlex.join(raw))
-    logger.info(
-        "torch %s on %s, %d threads; sizes %s, densities %s, methods %s",
-        torch.__version__,
-        args.device,
-        torch.get_num_threads(),
-        ",".join(f"{s:.3g}" for s in args.sizes),
-        ",".join(f"{d:g}" for d in args.densities),
-        ",".join(args.methods),
-    )
+    logger.info("torch %s on %s, %d threads; sizes %s, densities %s, methods %s",
+                torch.__version__, args.device, torch.get_num_threads(),
+                ",".join(f"{s:.3g}" for s in args.sizes),
+                ",".join(f"{d:g}" for d in args.densities), ",".join(args.methods))
     load_start = _load_average()
     t0 = time.perf_counter()
     results, notes = run_grid(args)
@@ -844,15 +708,11 @@ def main(argv: Sequence[str] | None = None) -> list[Result]:
     md = format_markdown(results, notes, args, command, elapsed, load_start)
     (args.out / "kernels.md").write_text(md)
     if not args.no_plot:
-        plot_results(
-            results,
-            args.out / "kernels.png",
-            f"selection time per call, {args.device}, torch {torch.__version__}, "
-            f"threads={torch.get_num_threads()}",
-        )
-    logger.info(
-        "wrote %s/kernels.{csv,md%s} in %.1f s", args.out, "" if args.no_plot else ",png", elapsed
-    )
+        plot_results(results, args.out / "kernels.png",
+                     f"selection time per call, {args.device}, torch {torch.__version__}, "
+                     f"threads={torch.get_num_threads()}")
+    logger.info("wrote %s/kernels.{csv,md%s} in %.1f s", args.out,
+                "" if args.no_plot else ",png", elapsed)
     for line in goal_lines(results):
         logger.info("%s", line)
     print(_table(results))
