@@ -1,5 +1,5 @@
 """Cluster presets for the collective cost model, and the published
-measurements it is checked against (issue 44; docs/netmodel.md).
+measurements it is checked against (docs/netmodel.md).
 
 Each preset is a :class:`~dlgs.core.planning.collectives.Cluster` whose
 numbers come from a public source named in :data:`SOURCES`; each

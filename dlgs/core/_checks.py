@@ -1,6 +1,6 @@
 """The two argument checks every option of dlgs goes through.
 
-One wording everywhere (issue 10): a value of the wrong type raises
+One wording everywhere: a value of the wrong type raises
 ``TypeError``, a value out of range (NaN and infinities included) raises
 ``ValueError``, and both messages name the parameter and the accepted range,
 e.g. ``density must be a finite float in (0, 1], got nan``.

@@ -288,8 +288,9 @@ class SparsityConfig:
         )
         self._check_budget()
         if isinstance(self.value_dtype, str) and self.value_dtype == "auto":
-            # At a budget 16-bit values buy entries: issue 45's transformer
-            # at PowerSGD rank 4's bytes, docs/benchmarks.md.
+            # At a budget 16-bit values buy entries: 1.5x as many for the same
+            # bytes, which won on the transformer LM at PowerSGD rank 4's
+            # bytes (docs/benchmarks.md).
             auto = ValueDType.FLOAT16 if self.budget is not None else ValueDType.FLOAT32
             object.__setattr__(self, "value_dtype", auto)
             object.__setattr__(self, "values_chosen", True)
@@ -345,7 +346,7 @@ class SparsityConfig:
         if isinstance(self.warmup, str) and self.warmup == "dgc":
             object.__setattr__(self, "warmup", dgc_warmup(self.density))
         # A bare float is not iterable and a str iterates its characters: both
-        # are a mistaken list of stage densities (issue 10), refused by name.
+        # are a mistaken list of stage densities, refused by name.
         if not isinstance(self.warmup, Iterable) or isinstance(
             self.warmup, (str, bytes, Mapping, Set)
         ):
@@ -393,7 +394,7 @@ class SparsityConfig:
         b = self.budget
         if self.budget_split == "auto":
             # Under a budget the split won on Fashion-MNIST and the
-            # transformer LM (issue 45, docs/benchmarks.md).
+            # transformer LM (docs/benchmarks.md).
             object.__setattr__(self, "budget_split", "gradient" if b is not None else "uniform")
         if self.budget_split not in BUDGET_SPLITS:
             raise ValueError(

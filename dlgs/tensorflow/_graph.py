@@ -1,4 +1,4 @@
-"""The exchange as graph ops inside the user's ``tf.function`` (issue 33).
+"""The exchange as graph ops inside the user's ``tf.function``.
 
 Inside a traced training step, :class:`GraphSteps` puts the exchange into the
 graph as a ``tf.cond`` of two branches:

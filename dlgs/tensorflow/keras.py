@@ -63,7 +63,7 @@ class _SparseApply(DlgsAccessors):
         # makes this the place to refuse being wrapped by one, before a step
         # can hang. Keras passes no reference to the outer optimizer, so look
         # for it among the callers (LossScaleOptimizer.build calls this directly).
-        frame = sys._getframe(1)  # noqa: SLF001 - a stack walk, to go (issue 43)
+        frame = sys._getframe(1)  # noqa: SLF001 - a stack walk, to go
         for _ in range(4):
             if frame is None:
                 break

@@ -51,7 +51,7 @@ def named_trainable(
     trainable = [(n, p) for n, p in pairs if p.requires_grad]
     for name, p in trainable:
         # Refused here, by name: a complex gradient would fail deep inside the
-        # selection kernels with no hint of which parameter it was (issue 10).
+        # selection kernels with no hint of which parameter it was.
         if not p.is_floating_point():
             raise TypeError(
                 f"parameter {name!r} has dtype {p.dtype}: dlgs exchanges real floating-point "

@@ -1,4 +1,4 @@
-"""A layer's selection and packing in three Triton kernels (issue 30).
+"""A layer's selection and packing in three Triton kernels.
 
 The torch path (:mod:`dlgs.torch._ops`, driven by ``dlgs.core.exchange.exchange``)
 issues about 18 kernels per sparse layer per step: add, abs, sum, compare,

@@ -196,7 +196,7 @@ class Compression:
         """The optimizer's ranks outside this compressor's set never call
         compress(): this compressor's collectives would wait for them forever.
         Refused on every rank that builds or steps such a pair, naming the
-        argument to add (issue 42)."""
+        argument to add."""
         theirs = getattr(optimizer, "process_set", None)
         mine = self._engine.comm.process_set
         if theirs is not None and _ranks(theirs) != _ranks(mine):

@@ -1,4 +1,4 @@
-"""When a traced training step may run the exchange on the device (issue 43).
+"""When a traced training step may run the exchange on the device.
 
 An adapter that traces the exchange into a graph (TensorFlow's
 ``tf.function``) keeps two branches: the device branch, traced for one

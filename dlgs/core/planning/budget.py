@@ -1,4 +1,4 @@
-"""A byte budget split between layers by their gradients (issue 45).
+"""A byte budget split between layers by their gradients.
 
 With ``budget=`` dlgs first sends every sparse layer at the one density that
 fits the budget (:func:`dlgs.core.wire.density_for_budget`). That starves

@@ -1,5 +1,5 @@
 """Collective costs as the libraries choose them: NCCL's tuning model, MPI's
-algorithm choice, Gloo's ring, on nodes of several ranks (issue 44).
+algorithm choice, Gloo's ring, on nodes of several ranks.
 
 :mod:`~dlgs.core.planning.netmodel`'s flat ring prices a collective over
 ``P`` ranks at ``(P - 1)`` latencies, which no library does at scale. Here a

@@ -80,7 +80,7 @@ def validate(
         )
     for name, entry in saved.items():
         n = sizes[name]
-        # Saved since issue 42: a state whose layers were all sent dense holds
+        # Saved by every version that saves sizes: a state whose layers were all sent dense holds
         # no buffer to compare, so the size itself is what tells another model.
         numel = entry.get("numel") if isinstance(entry, dict) else None
         if numel is not None and numel != n:

@@ -46,8 +46,8 @@ class RankMismatchError(ValueError):
 
     # TensorFlow's autograph re-raises an error from traced code as its own
     # type only where that type's __init__ is Exception's (else as a
-    # StagingError, which ``except dlgs.RankMismatchError`` would not catch:
-    # issue 42); the message is the only argument either way.
+    # StagingError, which ``except dlgs.RankMismatchError`` would not
+    # catch); the message is the only argument either way.
     __init__ = Exception.__init__
 
 

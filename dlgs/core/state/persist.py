@@ -176,7 +176,7 @@ class ExchangeCheckpoints:
         if ex.agreement.training:
             # After the ranks agreed and stepped, the others do not know of
             # this load: an agreement on this rank alone would wait for them
-            # forever (issue 42). This rank's own layers load now; the shared
+            # forever. This rank's own layers load now; the shared
             # part is kept for the next agreement every rank runs (after
             # Horovod Elastic's reset), else the agreed one stays.
             self._restore_layers(state["layers"], like, own, restart)

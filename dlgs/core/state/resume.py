@@ -5,7 +5,7 @@ Horovod's resume recipe loads a checkpoint on rank 0 only and hands it to the
 other ranks with ``hvd.broadcast_parameters`` and
 ``hvd.broadcast_optimizer_state``: ``load_state_dict`` then runs on one rank
 and ``state_dict`` on every rank, each from inside Horovod's own code. A
-collective in either would hang the job (issue 29), so neither issues one.
+collective in either would hang the job, so neither issues one.
 What every rank must agree on after a load (the step, the merge plan, the
 planner's profile and ``density="auto"``'s choice: everything that names or
 shapes a message) is agreed instead at the first gradient of the next step,
@@ -13,7 +13,7 @@ which every rank reaches: one gather of each rank's :func:`shared` state and
 whether it loaded one (:class:`SyncRecord`), judged here the same way on every
 rank (:func:`resolve`). The same agreement runs after a Horovod Elastic reset
 (every rank of the new world) and after ``resync()``; a load after training
-began runs none (the other ranks would not join it: issue 42).
+began runs none (the other ranks would not join it).
 
 * Every rank holds the same shared state: nothing to do (each rank loaded its
   own file of the same step, or none did).

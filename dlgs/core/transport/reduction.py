@@ -1,5 +1,5 @@
 """A sparse allreduce by regions: what each rank sends does not grow with the
-number of ranks (issue 32; the scheme of Ok-Topk, Li and Hoefler, PPoPP'22).
+number of ranks (the scheme of Ok-Topk, Li and Hoefler, PPoPP'22).
 
 The flat exchange allgathers every rank's selection: each rank receives
 ``(P - 1) k`` values. Here one sparse message of ``D`` elements is split into

@@ -1,5 +1,5 @@
 """``transport="auto"``: each sparse message by allgather or by the sparse
-reduction, whichever is predicted faster (issue 32).
+reduction, whichever is predicted faster.
 
 A :class:`RoutingTransport` holds a :class:`~dlgs.core.transport.flat.FlatTransport`
 and a :class:`~dlgs.core.transport.reduction.ReducingTransport` and hands each message
