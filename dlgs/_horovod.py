@@ -31,6 +31,7 @@ __all__ = [
     "methods_of",
     "node_and_cross_sets",
     "shutdown_explained",
+    "explained",
     "two_levels",
     "watch_exit",
 ]
@@ -475,3 +476,18 @@ def shutdown_explained() -> Iterator[None]:
         if "shut down" in str(err):
             explain_shutdown(err)
         raise
+
+
+def explained(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` (a collective's start or wait) under
+    :func:`shutdown_explained`: a rank between steps when another left meets
+    Horovod's shutdown at its next start, not in a wait."""
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with shutdown_explained():
+            return method(*args, **kwargs)
+
+    wrapper.__name__ = method.__name__
+    wrapper.__doc__ = method.__doc__
+    wrapper.__qualname__ = method.__qualname__
+    return wrapper

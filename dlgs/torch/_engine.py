@@ -13,7 +13,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import horovod.torch as hvd
 import torch
 
-from .._horovod import HorovodSet, shutdown_explained, two_levels
+from .._horovod import HorovodSet, explained, two_levels
 from ..core.config import SparsityConfig
 from ..core.engine import Engine
 from ..core.planning.online import OnlinePlanner
@@ -51,6 +51,7 @@ class HorovodCollectives(HorovodSet):
     ):
         super().__init__(op, prescale_factor, postscale_factor, process_set, compression)
 
+    @explained
     def allgather_object(self, obj: Any, name: str) -> List[Any]:
         """Every rank's ``obj`` (picklable), in the set's rank order."""
         data = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=4)), dtype=torch.uint8)
@@ -66,13 +67,16 @@ class HorovodCollectives(HorovodSet):
             start += n
         return out
 
+    @explained
     def allgather_async(self, chunk, name):
         return hvd.allgather_async(chunk, name=name, process_set=self.process_set)
 
+    @explained
     def alltoall_async(self, tensor, name):
         """Equal blocks of a 1-D tensor to every rank (``transport="reduce"``)."""
         return _AllToAll(hvd.alltoall_async(tensor, name=name, process_set=self.process_set))
 
+    @explained
     def allreduce_async(self, tensor, name):
         wire = tensor.float() if tensor.dtype in _WIRE_UNSUPPORTED else tensor
         wire, ctx = self.compression.compress(wire)
@@ -86,14 +90,14 @@ class HorovodCollectives(HorovodSet):
         )
         return handle, ctx
 
+    @explained
     def synchronize(self, handle):
-        with shutdown_explained():
-            if isinstance(handle, _AllToAll):
-                return hvd.synchronize(handle.handle)[0]  # (output, received splits)
-            if isinstance(handle, tuple):
-                handle, ctx = handle
-                return self.compression.decompress(hvd.synchronize(handle), ctx)
-            return hvd.synchronize(handle)
+        if isinstance(handle, _AllToAll):
+            return hvd.synchronize(handle.handle)[0]  # (output, received splits)
+        if isinstance(handle, tuple):
+            handle, ctx = handle
+            return self.compression.decompress(hvd.synchronize(handle), ctx)
+        return hvd.synchronize(handle)
 
 
 class _AllToAll:
@@ -114,20 +118,23 @@ class HorovodNodeCollectives:
         self.size = process_set.size()
         self.rank = process_set.rank()
 
+    @explained
     def reducescatter_async(self, tensor, name):
         return hvd.reducescatter_async(
             tensor, name=name, op=hvd.Average, process_set=self.process_set
         )
 
+    @explained
     def allgather_async(self, tensor, name):
         return hvd.allgather_async(tensor, name=name, process_set=self.process_set)
 
+    @explained
     def allreduce_async(self, tensor, name):
         return hvd.allreduce_async(tensor, name=name, op=hvd.Average, process_set=self.process_set)
 
+    @explained
     def synchronize(self, handle):
-        with shutdown_explained():
-            return hvd.synchronize(handle)
+        return hvd.synchronize(handle)
 
     def poll(self, handle):
         return hvd.poll(handle)
