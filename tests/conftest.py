@@ -7,6 +7,7 @@ import ctypes
 import ctypes.util
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -97,7 +98,7 @@ def _launch(cmd, *, timeout: float, cwd, extra_path, fails=False) -> subprocess.
     env["DLGS_TEST_LAUNCHED_AT"] = repr(time.time())
     paths = [str(ROOT)] + ([str(extra_path)] if extra_path else [])
     env["PYTHONPATH"] = os.pathsep.join(paths + [env.get("PYTHONPATH", "")])
-    start = time.monotonic()
+    start, cpu = time.monotonic(), _children_cpu()
     proc = subprocess.Popen(
         cmd,
         cwd=cwd,
@@ -116,7 +117,7 @@ def _launch(cmd, *, timeout: float, cwd, extra_path, fails=False) -> subprocess.
             f"{' '.join(cmd)} hung: killed after {timeout:.0f} s\n--- stdout ---\n"
             f"{stdout[-4000:]}\n--- stderr ---\n{stderr[-4000:]}"
         )
-    _record_launch(cmd, time.monotonic() - start)
+    _record_launch(cmd, time.monotonic() - start, _children_cpu() - cpu)
     if fails and proc.returncode == 0:
         pytest.fail(
             f"{' '.join(cmd)} exited 0, expected a failure\n{stdout[-4000:]}\n{stderr[-4000:]}"
@@ -129,10 +130,18 @@ def _launch(cmd, *, timeout: float, cwd, extra_path, fails=False) -> subprocess.
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
-def _record_launch(cmd, seconds: float) -> None:
-    """One launch in ``_LAUNCHES``, with its ranks' start-up where a scenario
-    worker wrote it (``OUT/startup{rank}.json``, OUT the argument after the
-    worker script)."""
+def _children_cpu() -> float:
+    """CPU seconds (user and system) of this process's ended children and
+    theirs: a launch's ranks and launcher, once it is reaped. Launches that
+    overlap in threads share the figure."""
+    use = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return use.ru_utime + use.ru_stime
+
+
+def _record_launch(cmd, seconds: float, cpu: float) -> None:
+    """One launch in ``_LAUNCHES``, with its CPU seconds and its ranks'
+    start-up where a scenario worker wrote it (``OUT/startup{rank}.json``, OUT
+    the argument after the worker script)."""
     args = [str(c) for c in cmd]
     at = next((i for i, c in enumerate(args) if c.endswith(".py")), None)
     startup = []
@@ -148,6 +157,7 @@ def _record_launch(cmd, seconds: float) -> None:
             "launcher": "torchrun" if "torch.distributed.run" in args else Path(args[0]).name,
             "worker": Path(args[at]).name if at is not None else "?",
             "seconds": round(seconds, 2),
+            "cpu": round(cpu, 1),
             "startup": max(startup) if startup else None,
         }
     )
@@ -179,11 +189,14 @@ def tf_ranks(backend: str, factory, timeout: float = 540) -> list:
     return _TF_LAUNCHES[backend]
 
 
-#: What the TensorFlow test modules run per backend. MPI runs the diagonal
-#: (issue 43): the guarantees every transport must keep (density 1.0, k-sparse
-#: exact, conservation, identical ranks, the traced step) and the non-finite
-#: checks; Gloo runs every scenario (the reference comparison, checkpoints,
-#: errors and Keras fit check logic that does not depend on the transport).
+#: What the TensorFlow test modules run per backend. MPI runs the diagonal:
+#: the guarantees every transport must keep (density 1.0 equal to Horovod's
+#: allreduce in every form, eagerly and traced, with the ranks' digests equal
+#: after every step; k-sparse exact, in the graph too; conservation, also
+#: across loss-scale changes). Gloo runs every scenario: the rest checks logic
+#: that does not depend on the transport (the reference comparison, Keras fit,
+#: the graph's retracing, non-finite steps, checkpoints, errors), and each
+#: scenario costs both ranks its seconds on this 2-core machine.
 TF_SCENARIOS = {
     "gloo": [
         "dense_equivalence",
@@ -205,9 +218,6 @@ TF_SCENARIOS = {
         "dense_equivalence",
         "exact_reconstruction",
         "conservation",
-        "fit_identical",
-        "graph_exchange",
-        "fault_injection",
         "scaled_conservation",
     ],
 }
@@ -223,6 +233,14 @@ def value(ranks, name):
             pytest.fail(f"scenario {name} failed on rank {r}:\n{res['error']}")
         vals.append(res["value"])
     return vals
+
+
+def gloo_value(ranks, name):
+    """:func:`value` of a scenario the Gloo launch alone runs (``TF_SCENARIOS``):
+    under MPI the test skips, saying so."""
+    if name not in ranks[0]:
+        pytest.skip(f"{name} runs under Gloo only (MPI runs the diagonal)")
+    return value(ranks, name)
 
 
 def bind_horovod(framework) -> None:
@@ -317,20 +335,96 @@ def check_resume_recipe(r0: dict, r1: dict, forms, steps: int) -> None:
         assert a["step"] == b["step"] == steps, f"{form}: steps {a['step']}, {b['step']}"
 
 
-# -- measured durations, for tools/run_tests.py's budget --------------------------------
+# -- measured durations, the report and the order of work under ``-n`` --------------------
 #: Where each test's last measured seconds are kept (setup, call and teardown),
-#: with whether it is marked slow: ``python tools/run_tests.py`` estimates the
-#: slow tests' time from them.
+#: with whether it is marked slow; the order of work under ``-n`` reads them.
 DURATIONS = ROOT / ".pytest_cache" / "dlgs-durations.json"
-#: The slow tests' seconds as last measured on this project's machine, kept in
-#: the repository: what a fresh clone (CI) estimates them from.
-SLOW_DURATIONS = ROOT / "tests" / "slow-durations.json"
+#: The seconds of every test that took a second or more in the last full run on
+#: this project's machine, kept in the repository: the order of work in a fresh
+#: clone (CI), which has measured nothing yet. Every run that includes the slow
+#: tests rewrites it.
+COMMITTED_DURATIONS = ROOT / "tests" / "durations.json"
 _measured: dict = {}
 #: This session's real-rank launches (``_launch``): the test, the launcher,
-#: the worker, the seconds, and the ranks' start-up where a scenario worker
-#: recorded it; written beside the durations for tools/run_tests.py.
+#: the worker, the seconds, the CPU seconds, and the ranks' start-up where a
+#: scenario worker recorded it; written beside the durations for
+#: tools/run_tests.py. Under ``-n`` each pytest worker writes its own to
+#: ``WORKER_LAUNCHES`` and the controller gathers them.
 _LAUNCHES: list = []
 LAST_RUN = ROOT / ".pytest_cache" / "dlgs-last-run.json"
+WORKER_LAUNCHES = ROOT / ".pytest_cache" / "dlgs-launches-{}.json"
+
+#: The module-scoped fixtures that launch real ranks once for many tests, by
+#: test file. Under ``-n`` the tests of one such fixture (and parameter) go to
+#: one pytest worker together (an ``xdist_group``), so the launch runs once.
+#: Both TensorFlow modules share one launch per backend (``tf_ranks``).
+SHARED_LAUNCHES = {
+    "test_agreement.py": {"ranks": "agree", "tf_ranks": "agree-tf"},
+    "test_amp.py": {"ranks": "amp"},
+    "test_convergence.py": {"runs": "convergence"},
+    "test_ddp.py": {"ranks": "ddp", "four": "ddp-4"},
+    "test_parallel.py": {"ranks": "scenarios"},
+    "test_tensorflow.py": {"ranks": "tf", "fashion_runs": "tf-fashion"},
+    "test_tf_amp.py": {"ranks": "tf"},
+    "test_triton.py": {"fused_rows": "triton-fused"},
+}
+#: Files whose tests must not overlap: one local cluster (network namespaces,
+#: ``tc``) at a time.
+ONE_AT_A_TIME = {"test_cluster.py": "cluster"}
+
+
+def _group(item):
+    """The ``xdist_group`` of ``item``, or None where it may run anywhere."""
+    name = item.path.name
+    if name in ONE_AT_A_TIME:
+        return ONE_AT_A_TIME[name]
+    for fixture, group in SHARED_LAUNCHES.get(name, {}).items():
+        if fixture in item.fixturenames:
+            param = getattr(item, "callspec", None)
+            param = param.params.get(fixture) if param else None
+            return group if param is None else f"{group}-{param}"
+    return None
+
+
+def _last_seconds() -> dict:
+    """Each test's last measured seconds: this checkout's own where it has
+    them, else the ones committed with the tests."""
+    seconds: dict = {}
+    for path in (COMMITTED_DURATIONS, DURATIONS):
+        try:
+            known = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        seconds.update({k: v["seconds"] if isinstance(v, dict) else v for k, v in known.items()})
+    return seconds
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under ``-n`` (``--dist loadgroup``): each shared launch's tests in one
+    group, and the longest work first, so that the two pytest workers end
+    together rather than one waiting on the last long launch. The groups are
+    handed out in the order of the collection (``--no-loadscope-reorder``)."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # one process runs the tests in file order (modules stay contiguous)
+    scopes: dict = {}
+    for item in items:
+        group = _group(item)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
+        scopes.setdefault(group or item.nodeid, []).append(item)
+    seconds = _last_seconds()
+    weight = {
+        scope: sum(seconds.get(item.nodeid, 0.5) for item in members)
+        for scope, members in scopes.items()
+    }
+    ordered = sorted(scopes, key=lambda scope: -weight[scope])
+    items[:] = [item for scope in ordered for item in scopes[scope]]
+
+
+def pytest_sessionstart(session):
+    if not os.environ.get("PYTEST_XDIST_WORKER"):  # the controller, or a run without -n
+        for path in LAST_RUN.parent.glob(WORKER_LAUNCHES.name.format("*")):
+            path.unlink()
 
 
 def pytest_runtest_logreport(report):
@@ -340,19 +434,34 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_sessionfinish(session):
-    if not _measured or os.environ.get("PYTEST_XDIST_WORKER"):
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker:
+        LAST_RUN.parent.mkdir(exist_ok=True)
+        WORKER_LAUNCHES.with_name(WORKER_LAUNCHES.name.format(worker)).write_text(
+            json.dumps(_LAUNCHES)
+        )
         return
+    if not _measured:
+        return
+    launches = list(_LAUNCHES)
+    for path in sorted(LAST_RUN.parent.glob(WORKER_LAUNCHES.name.format("*"))):
+        try:
+            launches += json.loads(path.read_text())
+        except (OSError, ValueError):
+            pass
+    LAST_RUN.parent.mkdir(exist_ok=True)
+    LAST_RUN.write_text(json.dumps({"tests": _measured, "launches": launches}, indent=0))
+    if os.environ.get("DLGS_TEST_FAST") == "1":
+        return  # the launches skipped: their seconds are not theirs
     try:
         known = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
     except ValueError:
         known = {}
     known.update(_measured)
-    DURATIONS.parent.mkdir(exist_ok=True)
-    LAST_RUN.write_text(json.dumps({"tests": _measured, "launches": _LAUNCHES}, indent=0))
     DURATIONS.write_text(json.dumps(known, indent=0, sort_keys=True))
-    slow = {k: round(v["seconds"], 1) for k, v in _measured.items() if v["slow"]}
-    if slow:  # tracked: a fresh clone's estimate (commit it after a run of the slow tests)
-        SLOW_DURATIONS.write_text(json.dumps(slow, indent=0, sort_keys=True) + "\n")
+    if any(v["slow"] for v in _measured.values()):  # a full run: a fresh clone's order
+        long = {k: round(v["seconds"], 1) for k, v in known.items() if v["seconds"] >= 1.0}
+        COMMITTED_DURATIONS.write_text(json.dumps(long, indent=0, sort_keys=True) + "\n")
 
 
 def check_door_cells(per_rank) -> None:

@@ -19,6 +19,7 @@ from conftest import (
     ROOT,
     bind_horovod,
     check_resume_recipe,
+    gloo_value,
     horovodrun,
     load_ranks,
     tf_ranks,
@@ -322,13 +323,6 @@ def ranks(request, tmp_path_factory):
     return tf_ranks(request.param, tmp_path_factory)
 
 
-def gloo_value(ranks, name):
-    """:func:`value` of a scenario the Gloo run alone has (conftest's TF_SCENARIOS)."""
-    if name not in ranks[0]:
-        pytest.skip(f"{name} runs under Gloo only (MPI runs the diagonal)")
-    return value(ranks, name)
-
-
 @pytest.mark.parallel
 def test_tf_both_forms_match_the_reference_with_plans_and_flushes(ranks, request):
     """Every rank's reduced gradients and residuals against tests/reference.py,
@@ -377,7 +371,7 @@ def test_the_exchange_traced_into_the_graph_equals_the_eager_one(ranks):
     in the graph once it is laid out (traced once per layout, one host step per
     layout, none per step after), bit for bit as the same steps run eagerly;
     density 1.0 there is Horovod's allreduce; model.fit is traced again by itself."""
-    r0, r1 = value(ranks, "graph_exchange")
+    r0, r1 = gloo_value(ranks, "graph_exchange")
     for case in ("eager", "graph", "dynamic.eager", "dynamic.graph", "logging.graph"):
         assert r0[case]["digests"] == r1[case]["digests"], f"{case}: ranks differ"
     # Momentum correction runs on the device too: bit for bit as eagerly.
@@ -434,7 +428,7 @@ def test_tf_error_feedback_conserves_gradient(ranks):
 
 @pytest.mark.parallel
 def test_keras_fit_keeps_ranks_identical_every_batch(ranks):
-    r0, r1 = value(ranks, "fit_identical")
+    r0, r1 = gloo_value(ranks, "fit_identical")
     assert set(r0) == set(r1)
     for case in r0:
         d0, d1 = r0[case]["digests"], r1[case]["digests"]

@@ -16,6 +16,7 @@ from conftest import (
     bind_horovod,
     check_fault_injection,
     check_scaled_conservation,
+    gloo_value,
     tf_ranks,
     tf_single_thread,
     value,
@@ -216,7 +217,7 @@ def test_keras_fit_mixed_float16_matches_dense_horovod(ranks):
 
 @pytest.mark.parallel
 def test_tf_nonfinite_gradient_on_one_rank_is_seen_and_undone_everywhere(ranks):
-    r0, r1 = value(ranks, "fault_injection")
+    r0, r1 = gloo_value(ranks, "fault_injection")
     check_fault_injection(r0, r1, FAULT_STEPS)
     for case, rec in r0.items():
         assert len(rec["sparse_layers"]) == 3, (case, rec["sparse_layers"])
