@@ -7,8 +7,8 @@ PY := $(VENV)/bin/python
 install:
 	bash tools/install.sh
 
-# Every test but the slow (convergence) ones, then those if the 15-minute budget allows
-# (tools/run_tests.py says so when they do not fit).
+# Every test, the slow (convergence) ones included, one at a time (tools/run_tests.py;
+# docs/testing.md says why not two at once on this 2-core machine).
 test: install
 	$(PY) tools/run_tests.py
 

@@ -33,7 +33,7 @@ The ``+`` options:
   instead of dlgs's momentum correction;
 * ``split``: with a budget, split between the layers by their residuals
   after 10 steps (``budget_split="gradient"``) instead of one density. dlgs's
-  default under a budget since issue 45; here a budget without ``split``
+  default under a budget; here a budget without ``split``
   keeps one density (``budget_split="uniform"``), so that the committed
   results' method names keep their meaning;
 * ``dgc``: DGC's sampled top-k threshold (``controller="dgc"``); with

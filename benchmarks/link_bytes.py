@@ -1,6 +1,6 @@
 """Bytes that cross each node's link per step: dense Horovod, flat dlgs,
-``topology="hierarchical"`` dlgs (issue 31) and ``transport="reduce"`` dlgs
-(issue 32), interleaved in rounds in one job.
+``topology="hierarchical"`` dlgs and ``transport="reduce"`` dlgs, interleaved
+in rounds in one job.
 
 Run inside the two-level local cluster, whose nodes see their link as
 ``dlgs0``::
@@ -47,7 +47,7 @@ logger = logging.getLogger("benchmarks.link_bytes")
 METHODS = ("dense", "dlgs-flat", "dlgs-hier", "dlgs-hier-reduce", "dlgs-reduce", "dlgs-route")
 #: Each dlgs method's transport (``dlgs-route``: ``transport="auto"``;
 #: ``dlgs-hier-reduce``: the two-level exchange with the sparse reduction between
-#: nodes, issue 44).
+#: nodes).
 TRANSPORTS = {"dlgs-reduce": "reduce", "dlgs-route": "auto", "dlgs-hier-reduce": "reduce"}
 #: The methods that run the two-level exchange.
 TWO_LEVEL = ("dlgs-hier", "dlgs-hier-reduce")

@@ -12,8 +12,8 @@ step issues. This benchmark counts them with ``torch.profiler`` on real ranks
   tensor creations (``aten::empty`` and kin, a count); ``kernels``: CUDA kernels, with
   ``--device cuda``.
 * ``added``: ``ops`` minus those of ``no-comm`` (the same step without any
-  communication): what the method adds. ``budget``: issue 13's goal for dlgs,
-  10 per sparse layer + 2 per dense layer + 20 per message.
+  communication): what the method adds. ``budget``: the goal for what dlgs
+  adds, 10 per sparse layer + 2 per dense layer + 20 per message.
 * ``hook_ms``: host time inside dlgs' gradient hooks per step (selection,
   packing, starting collectives; ``.dlgs.exchange.last_step.submit_seconds``),
   ``step_ms``: host time inside ``opt.step()`` (waiting, unpacking, the update),
@@ -348,7 +348,7 @@ def format_markdown(summary, command: str, versions: str) -> str:
         f"Machine: {platform.machine()}, {os.cpu_count()} cores; {versions}. "
         "Operation counts: torch.profiler events per training step (nested included), "
         "mean over the profiled steps; `added` = ops - no-comm's; `budget` = 10 per sparse "
-        "layer + 2 per dense layer + 20 per message (issue 13's goal for what dlgs adds). "
+        "layer + 2 per dense layer + 20 per message (the goal for what dlgs adds). "
         "Host times: median over rounds of each round's median (min-max over rounds); "
         "hook = dlgs' gradient hooks per step, step = inside `opt.step()`.",
         "",

@@ -1,12 +1,12 @@
-"""TensorFlow: what the exchange adds to a traced training step (issue 33).
+"""TensorFlow: what the exchange adds to a traced training step.
 
 Under ``horovodrun`` (every rank), ResNet-20 or the PTB LSTM (Keras 3,
 ``--model``) on one synthetic batch,
 each method with its step traced by ``dlgs.tensorflow.function`` (``graph``:
 dlgs' exchange in the graph where it can be) or a plain ``tf.function``
 (``py-function``: traced once before the first step, the exchange in a
-``tf.py_function`` every step, the adapter before issue 33). Per method, rank
-0 writes one row:
+``tf.py_function`` every step, as the adapter ran it before the exchange went
+into the graph). Per method, rank 0 writes one row:
 
 * ``step_ms``: median time of a timed step (the whole call), the slower rank's;
 * ``graph_ops``: operations in the traced step, its graph and every function

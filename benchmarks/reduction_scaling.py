@@ -1,5 +1,5 @@
 """Bytes each rank sends between nodes per step under ``topology="hierarchical"``
-with the sparse reduction between nodes (issue 44), counted from the layouts
+with the sparse reduction between nodes, counted from the layouts
 the exchange builds, for 2 to 64 nodes of ``L`` ranks. Pure arithmetic: the
 blocks of :func:`dlgs.core.transport.reduction.reduction_bytes` per sparse
 layer (layer-wise, ``merge="none"``, as ``benchmarks/link_bytes.py`` runs

@@ -282,8 +282,8 @@ def merge_goals(rows: Sequence[dict]) -> List[str]:
 
 def topology_goals(rows: Sequence[dict]) -> List[str]:
     """A Markdown table judging ``dlgs-hier`` (and ``dlgs-auto``, the
-    measured choice) in every two-level cell (label ``BW/NxL``) against issue
-    31's goals: at least 1.3x flat dlgs where flat is at most 80% efficient,
+    measured choice) in every two-level cell (label ``BW/NxL``) against its
+    goals: at least 1.3x flat dlgs where flat is at most 80% efficient,
     never below 0.97x flat; at least 1.2x the better of dense and fp16 where
     that is at most 60% efficient."""
     by_cell: Dict[tuple, Dict[str, float]] = {}

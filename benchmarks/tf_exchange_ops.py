@@ -1,4 +1,4 @@
-"""TensorFlow: what the traced exchange costs on one rank, op by op (issue 33).
+"""TensorFlow: what the traced exchange costs on one rank, op by op.
 
 One process (Horovod of size 1, so the collectives cost nothing), the layer
 shapes of a benchmark model as ``tf.Variable`` s and a loss whose gradient is a

@@ -39,8 +39,8 @@ that need no host work, and the step is traced again when the layout settles
 (Horovod's allreduces are graph ops that start as their gradient is ready).
 ``--tf-mode py-function`` uses a plain ``tf.function`` traced once before the
 first step: dlgs' exchange then runs eagerly inside one ``tf.py_function`` on
-every step (the adapter before issue 33). Only the full iteration is timed in
-both. ``--tf-mode eager``
+every step (as the adapter ran it before the exchange went into the graph).
+Only the full iteration is timed in both. ``--tf-mode eager``
 runs the step eagerly (about twice as slow on a CPU) and also measures backward
 (the local ``tape.gradient``) and step wait (exchange plus ``apply``).
 """

@@ -29,7 +29,8 @@ from .report import write_csv
 
 __all__ = ["FORMATS", "main", "model_sizes", "wire_row"]
 
-#: (label, index_coding, value_dtype); the first is the format before issue 15.
+#: (label, index_coding, value_dtype); the first is the original format (int32
+#: indices, float32 values), before the compact index codings.
 FORMATS: Tuple[Tuple[str, str, str], ...] = (
     ("int32 + float32 (before)", "int32", "float32"),
     ("auto + float32", "auto", "float32"),

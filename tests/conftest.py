@@ -39,7 +39,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _share_mpi() -> None:
-    """Initialise MPI once for this pytest process, before any Horovod does.
+    """Initialise MPI once for this pytest process, before any Horovod does
+    (at configuration, before a test module imports one).
 
     The single-process tests of both frameworks run in this one process, so two
     Horovod libraries (``horovod.torch``'s and ``horovod.tensorflow``'s) both
@@ -57,7 +58,18 @@ def _share_mpi() -> None:
         atexit.register(lib.MPI_Finalize)  # registered first, so it runs after Horovod's
 
 
-_share_mpi()
+def pytest_configure(config):
+    # Not in pytest-xdist's controller, which runs no test: MPI's singleton
+    # start-up sets its variables in the process's environment, which the
+    # workers would inherit and hand to every mpirun they start (which then
+    # fails, silently).
+    xdist_controller = getattr(config.option, "numprocesses", None) and not os.environ.get(
+        "PYTEST_XDIST_WORKER"
+    )
+    if not xdist_controller:
+        _share_mpi()
+
+
 HOROVODRUN = str(Path(sys.executable).parent / "horovodrun")
 
 
@@ -92,6 +104,9 @@ def _launch(cmd, *, timeout: float, cwd, extra_path, fails=False) -> subprocess.
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
     env.setdefault("OMP_NUM_THREADS", "1")
+    # An idle MPI rank yields its core rather than spin: the suite's launches
+    # share two cores with each other and with the tests in process.
+    env.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
     env["DLGS_TEST_HANG_S"] = str(max(1, int(timeout) - 30))
     # When the launch began: a scenario worker records its ranks' start-up
     # (processes, imports, hvd.init) from it, for tools/run_tests.py's report.
@@ -103,6 +118,9 @@ def _launch(cmd, *, timeout: float, cwd, extra_path, fails=False) -> subprocess.
         cmd,
         cwd=cwd,
         env=env,
+        # Not this process's stdin: under pytest-xdist that is its channel to
+        # the controller, and mpirun forwards stdin to rank 0.
+        stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -174,7 +192,7 @@ def run_scenarios(backend: str, worker: str, out_dir: Path, names, timeout: floa
 
 
 #: One TensorFlow launch per backend for test_tensorflow.py and test_tf_amp.py:
-#: TensorFlow's start-up is most of a launch's time.
+#: TensorFlow's start-up is a good part of a launch's time.
 _TF_LAUNCHES: dict = {}
 
 
@@ -192,10 +210,10 @@ def tf_ranks(backend: str, factory, timeout: float = 540) -> list:
 #: What the TensorFlow test modules run per backend. MPI runs the diagonal:
 #: the guarantees every transport must keep (density 1.0 equal to Horovod's
 #: allreduce in every form, eagerly and traced, with the ranks' digests equal
-#: after every step; k-sparse exact, in the graph too; conservation, also
-#: across loss-scale changes). Gloo runs every scenario: the rest checks logic
-#: that does not depend on the transport (the reference comparison, Keras fit,
-#: the graph's retracing, non-finite steps, checkpoints, errors), and each
+#: after every step; k-sparse exact, in the graph too; conservation). Gloo
+#: runs every scenario: the rest checks logic that does not depend on the
+#: transport (the reference comparison, Keras fit, mixed precision, the
+#: graph's retracing, non-finite steps, checkpoints, errors), and each
 #: scenario costs both ranks its seconds on this 2-core machine.
 TF_SCENARIOS = {
     "gloo": [
@@ -214,12 +232,7 @@ TF_SCENARIOS = {
         "amp_fit",
         "door_cells",
     ],
-    "mpi": [
-        "dense_equivalence",
-        "exact_reconstruction",
-        "conservation",
-        "scaled_conservation",
-    ],
+    "mpi": ["dense_equivalence", "exact_reconstruction", "conservation"],
 }
 
 
@@ -335,96 +348,16 @@ def check_resume_recipe(r0: dict, r1: dict, forms, steps: int) -> None:
         assert a["step"] == b["step"] == steps, f"{form}: steps {a['step']}, {b['step']}"
 
 
-# -- measured durations, the report and the order of work under ``-n`` --------------------
-#: Where each test's last measured seconds are kept (setup, call and teardown),
-#: with whether it is marked slow; the order of work under ``-n`` reads them.
-DURATIONS = ROOT / ".pytest_cache" / "dlgs-durations.json"
-#: The seconds of every test that took a second or more in the last full run on
-#: this project's machine, kept in the repository: the order of work in a fresh
-#: clone (CI), which has measured nothing yet. Every run that includes the slow
-#: tests rewrites it.
-COMMITTED_DURATIONS = ROOT / "tests" / "durations.json"
+# -- measured durations and launches, for tools/run_tests.py's report ----------------------
+#: Where this run's per-test seconds (setup, call and teardown) and its
+#: real-rank launches are written: ``DLGS_TEST_RECORD``, or
+#: ``.pytest_cache/dlgs-last-run.json``.
+LAST_RUN = Path(os.environ.get("DLGS_TEST_RECORD") or ROOT / ".pytest_cache" / "dlgs-last-run.json")
 _measured: dict = {}
 #: This session's real-rank launches (``_launch``): the test, the launcher,
 #: the worker, the seconds, the CPU seconds, and the ranks' start-up where a
-#: scenario worker recorded it; written beside the durations for
-#: tools/run_tests.py. Under ``-n`` each pytest worker writes its own to
-#: ``WORKER_LAUNCHES`` and the controller gathers them.
+#: scenario worker recorded it.
 _LAUNCHES: list = []
-LAST_RUN = ROOT / ".pytest_cache" / "dlgs-last-run.json"
-WORKER_LAUNCHES = ROOT / ".pytest_cache" / "dlgs-launches-{}.json"
-
-#: The module-scoped fixtures that launch real ranks once for many tests, by
-#: test file. Under ``-n`` the tests of one such fixture (and parameter) go to
-#: one pytest worker together (an ``xdist_group``), so the launch runs once.
-#: Both TensorFlow modules share one launch per backend (``tf_ranks``).
-SHARED_LAUNCHES = {
-    "test_agreement.py": {"ranks": "agree", "tf_ranks": "agree-tf"},
-    "test_amp.py": {"ranks": "amp"},
-    "test_convergence.py": {"runs": "convergence"},
-    "test_ddp.py": {"ranks": "ddp", "four": "ddp-4"},
-    "test_parallel.py": {"ranks": "scenarios"},
-    "test_tensorflow.py": {"ranks": "tf", "fashion_runs": "tf-fashion"},
-    "test_tf_amp.py": {"ranks": "tf"},
-    "test_triton.py": {"fused_rows": "triton-fused"},
-}
-#: Files whose tests must not overlap: one local cluster (network namespaces,
-#: ``tc``) at a time.
-ONE_AT_A_TIME = {"test_cluster.py": "cluster"}
-
-
-def _group(item):
-    """The ``xdist_group`` of ``item``, or None where it may run anywhere."""
-    name = item.path.name
-    if name in ONE_AT_A_TIME:
-        return ONE_AT_A_TIME[name]
-    for fixture, group in SHARED_LAUNCHES.get(name, {}).items():
-        if fixture in item.fixturenames:
-            param = getattr(item, "callspec", None)
-            param = param.params.get(fixture) if param else None
-            return group if param is None else f"{group}-{param}"
-    return None
-
-
-def _last_seconds() -> dict:
-    """Each test's last measured seconds: this checkout's own where it has
-    them, else the ones committed with the tests."""
-    seconds: dict = {}
-    for path in (COMMITTED_DURATIONS, DURATIONS):
-        try:
-            known = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        seconds.update({k: v["seconds"] if isinstance(v, dict) else v for k, v in known.items()})
-    return seconds
-
-
-def pytest_collection_modifyitems(config, items):
-    """Under ``-n`` (``--dist loadgroup``): each shared launch's tests in one
-    group, and the longest work first, so that the two pytest workers end
-    together rather than one waiting on the last long launch. The groups are
-    handed out in the order of the collection (``--no-loadscope-reorder``)."""
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
-        return  # one process runs the tests in file order (modules stay contiguous)
-    scopes: dict = {}
-    for item in items:
-        group = _group(item)
-        if group is not None:
-            item.add_marker(pytest.mark.xdist_group(group))
-        scopes.setdefault(group or item.nodeid, []).append(item)
-    seconds = _last_seconds()
-    weight = {
-        scope: sum(seconds.get(item.nodeid, 0.5) for item in members)
-        for scope, members in scopes.items()
-    }
-    ordered = sorted(scopes, key=lambda scope: -weight[scope])
-    items[:] = [item for scope in ordered for item in scopes[scope]]
-
-
-def pytest_sessionstart(session):
-    if not os.environ.get("PYTEST_XDIST_WORKER"):  # the controller, or a run without -n
-        for path in LAST_RUN.parent.glob(WORKER_LAUNCHES.name.format("*")):
-            path.unlink()
 
 
 def pytest_runtest_logreport(report):
@@ -434,34 +367,12 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_sessionfinish(session):
-    worker = os.environ.get("PYTEST_XDIST_WORKER")
-    if worker:
-        LAST_RUN.parent.mkdir(exist_ok=True)
-        WORKER_LAUNCHES.with_name(WORKER_LAUNCHES.name.format(worker)).write_text(
-            json.dumps(_LAUNCHES)
-        )
+    # Under pytest-xdist (make test-fast) the controller gets every report;
+    # the workers launch nothing there.
+    if not _measured or os.environ.get("PYTEST_XDIST_WORKER"):
         return
-    if not _measured:
-        return
-    launches = list(_LAUNCHES)
-    for path in sorted(LAST_RUN.parent.glob(WORKER_LAUNCHES.name.format("*"))):
-        try:
-            launches += json.loads(path.read_text())
-        except (OSError, ValueError):
-            pass
-    LAST_RUN.parent.mkdir(exist_ok=True)
-    LAST_RUN.write_text(json.dumps({"tests": _measured, "launches": launches}, indent=0))
-    if os.environ.get("DLGS_TEST_FAST") == "1":
-        return  # the launches skipped: their seconds are not theirs
-    try:
-        known = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
-    except ValueError:
-        known = {}
-    known.update(_measured)
-    DURATIONS.write_text(json.dumps(known, indent=0, sort_keys=True))
-    if any(v["slow"] for v in _measured.values()):  # a full run: a fresh clone's order
-        long = {k: round(v["seconds"], 1) for k, v in known.items() if v["seconds"] >= 1.0}
-        COMMITTED_DURATIONS.write_text(json.dumps(long, indent=0, sort_keys=True) + "\n")
+    LAST_RUN.parent.mkdir(parents=True, exist_ok=True)
+    LAST_RUN.write_text(json.dumps({"tests": _measured, "launches": _LAUNCHES}, indent=0))
 
 
 def check_door_cells(per_rank) -> None:

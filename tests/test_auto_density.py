@@ -1,4 +1,4 @@
-"""``density="auto"`` (issue 15): the planner picks the highest density whose
+"""``density="auto"``: the planner picks the highest density whose
 predicted communication ends within back-propagation plus a slack, the same on
 every rank, kept across a checkpoint; bad combinations are refused."""
 

@@ -1,4 +1,4 @@
-"""Every public entry point refuses bad input by name (issue 10).
+"""Every public entry point refuses bad input by name.
 
 One process, real Horovod at size 1, both frameworks. Each case asserts the
 exception type (``TypeError`` for a wrong type, ``ValueError`` for a value out
@@ -87,7 +87,7 @@ TOPOLOGY = [
     (dict(topology="hierarchical", ranks_per_node=1), ValueError, ["ranks_per_node", ">= 2"]),
     (dict(topology="auto", ranks_per_node=True), TypeError, ["ranks_per_node", ">= 2"]),
     (dict(topology="auto", ranks_per_node=2.0), TypeError, ["ranks_per_node", "an int >= 2"]),
-    # Issue 42: an option with no effect is an error, never silently ignored.
+    # An option with no effect is an error, never silently ignored.
     (dict(ranks_per_node=2), ValueError, ["ranks_per_node", "topology='hierarchical'"]),
 ]
 # torch's DistributedOptimizer only (form (a) follows the optimizer's op).
@@ -280,7 +280,7 @@ TF_ONLY = (
     + DOORS
     + HOROVOD_DOORS
     + [
-        # At construction, not inside TensorFlow's error at the first step (issue 42).
+        # At construction, not inside TensorFlow's error at the first step.
         (dict(kernels="triton"), ValueError, ["kernels='triton'", "PyTorch"]),
     ]
 )

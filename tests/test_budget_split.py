@@ -1,5 +1,5 @@
 """``budget_split="gradient"``: a byte budget split between layers as a
-global top-k of the residuals would (dlgs/core/planning/budget.py, issue 45).
+global top-k of the residuals would (dlgs/core/planning/budget.py).
 The split itself against its definition by brute force; the exchange that
 applies it, in process on real (thread) ranks: the same densities on every
 rank, the budget met within 5%, error feedback exact across the new layout,
@@ -104,7 +104,7 @@ def test_budget_split_is_checked():
 
 def test_budget_split_auto_splits_a_budget_and_nothing_else():
     """The default: the split under a budget (it won on Fashion-MNIST and the
-    transformer LM, issue 45), one density without one; the config holds the
+    transformer LM), one density without one; the config holds the
     resolved value, which the ranks compare."""
     assert SparsityConfig(budget=0.1).budget_split == "gradient"
     assert SparsityConfig(budget=5000).to_dict()["budget_split"] == "gradient"

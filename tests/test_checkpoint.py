@@ -1,4 +1,4 @@
-"""Loading a dlgs checkpoint that does not match (issue 10, part 4).
+"""Loading a dlgs checkpoint that does not match.
 
 One process, real Horovod at size 1 (the exchange, its controllers and the
 planner run as on many ranks; rank-local residuals make the state per rank).

@@ -1,4 +1,4 @@
-"""The collective cost model as the libraries choose (issue 44): NCCL's
+"""The collective cost model as the libraries choose: NCCL's
 tuning model, MPI's and Gloo's algorithm choice, piecewise costs through the
 planner, and the published figures it is checked against."""
 

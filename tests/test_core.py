@@ -36,7 +36,7 @@ def test_core_imports_without_any_framework():
         sys.meta_path.insert(0, Block())
         import importlib, pkgutil
         import dlgs, dlgs.core
-        # Every module of the core, not only those its __init__ imports (issue 43).
+        # Every module of the core, not only those its __init__ imports.
         for mod in pkgutil.walk_packages(dlgs.core.__path__, "dlgs.core."):
             importlib.import_module(mod.name)
         import dlgs._options, dlgs._horovod  # the adapters' framework-free helpers
@@ -270,7 +270,7 @@ def test_an_anchor_step_uses_the_exact_kth_largest():
 
 def test_design_module_map_lists_every_module():
     """docs/design.md's module map names every module of the package, each
-    under its sub-package (issue 43), and nothing that does not exist."""
+    under its sub-package, and nothing that does not exist."""
     text = (ROOT / "docs" / "design.md").read_text()
     block = text.split("```", 2)[1]
     listed, stack = set(), []

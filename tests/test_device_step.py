@@ -1,6 +1,6 @@
 """Steps that run with device operations alone (``SparseExchange.device`` and
 ``device.account``): what a step traced into a
-TensorFlow graph runs (issue 33). In-process ranks on NumPy: a device step
+TensorFlow graph runs. In-process ranks on NumPy: a device step
 must equal a host step bit for bit, keep the old residuals when some rank was
 non-finite, and say why a step cannot run on the device."""
 

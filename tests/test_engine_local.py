@@ -267,7 +267,7 @@ def test_describe_answers_in_every_state_with_layer_names():
     # The plan's table names its layers without being told them.
     table = planned.split("first..last")[1].split("layout in force")[0]
     assert "w2" in table or "w1" in table
-    # Which cost model priced it: this job's own probes (issue 44).
+    # Which cost model priced it: this job's own probes.
     assert "costs: fitted from this job's probes at 1 ranks" in planned
     assert "re-profiling" in seen["reprofiling"] and "layout in force" in seen["reprofiling"]
     assert "merge='none'" in seen["none"] and "sparse" in seen["none"]
@@ -277,7 +277,7 @@ def test_describe_answers_in_every_state_with_layer_names():
 
 @pytest.mark.parametrize("caller", [None, 0, 1])
 def test_reprofile_on_one_rank_reaches_every_rank_with_the_next_drift_vote(caller):
-    """``.dlgs.reprofile()`` called on one rank only (issue 29's audit): the
+    """``.dlgs.reprofile()`` called on one rank only: the
     request travels in the next drift vote and every rank profiles again from
     the same step; never a hang (LocalWorld fails a collective one rank
     misses). Without a call nothing re-plans (drift is switched off)."""
@@ -314,7 +314,7 @@ def test_reprofile_on_one_rank_reaches_every_rank_with_the_next_drift_vote(calle
 
 
 def test_elastic_refuses_the_two_level_exchange_and_checks_at_the_agreement():
-    """Under Horovod Elastic (issue 42) the core refuses the two-level exchange
+    """Under Horovod Elastic the core refuses the two-level exchange
     (its process sets belong to the world before a reset), and the ranks'
     layers and options are checked at the first gradient, not in build()."""
     with pytest.raises(ValueError, match="topology='hierarchical' does not survive"):

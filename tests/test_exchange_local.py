@@ -277,7 +277,7 @@ def test_resuming_from_states_of_different_steps_fails_on_every_rank():
 
 
 def test_a_load_on_one_rank_after_training_began_is_its_own_and_training_goes_on(caplog):
-    """Issue 42: rank 1 alone loads its state of step 0 after step 2; no
+    """Rank 1 alone loads its state of step 0 after step 2; no
     agreement on one rank (it waited forever), its residuals come back at
     once, the agreed step stays, and both ranks get the same outputs."""
 
@@ -769,7 +769,7 @@ BUDGET_SIZES = [("w0", 60000), ("b0", 40), ("w1", 25000), ("b1", 16), ("w2", 120
 def test_a_byte_budget_chooses_the_density_that_fills_it(budget):
     """``budget``: the density is the largest whose layer-wise layout fits;
     counted by the exchange itself, the step sends at most the budget and
-    within 5% of it (issue 45's goal), on every rank the same."""
+    within 5% of it, on every rank the same."""
     dense = 4 * sum(n for _, n in BUDGET_SIZES)
     target = budget if isinstance(budget, int) else budget * dense
 

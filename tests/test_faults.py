@@ -1,4 +1,4 @@
-"""Nothing hangs when a rank fails (issue 42): real ranks under horovodrun,
+"""Nothing hangs when a rank fails: real ranks under horovodrun,
 one of which raises; every rank must end within seconds, the job must fail,
 and the failing rank's error must be in the output. A hang is killed by the
 launcher and fails the test."""
@@ -143,7 +143,7 @@ def _worlds(records):
 
 
 def test_horovod_elastic_survives_a_failure_and_a_regrow_as_plain_horovod_does(tmp_path):
-    """Issue 42: forms (b) and (a) under hvd.elastic.run with TorchState, 2 -> 1 -> 2
+    """Forms (b) and (a) under hvd.elastic.run with TorchState, 2 -> 1 -> 2
     ranks. The same outcome as stock hvd.DistributedOptimizer: the job ends
     well, each reset resumes from the last commit, the ranks of every world
     hold the same parameters after every step, and the last batch is reached."""
@@ -164,7 +164,7 @@ def test_horovod_elastic_survives_a_failure_and_a_regrow_as_plain_horovod_does(t
 
 
 def test_a_load_on_one_rank_after_training_began_goes_on_with_ranks_identical(tmp_path):
-    """Issue 42: rank 1 loads its earlier state at step 5 on every torch
+    """Rank 1 loads its earlier state at step 5 on every torch
     transport and form (a); every rank goes on, as under plain Horovod, with
     the same parameters, the agreed step, and a warning on rank 1 that the
     step and plan stay."""

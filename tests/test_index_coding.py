@@ -1,4 +1,4 @@
-"""Index codings of the wire format (``dlgs.core.wire``, issue 15): every coding
+"""Index codings of the wire format (``dlgs.core.wire``): every coding
 decodes exactly, the step's unpack matches the host reference decoder, and
 ``auto`` picks the smaller message from sizes alone."""
 

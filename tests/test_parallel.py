@@ -223,7 +223,7 @@ def test_sparse_embedding_in_both_forms(ranks):
 # per sparse layer, per dense layer and per message: measured on torch 2.13 (CPU),
 # with some room (the scenario's 3 + 3 layers: 157 / 178 for forms (b) / (a)
 # today, 411 / 432 before the host-side controller and the batched unpack,
-# 773 / 794 before issue 13; 192 allowed). Issue 13's goal is 10 / 2 / 20;
+# 773 / 794 before the vectorised threshold update; 192 allowed). The goal is 10 / 2 / 20;
 # benchmarks/overhead.py reports the real models (docs/benchmarks.md). A count,
 # not a time: it fails when a change brings per-layer operations back, whatever
 # the machine's speed.
@@ -248,8 +248,8 @@ def test_operations_per_step_stay_within_the_pinned_budget(ranks):
 
 
 def test_horovods_resume_recipe_runs_and_keeps_ranks_identical(ranks):
-    """Rank 0 alone loads, Horovod's broadcasts hand the state on (issue 29:
-    this hung in both forms). The harness kills a hang and fails the test."""
+    """Rank 0 alone loads, Horovod's broadcasts hand the state on (this
+    used to hang in both forms). The harness kills a hang and fails the test."""
     r0, r1 = value(ranks, "resume_recipe")
     check_resume_recipe(r0, r1, ("a", "b"), steps=11)
     for form in ("a", "b"):

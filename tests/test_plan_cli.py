@@ -179,7 +179,7 @@ def test_simulate_predicts_two_levels_where_there_are_two_nodes(tmp_path):
 
 
 def test_simulate_on_a_cluster_preset_prices_its_librarys_collectives(tmp_path, capsys):
-    """Issue 44: --cluster takes the preset's collectives (NCCL's model), its
+    """--cluster takes the preset's collectives (NCCL's model), its
     bandwidth per node and its nodes, and reports efficiency against the
     no-communication bound, which no row exceeds."""
     out = tmp_path / "sim"

@@ -1,6 +1,6 @@
 """The online planner's decisions (:mod:`dlgs.core.planning.phases`), driven phase by
 phase without ranks or an exchange: the state they return and the actions
-they ask for (issue 32). The driver that carries them out over real ranks is
+they ask for. The driver that carries them out over real ranks is
 covered by the planner's other tests (test_profiling_cost, test_parallel)."""
 
 from __future__ import annotations

@@ -418,24 +418,40 @@ def test_exchange_with_the_reduction_conserves_every_ranks_gradient(parts):
 
 from conftest import ROOT, horovodrun, load_ranks  # noqa: E402
 
+WORKER = ROOT / "tests" / "parallel" / "reduce_worker.py"
+
+
+@pytest.fixture(scope="module")
+def gloo_four(tmp_path_factory):
+    """4 Gloo ranks at density 0.05 and 1.0, one launch. Without tensor fusion:
+    which dense tensors Horovod fuses into one ring allreduce depends on
+    timing, and at 3 or more ranks where an element falls in the ring decides
+    the order of its sum (the ranks agree, two runs may not)."""
+    out = tmp_path_factory.mktemp("reduce-gloo-4")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("HOROVOD_FUSION_THRESHOLD", "0")
+        horovodrun("gloo", 4, [WORKER, out, 0.05, "dense"], timeout=240)
+    return load_ranks(out, 4)
+
 
 @pytest.mark.parametrize(
     "backend,ranks,more", [("gloo", 3, True), ("mpi", 2, False), ("gloo", 4, False)]
 )
 def test_real_ranks_with_the_reduction_hold_the_same_parameters(
-    backend, ranks, more, tmp_path, monkeypatch
+    backend, ranks, more, request, tmp_path, monkeypatch
 ):
     """Every step bit-identical on every rank. On one launch (``more``) also:
     float16 on the wire, a resumed run equal to the uninterrupted one,
     different widths on different ranks refused on every rank, and
-    transport="auto" with one message each way. Without tensor fusion: which
-    dense tensors Horovod fuses into one ring allreduce depends on timing, and
-    at 3 or more ranks where an element falls in the ring decides the order
-    of its sum (the ranks agree, two runs may not)."""
-    monkeypatch.setenv("HOROVOD_FUSION_THRESHOLD", "0")
-    worker = ROOT / "tests" / "parallel" / "reduce_worker.py"
-    horovodrun(backend, ranks, [worker, tmp_path, 0.05] + (["more"] if more else []), timeout=240)
-    got = load_ranks(tmp_path, ranks)
+    transport="auto" with one message each way (without tensor fusion, as
+    :func:`gloo_four` says why)."""
+    if ranks == 4:
+        got = request.getfixturevalue("gloo_four")
+    else:
+        monkeypatch.setenv("HOROVOD_FUSION_THRESHOLD", "0")
+        args = [WORKER, tmp_path, 0.05] + (["more"] if more else [])
+        horovodrun(backend, ranks, args, timeout=240)
+        got = load_ranks(tmp_path, ranks)
     for r in got[1:]:
         assert r["dlgs"] == got[0]["dlgs"]  # every step, bit for bit
         assert r["form_a"] == got[0]["form_a"]  # form (a) by the reduction too
@@ -454,12 +470,10 @@ def test_real_ranks_with_the_reduction_hold_the_same_parameters(
     assert got[0]["float16"] != got[0]["dlgs"]  # float16 did change the wire
 
 
-def test_real_ranks_with_the_reduction_at_density_one_are_horovods(tmp_path):
-    worker = ROOT / "tests" / "parallel" / "reduce_worker.py"
-    horovodrun("gloo", 2, [worker, tmp_path, 1.0], timeout=240)
-    for r in load_ranks(tmp_path, 2):
-        assert r["dlgs"] == r["horovod"]
-        assert r["form_a"] == r["horovod"]  # form (a) by the reduction too
+def test_real_ranks_with_the_reduction_at_density_one_are_horovods(gloo_four):
+    for r in gloo_four:
+        assert r["at_one"]["dlgs"] == r["at_one"]["horovod"]
+        assert r["at_one"]["form_a"] == r["at_one"]["horovod"]  # form (a) by the reduction too
 
 
 def test_each_owner_keeps_its_largest_sums():

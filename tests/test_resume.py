@@ -1,4 +1,4 @@
-"""Resuming without a collective in the checkpoint methods (issue 29), on the
+"""Resuming without a collective in the checkpoint methods, on the
 core with ranks as threads (``tests/local_world.py``): Horovod's recipe loads on
 rank 0 only, and the ranks agree at the next gradient instead. The same recipe
 on real ranks, both torch forms and TensorFlow: ``tests/test_recipes.py``."""

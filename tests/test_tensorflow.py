@@ -158,7 +158,7 @@ def test_same_name_other_options_is_an_error_and_same_options_continue():
         tapes.append(tape)
     assert tapes[0].dlgs.exchange is tapes[1].dlgs.exchange
     assert tapes[1].dlgs.exchange.step == 2
-    assert not hasattr(tapes[1], "dlgs_exchange")  # the dlgs 0.1 names are gone (issue 43)
+    assert not hasattr(tapes[1], "dlgs_exchange")  # the dlgs 0.1 names are gone
     with tf.GradientTape() as tape:
         pass
     with pytest.raises(ValueError, match="name="):
@@ -319,7 +319,7 @@ def test_checkpoint_round_trip_single_process(tmp_path):
 
 @pytest.fixture(scope="module", params=["gloo", "mpi"])
 def ranks(request, tmp_path_factory):
-    # The launch test_tf_amp.py shares (conftest's TF_SCENARIOS: MPI runs the diagonal).
+    # conftest's TF_SCENARIOS: MPI runs the diagonal.
     return tf_ranks(request.param, tmp_path_factory)
 
 
@@ -367,7 +367,7 @@ def test_tf_at_most_k_nonzeros_reconstructed_exactly(ranks):
 
 @pytest.mark.parallel
 def test_the_exchange_traced_into_the_graph_equals_the_eager_one(ranks):
-    """Issue 33: a custom loop under dlgs.tensorflow.function runs the exchange
+    """A custom loop under dlgs.tensorflow.function runs the exchange
     in the graph once it is laid out (traced once per layout, one host step per
     layout, none per step after), bit for bit as the same steps run eagerly;
     density 1.0 there is Horovod's allreduce; model.fit is traced again by itself."""

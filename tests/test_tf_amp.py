@@ -16,7 +16,6 @@ from conftest import (
     bind_horovod,
     check_fault_injection,
     check_scaled_conservation,
-    gloo_value,
     tf_ranks,
     tf_single_thread,
     value,
@@ -31,9 +30,6 @@ import dlgs.tensorflow.keras  # noqa: E402
 from dlgs.tensorflow._amp import scale_reader  # noqa: E402
 from dlgs.tensorflow._ops import OPS  # noqa: E402
 
-# Keras fit (about a minute) runs once, under Gloo; the collectives it uses are
-# the ones the fault-injection scenarios exercise under both backends.
-FIT_BACKEND = "gloo"
 FAULT_STEPS = {5: "mlp/d1/kernel", 9: "mlp/d1/kernel", 13: "mlp/d2/bias"}
 
 
@@ -187,16 +183,14 @@ def test_scaler_must_be_a_loss_scale_optimizer():
 # -- two real ranks -----------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=["gloo", "mpi"])
-def ranks(request, tmp_path_factory):
-    # The launch test_tensorflow.py shares (TensorFlow starts once per backend).
-    return tf_ranks(request.param, tmp_path_factory)
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    # The Gloo launch test_tensorflow.py shares (under MPI it runs the diagonal).
+    return tf_ranks("gloo", tmp_path_factory)
 
 
 @pytest.mark.parallel
 def test_keras_fit_mixed_float16_matches_dense_horovod(ranks):
-    if "amp_fit" not in ranks[0]:
-        pytest.skip(f"Keras fit runs under {FIT_BACKEND} only")
     r0, r1 = value(ranks, "amp_fit")
     for form, run in r0.items():
         d0, d1 = run["digests"], r1[form]["digests"]
@@ -217,7 +211,7 @@ def test_keras_fit_mixed_float16_matches_dense_horovod(ranks):
 
 @pytest.mark.parallel
 def test_tf_nonfinite_gradient_on_one_rank_is_seen_and_undone_everywhere(ranks):
-    r0, r1 = gloo_value(ranks, "fault_injection")
+    r0, r1 = value(ranks, "fault_injection")
     check_fault_injection(r0, r1, FAULT_STEPS)
     for case, rec in r0.items():
         assert len(rec["sparse_layers"]) == 3, (case, rec["sparse_layers"])

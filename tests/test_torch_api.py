@@ -116,7 +116,7 @@ def test_generated_class_mirrors_horovod():
     )
     assert ex.wire_bytes() == real
     assert "dlgs" in opt.state_dict()
-    assert not hasattr(opt, "dlgs_stats")  # the dlgs 0.1 names are gone (issue 43)
+    assert not hasattr(opt, "dlgs_stats")  # the dlgs 0.1 names are gone
 
 
 def test_log_every_logs_per_layer_statistics(caplog):

@@ -108,7 +108,7 @@ def _a_profile(model) -> Profile:
 
 @scenario
 def resume_mismatch():
-    """States loaded after training began are each rank's own (issue 42):
+    """States loaded after training began are each rank's own:
     loads of the same step and of different steps (a stale file on one rank)
     both train on, with the step the ranks agreed kept on every rank. (At the
     start of a job, the agreement refuses a stale file:

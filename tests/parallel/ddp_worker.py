@@ -166,7 +166,7 @@ def sparse_training():
     (every eligible layer sparse, DDP's rebuilt buckets) and under the default
     planner (profiling, then a plan: on loopback it may find dense cheaper),
     with no_sync() accumulation too; and layer-wise by the sparse reduction
-    (its collectives have an alltoall: issue 43)."""
+    (its collectives have an alltoall)."""
     out = {}
     cases = [("none", 1, "allgather"), ("none", 2, "allgather"), ("dp", 1, "allgather")]
     cases += [("dp", 2, "allgather"), ("none", 1, "reduce")]
@@ -347,7 +347,7 @@ def resume():
 
 @scenario
 def one_rank_load():
-    """Issue 42: rank 1 alone loads its state of step 1 after step 3; every
+    """Rank 1 alone loads its state of step 1 after step 3; every
     rank goes on (no agreement on one rank), with the same parameters."""
     model = ddp(hidden=128)
     state = hooked(model, density=0.05, min_sparse_size=64, merge="none")

@@ -1,12 +1,14 @@
 """Real ranks of ``transport="reduce"`` (tests/test_reduction.py):
-``python reduce_worker.py OUT DENSITY [more]``. The shared MLP
+``python reduce_worker.py OUT DENSITY [more] [dense]``. The shared MLP
 (mlp_steps.py) trained 6 steps on per-rank data; each rank writes the digest
 of its parameters after every step, and at density 1.0 those of stock
 Horovod's optimizer on the same data; the same for form (a) (Horovod's
 optimizer with ``dlgs.torch.Compression``) by the reduction. With ``more`` also: float16 on the
 wire; a checkpoint after 3 steps resumed in fresh objects on every rank,
 against the run going on; ranks given different widths; and
-``transport="auto"`` with a plan that sends one layer by each transport."""
+``transport="auto"`` with a plan that sends one layer by each transport.
+With ``dense`` also density 1.0 against stock Horovod (``at_one``), in the
+same launch."""
 
 import io
 import json
@@ -19,7 +21,7 @@ from mlp_steps import dlgs_opts, form_a_opts, horovod_opt, model_and_opt, train
 import dlgs
 
 out, density = sys.argv[1], float(sys.argv[2])
-more = len(sys.argv) > 3 and sys.argv[3] == "more"
+more, dense = "more" in sys.argv[3:], "dense" in sys.argv[3:]
 hvd.init()
 rank = hvd.rank()
 torch.set_num_threads(1)
@@ -49,7 +51,7 @@ result = {"rank": rank}
 model, opt = model_and_opt(dlgs_opt)
 result["dlgs"], result["losses"] = train(model, opt, rank)
 result["describe"] = opt.dlgs.describe()
-# Form (a), Horovod's optimizer with the compressor, by the reduction (issue 43).
+# Form (a), Horovod's optimizer with the compressor, by the reduction.
 result["form_a"], _ = train(*model_and_opt(form_a_opts(density, transport="reduce")), rank)
 if density == 1.0:
     result["horovod"], _ = train(*model_and_opt(horovod_opt), rank)
@@ -69,5 +71,12 @@ if more:
         result["mismatch"] = None
     except dlgs.RankMismatchError as err:
         result["mismatch"] = str(err)
+if dense:
+    model, opt = model_and_opt(dlgs_opts(1.0, transport="reduce"))
+    result["at_one"] = {
+        "dlgs": train(model, opt, rank)[0],
+        "form_a": train(*model_and_opt(form_a_opts(1.0, transport="reduce")), rank)[0],
+        "horovod": train(*model_and_opt(horovod_opt), rank)[0],
+    }
 with open(f"{out}/rank{rank}.json", "w") as f:
     json.dump(result, f)

@@ -42,6 +42,6 @@ def main(argv: Sequence[str], hvd) -> None:
             results[name] = {"ok": True, "value": SCENARIOS[name]()}
         except Exception:  # recorded for the pytest side, which reports it
             results[name] = {"ok": False, "error": traceback.format_exc()}
-        # Where a launch's time goes (the suite's budget; issue 43).
+        # Where a launch's time goes (the suite's time budget).
         results[name]["seconds"] = round(time.perf_counter() - began, 2)
     (out_dir / f"rank{hvd.rank()}.json").write_text(json.dumps(results))

@@ -325,7 +325,7 @@ def compression_wrap(comp):
 
 
 _AUTO_DENSITY = dict(density="auto", merge="dp", profile_steps=2, profile_budget=1.0)
-#: Issue 43's door x feature cells of the TensorFlow doors (docs/options.md).
+#: The door x feature cells of the TensorFlow doors (docs/options.md).
 TF_DOOR_CELLS = {
     "tape.transport_auto": ("tape", dict(density=0.05, transport="auto", merge="none")),
     "tape.density_auto": ("tape", _AUTO_DENSITY),
@@ -753,7 +753,7 @@ def resume_recipe():
 
 class _LoadOnRank1(keras.callbacks.Callback):
     """Saves dlgs' state after batch ``save`` and loads it on rank 1 alone after
-    batch ``load``: a one-rank load after training began (issue 42). ``opt``:
+    batch ``load``: a one-rank load after training began. ``opt``:
     a door with ``.dlgs`` or the engine itself."""
 
     def __init__(self, opt, save=2, load=5):
@@ -837,8 +837,7 @@ def mismatch():
         out["model"] = None
     except RankMismatchError as err:
         out["model"] = str(err)
-    # The same inside tf.function: raised as RankMismatchError, not TF's
-    # StagingError (issue 42).
+    # The same inside tf.function: raised as RankMismatchError, not TF's StagingError.
     model = mlp(6, hidden=64 if hvd.rank() == 0 else 65, broadcast=False)
 
     @tf.function
@@ -918,7 +917,7 @@ def _graph_case(label, mode, opts, steps):
 
 @scenario
 def graph_exchange():
-    """The exchange traced into the graph (issue 33): a custom loop under
+    """The exchange traced into the graph: a custom loop under
     dlgs.tensorflow.function and model.fit, against the same steps run
     eagerly; how often the step was traced and how many steps ran on the host."""
     out = {}

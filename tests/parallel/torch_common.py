@@ -90,12 +90,12 @@ def conservation_error(exchange, total_in: dict, total_sent: dict) -> dict:
     return {"max_error": worst, "scale": scale, "sparse_layers": sparse}
 
 
-#: Issue 43's door x feature cells that form (a) and the DDP hook share with
+#: The door x feature cells that form (a) and the DDP hook share with
 #: form (b): transport="auto" and density="auto" (docs/options.md).
 DOOR_CELLS = {
     "transport_auto": dict(density=0.05, transport="auto", merge="none"),
     "density_auto": dict(density="auto", merge="dp", profile_steps=2, profile_budget=1.0),
-    # A tenth of the dense bytes per step, under a dp plan (issue 45).
+    # A tenth of the dense bytes per step, under a dp plan.
     "budget": dict(
         budget=0.1, budget_split="uniform", merge="dp", profile_steps=2, profile_budget=1.0
     ),

@@ -158,7 +158,7 @@ def sparse_training_identical():
         "max_ratio": dict(density=0.05, max_ratio=1.5),
         "adam": dict(density=0.05),
         "sgd_momentum": dict(density=0.05),
-        # A tenth of the dense bytes, under a dp plan (issue 45).
+        # A tenth of the dense bytes, under a dp plan.
         "budget": dict(
             budget=0.1, budget_split="uniform", merge="dp", profile_steps=2, profile_budget=1.0
         ),
