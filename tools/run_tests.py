@@ -4,8 +4,8 @@ slow (convergence) ones included, in one pytest process.
 Nearly all of the suite's time is real ranks under ``horovodrun`` and
 ``torchrun``, and on this project's 2-core machine nearly all of that is CPU.
 Running launches at once was tried and measured (docs/testing.md): they only
-share the cores, and ranks that wait on a descheduled peer burn more CPU, so
-the suite took longer and timed-out tests failed. One test at a time it is.
+share the cores, ranks that wait on a descheduled peer spin, and launches and
+rendezvous passed their timeouts. One test at a time it is.
 
 At the end it prints the ten slowest tests, the real-rank launches (count,
 seconds, CPU seconds, the ranks' start-up), the launched scripts that took the
