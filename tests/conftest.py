@@ -104,8 +104,8 @@ def _launch(cmd, *, timeout: float, cwd, extra_path, fails=False) -> subprocess.
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
     env.setdefault("OMP_NUM_THREADS", "1")
-    # An idle MPI rank yields its core rather than spin: the suite's launches
-    # share two cores with each other and with the tests in process.
+    # An idle MPI rank yields its core rather than spin: a launch's ranks
+    # (and the jobs a fault test runs at once) share this machine's two cores.
     env.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
     env["DLGS_TEST_HANG_S"] = str(max(1, int(timeout) - 30))
     # When the launch began: a scenario worker records its ranks' start-up
@@ -350,9 +350,8 @@ def check_resume_recipe(r0: dict, r1: dict, forms, steps: int) -> None:
 
 # -- measured durations and launches, for tools/run_tests.py's report ----------------------
 #: Where this run's per-test seconds (setup, call and teardown) and its
-#: real-rank launches are written: ``DLGS_TEST_RECORD``, or
-#: ``.pytest_cache/dlgs-last-run.json``.
-LAST_RUN = Path(os.environ.get("DLGS_TEST_RECORD") or ROOT / ".pytest_cache" / "dlgs-last-run.json")
+#: real-rank launches are written.
+LAST_RUN = ROOT / ".pytest_cache" / "dlgs-last-run.json"
 _measured: dict = {}
 #: This session's real-rank launches (``_launch``): the test, the launcher,
 #: the worker, the seconds, the CPU seconds, and the ranks' start-up where a

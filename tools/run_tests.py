@@ -11,7 +11,7 @@ At the end it prints the ten slowest tests, the real-rank launches (count,
 seconds, CPU seconds, the ranks' start-up), the launched scripts that took the
 most CPU, and the whole run's time against the 15-minute goal.
 
-    python tools/run_tests.py [pytest args...]
+    python tools/run_tests.py [pytest options, e.g. -x or -k EXPR]
 """
 
 from __future__ import annotations
@@ -26,39 +26,35 @@ from typing import Any, Dict, List
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 #: Where ``tests/conftest.py`` writes a pytest run's per-test seconds and its
-#: real-rank launches (``DLGS_TEST_RECORD`` names another file).
+#: real-rank launches.
 LAST_RUN = os.path.join(ROOT, ".pytest_cache", "dlgs-last-run.json")
 #: The suite's goal on this project's 2-core machine, in seconds.
 GOAL_S = 900.0
 
 
-def start(paths, args, record: str, **popen) -> subprocess.Popen:
-    """``pytest -q PATHS ARGS`` in a child process writing its record to ``record``."""
-    cmd = [sys.executable, "-m", "pytest", "-q", *paths, *args]
+def pytest(args) -> int:
+    """``pytest -q tests ARGS`` in a child process (it writes ``LAST_RUN``)."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "tests", *args]
     print("+ " + " ".join(cmd), flush=True)
     try:
-        os.remove(record)
+        os.remove(LAST_RUN)
     except OSError:
         pass
-    env = dict(os.environ, DLGS_TEST_RECORD=record)
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, **popen)
+    return subprocess.call(cmd, cwd=ROOT)
 
 
-def load(record: str) -> Dict[str, Any]:
+def last_run() -> Dict[str, Any]:
     try:
-        with open(record) as f:
+        with open(LAST_RUN) as f:
             return json.load(f)
     except (OSError, ValueError):
         return {}
 
 
-def where_the_time_went(runs: List[Dict[str, Any]], slowest: int = 10) -> str:
-    """The slowest tests and the real-rank launches of ``runs`` (conftest's records), as text."""
-    tests: Dict[str, float] = {}
-    launches: List[Dict[str, Any]] = []
-    for run in runs:
-        tests.update({k: v["seconds"] for k, v in run.get("tests", {}).items()})
-        launches += run.get("launches", [])
+def where_the_time_went(run: Dict[str, Any], slowest: int = 10) -> str:
+    """The slowest tests and the real-rank launches of ``run`` (conftest's record), as text."""
+    tests = {k: v["seconds"] for k, v in run.get("tests", {}).items()}
+    launches: List[Dict[str, Any]] = run.get("launches", [])
     if not tests:
         return "run_tests: no per-test durations were recorded"
     lines = [f"run_tests: the {slowest} slowest tests (setup, call and teardown), of {len(tests)}:"]
@@ -94,9 +90,9 @@ def where_the_time_went(runs: List[Dict[str, Any]], slowest: int = 10) -> str:
 
 def main(argv=None) -> int:
     began = time.monotonic()
-    status = start(["tests"], list(argv if argv is not None else sys.argv[1:]), LAST_RUN).wait()
+    status = pytest(sys.argv[1:] if argv is None else argv)
     used = time.monotonic() - began
-    print(where_the_time_went([load(LAST_RUN)]), flush=True)
+    print(where_the_time_went(last_run()), flush=True)
     verdict = "within" if used <= GOAL_S else "over"
     print(f"run_tests: the suite took {used:.0f} s, {verdict} the {GOAL_S:.0f} s goal", flush=True)
     return status
