@@ -21,7 +21,9 @@ test-fast:
 
 # The main job: dense Horovod against dlgs on the PTB LSTM, 2 workers on a 1 Gbit/s
 # local cluster (network namespaces + tc when root; plain loopback otherwise), the
-# methods interleaved in 3 rounds so that each sees the same machine.
+# methods interleaved in 3 rounds so that each sees the same machine. dlgs profiles
+# 8 steps (its default; the guard's samples) and names the link (--link-bandwidth's
+# default: the cluster's --bandwidth), so that each round plans the same.
 # Results go to bench-results/main (ignored by git); `make bench BENCH_OUT=benchmarks/results/main`
 # refreshes the committed ones.
 BENCH_OUT ?= bench-results/main
@@ -29,7 +31,7 @@ BENCH_OUT ?= bench-results/main
 bench: install
 	$(PY) -m benchmarks.cluster --workers 2 --bandwidth 1gbit -- \
 	  $(PY) -m benchmarks.train --model lstm --batch 20 --methods no-comm,dense,dlgs \
-	  --steps 20 --warmup 10 --rounds 3 --out $(BENCH_OUT)
+	  --steps 20 --warmup 10 --rounds 3 --profile-steps 8 --out $(BENCH_OUT)
 
 bench-kernels: install
 	$(PY) -m benchmarks.kernels --sizes 1e4,1e5,1e6,1e7,2.5e7 --out benchmarks/results/kernels-cpu

@@ -685,7 +685,8 @@ def positive_float(text: str) -> float:
 
 
 def add_wire_options(parser: argparse.ArgumentParser) -> None:
-    """``--value-dtype`` and ``--index-coding`` (read back by :func:`wire_options`)."""
+    """``--value-dtype``, ``--index-coding`` and ``--link-bandwidth`` (read back by
+    :func:`wire_options`)."""
     parser.add_argument(
         "--value-dtype",
         choices=["float32", "float16", "bfloat16"],
@@ -698,11 +699,33 @@ def add_wire_options(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="sparse methods: how indices are sent (auto: the smallest per message)",
     )
+    parser.add_argument(
+        "--link-bandwidth",
+        default="cluster",
+        help="sparse methods: dlgs's link_bandwidth, what the plan prices bytes at that its "
+        "probes could not see: a rate (1gbit, 100mbit), 'none', or 'cluster' (the default: "
+        "the --bandwidth of benchmarks.cluster, which sets DLGS_BANDWIDTH; none without one)",
+    )
 
 
-def wire_options(args: argparse.Namespace) -> Dict[str, str]:
-    """The sparse methods' wire format options from the command line."""
-    return {"value_dtype": args.value_dtype, "index_coding": args.index_coding}
+def link_bandwidth(text: str) -> Optional[int]:
+    """``--link-bandwidth``'s value in bit/s, or None (see :func:`add_wire_options`)."""
+    if text == "cluster":
+        text = os.environ.get("DLGS_BANDWIDTH", "none")
+    if text == "none":
+        return None
+    from benchmarks.cluster import parse_rate
+
+    return parse_rate(text)
+
+
+def wire_options(args: argparse.Namespace) -> Dict[str, Any]:
+    """The sparse methods' wire format and link options from the command line."""
+    options: Dict[str, Any] = {"value_dtype": args.value_dtype, "index_coding": args.index_coding}
+    rate = link_bandwidth(args.link_bandwidth)
+    if rate is not None:
+        options["link_bandwidth"] = float(rate)
+    return options
 
 
 def density(text: str) -> float:

@@ -108,6 +108,8 @@ def run_cell(
         args.value_dtype,
         "--index-coding",
         args.index_coding,
+        "--link-bandwidth",
+        args.link_bandwidth,
         "--out",
         str(args.out),
         "--append",

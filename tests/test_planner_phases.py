@@ -151,6 +151,29 @@ def test_refinement_times_the_plan_and_the_guard_judges_it(end, kept):
     assert (len(groups) == N) == (not kept)
 
 
+@pytest.mark.parametrize("factor, kept", [(3, False), (1, True)])
+def test_within_the_noise_the_guard_keeps_whichever_sends_fewer_bytes(factor, kept):
+    """Steps under the plan as long as the layer-wise ones: a coin toss that
+    would fall differently from run to run. A plan that sends more bytes
+    than layer-wise sending (``factor`` times) goes back to layer-wise; one
+    that sends no more stays."""
+    state, view, _ = _planned()
+    layerwise = state.layerwise_bytes
+    assert layerwise == view.wire_bytes
+    view = replace(view, wire_bytes=factor * layerwise)
+    step, verdicts = state.plan_step, []
+    while state.phase == "refine":
+        step += 1
+        state, view, actions = settle(
+            OPTIONS, state, replace(view, step=step), Stepped(traced(step, N, 0.1))
+        )
+        verdicts += [a.value for a in actions if isinstance(a, Broadcast) and a.topic == "guard"]
+    (verdict,) = verdicts
+    assert verdict["plan"] == verdict["layerwise"]
+    assert verdict["more_bytes"] is (factor > 1) and verdict["kept"] is kept
+    assert state.fallback is (not kept)
+
+
 def test_drift_is_voted_on_a_window_after_it_shows_twice_and_profiling_starts_again():
     state, view = _settled()
     end = state.plan.end

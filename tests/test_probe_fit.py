@@ -12,7 +12,7 @@ import pytest
 from local_world import OPS, LocalComm, LocalWorld
 
 from dlgs.core import SparseExchange, SparsityConfig
-from dlgs.core.planning.dp import fit_cost_model
+from dlgs.core.planning.dp import CostModel, fit_cost_model
 from dlgs.core.planning.online import OnlinePlanner
 from dlgs.core.planning.probefit import fit_probe
 
@@ -156,3 +156,69 @@ def test_a_smallest_probe_slower_than_the_largest_still_prices_bytes():
     assert not fit.seen and fit.noise == pytest.approx(1e-4)
     # All of the largest probe's time spent on its bytes: the most they can cost.
     assert fit.model.beta == pytest.approx(1e-4 / 1024)
+
+
+def test_bytes_hidden_in_the_noise_are_priced_as_the_named_link_when_one_is_given():
+    sizes = [64.0, 256.0, 1024.0]
+    samples = [[1.0e-3, 1.6e-3], [1.3e-3, 1.1e-3], [1.05e-3, 1.4e-3]]
+    link = CostModel(0.0, 8e-9)  # a ring over 1 Gbit/s between two ranks
+    fit = fit_probe(sizes, samples, link)
+    assert not fit.seen and fit.priced_by == "link_bandwidth"
+    assert fit.model.beta == 8e-9
+    # Under the fastest sample of every size, touching one.
+    gaps = [min(s) - fit.model(n) for n, s in zip(sizes, samples)]
+    assert min(gaps) == pytest.approx(0.0, abs=1e-15) and all(g >= -1e-15 for g in gaps)
+    # The same slope whatever the noise: another run's samples, the same price.
+    noisier = [[1.4e-3, 2.6e-3], [1.0e-3, 3.1e-3], [1.9e-3, 1.2e-3]]
+    assert fit_probe(sizes, noisier, link).model.beta == 8e-9
+    # Without the link the bound moves with the noise.
+    assert fit_probe(sizes, samples).priced_by == "bound"
+    assert fit_probe(sizes, samples).model.beta != fit_probe(sizes, noisier).model.beta
+
+
+def test_bytes_the_probes_saw_keep_the_measured_price_over_the_named_link():
+    sizes = [1024.0, 65536.0, 1048576.0]
+    samples = [[1e-4 + 5e-9 * s] * 2 for s in sizes]
+    fit = fit_probe(sizes, samples, CostModel(0.0, 8e-9))
+    assert fit.seen and fit.priced_by == "probes"
+    assert fit.model.beta == pytest.approx(5e-9)
+
+
+def test_the_planner_prices_unseen_bytes_at_the_link_bandwidth_and_says_so():
+    """Two ranks on a fast, noisy link whose probes cannot show their bytes:
+    with link_bandwidth=1e9 the profile's allgather costs 8 ns/B (one peer's
+    chunk), its allreduce 8 ns/B (2(P-1)/P of the buffer), on both ranks, and
+    the profile says what priced them."""
+
+    class _Noisy(LocalComm):
+        def __init__(self, world, rank, clock):
+            super().__init__(world, rank)
+            self.clock, self.calls = clock, 0
+
+        def synchronize(self, handle):
+            out = super().synchronize(handle)
+            self.calls += 1
+            # 1 ms with a millisecond of jitter, the same whatever the bytes.
+            self.clock.t += 1e-3 + 1e-3 * ((self.calls * 7919) % 13) / 13
+            return out
+
+    def body(rank, comm):
+        clock = _Clock()
+        comm = _Noisy(comm.world, rank, clock)
+        cfg = SparsityConfig(density=0.01, min_sparse_size=1024)
+        ex = SparseExchange(OPS, comm, cfg, SIZES, clock=clock)
+        planner = OnlinePlanner("dp", profile_steps=2, refine=False, link_bandwidth=1e9)
+        ex.step_hooks.append(planner)
+        rng = np.random.default_rng(rank)
+        for _ in range(8):
+            for i, layer in enumerate(ex.layers):
+                ex.submit(i, rng.standard_normal(layer.numel).astype(np.float32))
+            ex.wait()
+        p = planner.profile
+        return p.allgather.beta, p.allreduce.beta, p.priced_by, planner.options()["link_bandwidth"]
+
+    r0, r1 = LocalWorld(2).run(body)
+    assert r0 == r1
+    gather, reduce, priced_by, given = r0
+    assert gather == pytest.approx(8e-9) and reduce == pytest.approx(8e-9)
+    assert priced_by == ("link_bandwidth", "link_bandwidth") and given == 1e9

@@ -512,8 +512,9 @@ class MergeConfig:
             if its timed steps ended later than the layer-wise ones by more
             than the noise of both samples (medians, a margin of twice the
             standard error of their difference estimated from the median
-            absolute deviations, at least 2%); a difference within the noise
-            keeps the plan.
+            absolute deviations, at least 2%); within the noise the one that
+            sends fewer bytes (a plan that sends more than layer-wise sending
+            must measure faster beyond the noise), a rule every run agrees on.
         profile_budget: the share of the run that profiling may cost after the
             first profile: a re-profile (after drift) waits until the planner's
             host time so far, plus what the last profile took, is below this
@@ -522,6 +523,18 @@ class MergeConfig:
             probes never spend more bytes than sparse sending has saved against
             dense float32 so far (re-profiles keep the fitted collectives when
             it has not). Smaller re-plans less often after drift.
+        link_bandwidth: the bandwidth of the slowest link between the ranks,
+            in bit/s (``1e9`` for 1 Gbit/s Ethernet), or None (the default):
+            what the plan prices bytes at when the probes cannot see them. The
+            probes' sizes are bounded by ``profile_budget``; on a slow link
+            their bytes may take less time than the noise, and then, without
+            this, the plan prices bytes at the most the samples allow, which
+            moves with the noise from run to run (on 1 Gbit/s here: 0.4 to 14
+            ns/B, plans of 0.29 to 10.7 MB per step). With it, bytes the
+            probes did not see are priced as a ring over this link (8 ns/B per
+            rank's chunk and peer at 1 Gbit/s), the same in every run; bytes
+            the probes saw keep the measured price. Too low a value keeps the
+            plan near layer-wise sparse sending, too high one sends more dense.
     """
 
     strategy: str = "dp"
@@ -533,6 +546,7 @@ class MergeConfig:
     refine: bool = True
     guard: bool = True
     profile_budget: float = 0.01
+    link_bandwidth: Optional[float] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.strategy, str):
@@ -548,6 +562,8 @@ class MergeConfig:
         check_float("drift_tolerance", self.drift_tolerance, low=0, low_open=True)
         check_int("drift_window", self.drift_window, 0)
         check_float("profile_budget", self.profile_budget, low=0, high=1, low_open=True)
+        if self.link_bandwidth is not None:
+            check_float("link_bandwidth", self.link_bandwidth, low=0, low_open=True)
         for name in ("refine", "guard"):
             value = getattr(self, name)
             if not isinstance(value, bool):

@@ -455,6 +455,12 @@ class Engine:
                     f"guard: steps ended at {guard['plan'] * 1e3:.3f} ms under the plan, "
                     f"{guard['layerwise'] * 1e3:.3f} ms layer by layer: "
                     + ("plan kept" if guard["kept"] else "sending layer by layer")
+                    + (
+                        " (the plan sends more bytes, so it had to be faster beyond the "
+                        f"noise, {guard['margin'] * 1e3:.3f} ms)"
+                        if guard.get("more_bytes")
+                        else ""
+                    )
                 )
             lines.append(p.plan.describe())
             if p.profile is not None:
@@ -533,12 +539,23 @@ class Engine:
         self._exchange.load_state_dict(state, like=self._like)
 
 
+#: How ``describe()`` says what priced a collective's bytes (``Profile.priced_by``).
+_PRICED_BY = {
+    "probes": "",
+    "bound": " (bytes not seen by the probes: the most their samples allow; "
+    "link_bandwidth= makes it the named link's)",
+    "link_bandwidth": " (bytes not seen by the probes: the link_bandwidth given)",
+}
+
+
 def _costs_line(profile: Any) -> str:
     """Which collective cost model the plan was priced with: the job's own
-    probes, fitted (never a preset's model: docs/netmodel.md)."""
+    probes, fitted (never a preset's model: docs/netmodel.md), and what priced
+    the bytes where the probes could not see them."""
     ag, ar = profile.allgather, profile.allreduce
+    by_ag, by_ar = (_PRICED_BY[p] for p in profile.priced_by)
     return (
         f"costs: fitted from this job's probes at {profile.world_size} ranks: allgather "
-        f"{ag.alpha * 1e6:.1f} us + {ag.beta * 1e9:.3f} ns/B, allreduce {ar.alpha * 1e6:.1f} us "
-        f"+ {ar.beta * 1e9:.3f} ns/B"
+        f"{ag.alpha * 1e6:.1f} us + {ag.beta * 1e9:.3f} ns/B{by_ag}, allreduce "
+        f"{ar.alpha * 1e6:.1f} us + {ar.beta * 1e9:.3f} ns/B{by_ar}"
     )

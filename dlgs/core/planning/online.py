@@ -48,6 +48,7 @@ from .._checks import check_int
 from ..config import MERGE_STRATEGIES, MergeConfig
 from ..exchange.records import StepRecord
 from .dp import CostModel, Plan
+from .netmodel import allgather_cost, allreduce_cost
 from .phases import (
     BATCH,
     Action,
@@ -126,6 +127,10 @@ class OnlinePlanner:
             this share of the bytes 1,000 steps of the layout in force send,
             and never more than sparse sending has saved against dense float32
             so far.
+        link_bandwidth: bit/s of the slowest link, or None: bytes the probes
+            could not see against their noise are priced as a ring over this
+            link (:mod:`~dlgs.core.planning.netmodel`) instead of at the most
+            the samples allow (:func:`~dlgs.core.planning.probefit.fit_probe`).
     """
 
     def __init__(
@@ -144,6 +149,7 @@ class OnlinePlanner:
         refine: bool = True,
         guard: bool = True,
         profile_budget: float = 0.01,
+        link_bandwidth: Optional[float] = None,
     ):
         #: The merge options, validated once (:class:`~dlgs.core.config.MergeConfig`).
         self.config = MergeConfig(
@@ -156,6 +162,7 @@ class OnlinePlanner:
             refine,
             guard,
             profile_budget,
+            link_bandwidth,
         )
         check_int("skip_steps", skip_steps, 0)
         check_int("probe_reps", probe_reps, 1)
@@ -168,6 +175,7 @@ class OnlinePlanner:
         self.refine = refine
         self.guard = guard
         self.profile_budget = float(profile_budget)
+        self.link_bandwidth = None if link_bandwidth is None else float(link_bandwidth)
         self.drift_tolerance = float(drift_tolerance)
         self.drift_window = drift_window
         if profile is not None and not isinstance(profile, Profile):
@@ -493,11 +501,19 @@ class OnlinePlanner:
     def _probe_all(self, ex, sizes: Sequence[int]) -> Probed:
         """Time copies and probe collectives of ``sizes`` bytes and fit them."""
         pack = self._probe_copy(ex)
-        allgather = self._probe(ex, "allgather", sizes)
-        allreduce = self._probe(ex, "allreduce", sizes)
-        return Probed(pack, allgather, allreduce)
+        allgather, gather_by = self._probe(ex, "allgather", sizes)
+        allreduce, reduce_by = self._probe(ex, "allreduce", sizes)
+        return Probed(pack, allgather, allreduce, (gather_by, reduce_by))
 
-    def _probe(self, ex, kind: str, probes: Sequence[int]) -> CostModel:
+    def _prior(self, kind: str, world_size: int) -> Optional[CostModel]:
+        """A ring ``kind`` over the link the user named (``link_bandwidth``), or None."""
+        if self.link_bandwidth is None or world_size < 2:
+            return None
+        cost = allgather_cost if kind == "allgather" else allreduce_cost
+        return cost(world_size, self.link_bandwidth, 0.0)
+
+    def _probe(self, ex, kind: str, probes: Sequence[int]) -> Tuple[CostModel, str]:
+        """The fitted cost of ``kind``, and what priced its bytes (``ProbeFit.priced_by``)."""
         ops, comm, clock = ex.ops, ex.comm, ex.clock
         like = ex.like
         sizes, repeats = [], []
@@ -519,15 +535,17 @@ class OnlinePlanner:
             self.cost["probe_bytes"] += (self.probe_reps + 1) * words * 4
             sizes.append(float(nbytes))
             repeats.append(samples[1:])
-        fit = fit_probe(sizes, repeats)
+        fit = fit_probe(sizes, repeats, self._prior(kind, comm.size))
         times = [min(r) for r in repeats]
         batched = self._probe_batch(ex, kind, probes[0], times[0], fit.model)
         model = replace(fit.model, batched=batched)
         self.cost["probe_seconds"] += time.perf_counter() - start
         warning = fit_warning(kind, sizes, times, fit)
         if warning is not None:
-            _log(ex, "%s", warning, level=logging.WARNING)
-        return model
+            # The link the user named priced the bytes: as asked, no warning.
+            level = logging.INFO if fit.priced_by == "link_bandwidth" else logging.WARNING
+            _log(ex, "%s", warning, level=level)
+        return model, fit.priced_by
 
     def _probe_batch(self, ex, kind: str, nbytes: int, lone: float, model: CostModel) -> float:
         """The latency of a collective that joins a batch (``CostModel.batched``):

@@ -214,6 +214,8 @@ class Probed:
     pack: CostModel
     allgather: CostModel
     allreduce: CostModel
+    #: What priced each one's bytes (``Profile.priced_by``).
+    priced_by: Tuple[str, str] = ("probes", "probes")
 
 
 @dataclass(frozen=True)
@@ -566,11 +568,19 @@ def _on_step(opts: PlannerOptions, d: _Decision, ev: Stepped) -> None:
         "sending has saved): the collectives stay as fitted"
     )
     last = s.collectives
-    _share(d, _measured(d, last.pack, last.allgather, last.allreduce, last.sparsify), fresh=True)
+    _share(
+        d,
+        _measured(d, last.pack, last.allgather, last.allreduce, last.sparsify, last.priced_by),
+        fresh=True,
+    )
 
 
 def _profiled(opts: PlannerOptions, d: _Decision, probed: Probed) -> None:
-    _share(d, _measured(d, probed.pack, probed.allgather, probed.allreduce, None), fresh=True)
+    _share(
+        d,
+        _measured(d, probed.pack, probed.allgather, probed.allreduce, None, probed.priced_by),
+        fresh=True,
+    )
 
 
 def _measured(
@@ -579,10 +589,12 @@ def _measured(
     allgather: CostModel,
     allreduce: CostModel,
     sparsify: Optional[CostModel],
+    priced_by: Tuple[str, str],
 ) -> Profile:
     """This rank's profile from the traced layer-wise steps and ``pack``,
     ``allgather``, ``allreduce`` (probed now unless ``sparsify`` is the last
-    profile's, used where no layer was timed sparse)."""
+    profile's, used where no layer was timed sparse; ``priced_by``: what
+    priced their bytes)."""
     s, view = d.state, d.view
     layers, sizes, times = _timed_layers(view, s.traces)
     fresh = sparsify is None  # probes ran
@@ -593,6 +605,7 @@ def _measured(
         pack=pack,
         allgather=allgather,
         allreduce=allreduce,
+        priced_by=priced_by,
     )
     # What the traced steps sent: the layer-wise reference for contention.
     d.set(layerwise_bytes=view.wire_bytes if s.layerwise_in_force else None)
@@ -660,6 +673,7 @@ def _remeasured(d: _Decision) -> Profile:
         allgather=under.allgather,
         allreduce=under.allreduce,
         contention=d.state.calibration.get("contention", 0.0),
+        priced_by=under.priced_by,
     )
 
 
@@ -749,12 +763,14 @@ def _shared(opts: PlannerOptions, d: _Decision, value: Any, pending: Pending) ->
         if not value["kept"]:
             d.log(
                 "dlgs: the plan's steps ended at %.3g ms (median of %d) against %.3g ms "
-                "layer by layer (median of %d), beyond the noise margin of %.3g ms: "
+                "layer by layer (median of %d), %s the noise margin of %.3g ms: "
                 "sending layer by layer",
                 value["plan"] * 1e3,
                 len(value["plan_steps"]),
                 value["layerwise"] * 1e3,
                 len(value["layerwise_steps"]),
+                # A plan that sends more bytes must win beyond the noise.
+                "not faster beyond" if value.get("more_bytes") else "beyond",
                 value["margin"] * 1e3,
             )
         _share(d, _remeasured(d), fresh=False, keep=bool(value["kept"]))
@@ -910,7 +926,13 @@ def _judge(opts: PlannerOptions, d: _Decision) -> None:
     if not (opts.guard and opts.strategy == "dp" and s.before):
         _share(d, _remeasured(d), fresh=False, keep=True)
         return
-    d.ask(Broadcast(guard_verdict(s.before, _ends(s.traces)), "guard"), Pending("guard"))
+    # Within the noise the two are a coin toss that would fall differently
+    # from run to run: keep the one that sends fewer bytes, a rule every run
+    # agrees on. A plan that sends more must be faster beyond the noise.
+    more = s.layerwise_bytes is not None and d.view.wire_bytes > s.layerwise_bytes
+    verdict = guard_verdict(s.before, _ends(s.traces), prove=more)
+    verdict["more_bytes"] = more
+    d.ask(Broadcast(verdict, "guard"), Pending("guard"))
 
 
 # -- drift -------------------------------------------------------------------
@@ -1210,7 +1232,8 @@ def guard_verdict(
     (``density="auto"`` allows a higher density ``auto_slack``). With
     ``prove`` the burden is the plan's: it is kept only if its median plus the
     margin is within ``ma + allowance``, so that a difference the noise hides
-    keeps what ran before.
+    keeps what ran before (the guard asks it of a plan that sends more bytes
+    than layer-wise sending: within the noise, the fewer bytes).
 
     Returns:
         The verdict with its inputs, as plain data: ``layerwise`` and ``plan``

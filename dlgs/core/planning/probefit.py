@@ -21,7 +21,12 @@ zero, ``t_top / s_top``), through the largest
 probe's fastest time: the plan then prices bytes as dearly as the
 measurements permit instead of as free, which keeps it near layer-wise sparse
 sending on a slow link and changes little on a fast one (where that bound is
-small).
+small). That bound is the noise's, though, and moves with it from run to run
+(0.4 to 14 ns/B on one 1 Gbit/s link here), and so do the plans made from it.
+Where the user named the link (``link_bandwidth``), bytes that were not seen
+are priced instead as the ring over that link costs them (``prior``, from
+:mod:`~dlgs.core.planning.netmodel`), under the fastest samples: the same
+price in every run. Bytes that were seen keep the measured price.
 """
 
 from __future__ import annotations
@@ -46,12 +51,16 @@ class ProbeFit:
             size's aside), or distance of a size's fastest sample above the
             fitted line.
         fitted_beta: the slope of the line under the samples, before any bound.
+        priced_by: what set ``model``'s slope: ``"probes"`` (the bytes were
+            seen), ``"bound"`` (the most the samples allow) or
+            ``"link_bandwidth"`` (the link the user named).
     """
 
     model: CostModel
     seen: bool
     noise: float
     fitted_beta: float
+    priced_by: str = "probes"
 
 
 def _under(sizes: Sequence[float], times: Sequence[float]) -> Tuple[float, float]:
@@ -78,9 +87,15 @@ def _under(sizes: Sequence[float], times: Sequence[float]) -> Tuple[float, float
     return best
 
 
-def fit_probe(sizes: Sequence[float], samples: Sequence[Sequence[float]]) -> ProbeFit:
+def fit_probe(
+    sizes: Sequence[float],
+    samples: Sequence[Sequence[float]],
+    prior: Optional[CostModel] = None,
+) -> ProbeFit:
     """The cost of a collective from ``samples[i]``, the seconds of each repeat
-    of a probe of ``sizes[i]`` bytes (see the module's docstring).
+    of a probe of ``sizes[i]`` bytes (see the module's docstring); ``prior``:
+    the collective's cost over the link the user named, whose slope prices
+    bytes the samples did not see.
 
     Raises:
         ValueError: fewer than two distinct sizes, or a size without samples.
@@ -101,6 +116,11 @@ def fit_probe(sizes: Sequence[float], samples: Sequence[Sequence[float]]) -> Pro
     rise = beta * (sizes[hi] - sizes[lo])
     if rise > noise or noise == 0.0:
         return ProbeFit(CostModel(alpha, beta), True, noise, beta)
+    if prior is not None and prior.beta > 0.0:
+        # The named link's slope, under the fastest sample of each size.
+        slope = prior.beta
+        alpha_under = max(0.0, min(t - slope * s for s, t in zip(sizes, fastest)))
+        return ProbeFit(CostModel(alpha_under, slope), False, noise, beta, "link_bandwidth")
     span = sizes[hi] - sizes[lo]
     steepest = max(beta, (fastest[hi] - fastest[lo] + noise) / span)
     if steepest * span <= 1e-9 * max(fastest):
@@ -110,7 +130,7 @@ def fit_probe(sizes: Sequence[float], samples: Sequence[Sequence[float]]) -> Pro
         steepest = max(beta, fastest[hi] / sizes[hi])
     # Through the largest probe's fastest time: as much of it as bytes as allowed.
     alpha_at = max(0.0, fastest[hi] - steepest * sizes[hi])
-    return ProbeFit(CostModel(alpha_at, steepest), False, noise, beta)
+    return ProbeFit(CostModel(alpha_at, steepest), False, noise, beta, "bound")
 
 
 def fit_warning(
@@ -124,6 +144,12 @@ def fit_warning(
     if fit.seen and model.beta > 0.0:
         return None
     probes = ", ".join(f"{s / 1024:.0f} KiB {t * 1e3:.2f} ms" for s, t in zip(sizes, times))
+    if fit.priced_by == "link_bandwidth":
+        return (
+            f"dlgs: {kind} times did not grow with size beyond their noise ({probes}; noise "
+            f"{fit.noise * 1e3:.2f} ms): the plan prices bytes at {model.beta * 1e9:.3g} ns/B, "
+            "a ring over the link_bandwidth given"
+        )
     if fit.seen:
         return (
             f"dlgs: {kind} times did not grow with size ({probes}), without noise: the plan "

@@ -61,6 +61,11 @@ class Profile:
         contention: seconds of compute lost per byte sent (``PlanSpec.contention``),
             from back-propagation timed under two layouts (:func:`contention`);
             0 if none.
+        priced_by: what priced the bytes of ``allgather`` and of
+            ``allreduce``: ``"probes"`` (the probes saw them), ``"bound"``
+            (they did not: the most their samples allow) or
+            ``"link_bandwidth"`` (they did not: a ring over the link the user
+            named); see :func:`~dlgs.core.planning.probefit.fit_probe`.
     """
 
     world_size: int
@@ -70,6 +75,7 @@ class Profile:
     allgather: CostModel
     allreduce: CostModel
     contention: float = 0.0
+    priced_by: Tuple[str, str] = ("probes", "probes")
 
     def to_dict(self) -> Dict[str, Any]:
         d = asdict(self)
@@ -91,11 +97,21 @@ class Profile:
         _known_fields(
             "profile",
             d,
-            ("version", "world_size", "layers", *_COST_FIELDS, "contention"),
-            optional=("version", "contention"),
+            ("version", "world_size", "layers", *_COST_FIELDS, "contention", "priced_by"),
+            optional=("version", "contention", "priced_by"),
         )
         contention = d.get("contention", 0.0)
         _valid(check_float, "contention", contention, low=0)
+        priced_by = d.get("priced_by", ("probes", "probes"))
+        if (
+            not isinstance(priced_by, (list, tuple))
+            or len(priced_by) != 2
+            or any(p not in PRICED_BY for p in priced_by)
+        ):
+            raise ValueError(
+                f"priced_by must be two of {', '.join(PRICED_BY)} (allgather, allreduce), "
+                f"got {priced_by!r:.60}"
+            )
         _valid(check_int, "world_size", d["world_size"], 1)
         raw = d["layers"]
         if not isinstance(raw, (list, tuple)) or not raw:
@@ -153,6 +169,7 @@ class Profile:
             allgather=costs["allgather"],
             allreduce=costs["allreduce"],
             contention=float(contention),
+            priced_by=(str(priced_by[0]), str(priced_by[1])),
         )
 
     def save(self, path: Union[str, Path]) -> None:
@@ -175,6 +192,8 @@ class Profile:
 
 
 _COST_FIELDS = ("sparsify", "pack", "allgather", "allreduce")
+#: What may price a profile's collectives' bytes (``Profile.priced_by``).
+PRICED_BY = ("probes", "bound", "link_bandwidth")
 
 
 def _known_fields(
