@@ -60,6 +60,7 @@ SHARED = [
     (dict(link_bandwidth=0.0), ValueError, ["link_bandwidth", POSITIVE]),
     (dict(link_bandwidth=INF), ValueError, ["link_bandwidth", POSITIVE]),
     (dict(link_bandwidth="1gbit"), TypeError, ["link_bandwidth", POSITIVE]),
+    (dict(calibration_file=3), TypeError, ["calibration_file", "a path"]),
     (dict(budget=0.1, budget_split="global"), ValueError, ["budget_split", "'gradient'"]),
     (dict(budget_split="gradient"), ValueError, ["budget_split='gradient'", "budget="]),
     (dict(profile_steps=5.0), TypeError, ["profile_steps", "an int >= 1"]),
@@ -100,6 +101,7 @@ TORCH_OPTIMIZER_ONLY = TOPOLOGY + [
 
 _PLANNER_KEYS = {"merge", "profile_steps", "bucket_elements", "max_group"}
 _PLANNER_KEYS |= {"drift_tolerance", "drift_window", "profile_budget", "link_bandwidth"}
+_PLANNER_KEYS |= {"calibration_file"}
 _ADAPTER_KEYS = {"config", "log_every"}
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import math
+import os
 from collections.abc import Iterable, Mapping, Set
 from dataclasses import asdict, dataclass, field
 from typing import Optional, Tuple, Union
@@ -535,6 +536,13 @@ class MergeConfig:
             rank's chunk and peer at 1 Gbit/s), the same in every run; bytes
             the probes saw keep the measured price. Too low a value keeps the
             plan near layer-wise sparse sending, too high one sends more dense.
+        calibration_file: a path, or None (the default): where the fitted
+            collectives are kept between jobs. A job that finds a file there
+            written at its world size plans from it without probing (so from
+            the first profiled steps, and from the same collectives as the job
+            that wrote it); otherwise it probes and rank 0 writes the file.
+            Name it per cluster and interconnect: a file from another network
+            prices this one's bytes wrongly until drift re-profiles.
     """
 
     strategy: str = "dp"
@@ -547,6 +555,7 @@ class MergeConfig:
     guard: bool = True
     profile_budget: float = 0.01
     link_bandwidth: Optional[float] = None
+    calibration_file: Optional[str] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.strategy, str):
@@ -564,6 +573,14 @@ class MergeConfig:
         check_float("profile_budget", self.profile_budget, low=0, high=1, low_open=True)
         if self.link_bandwidth is not None:
             check_float("link_bandwidth", self.link_bandwidth, low=0, low_open=True)
+        if self.calibration_file is not None:
+            if not isinstance(self.calibration_file, (str, os.PathLike)):
+                raise TypeError(
+                    "calibration_file must be None or a path (str or os.PathLike), got "
+                    f"{type(self.calibration_file).__name__}"
+                )
+            # Plain str: compared across ranks and carried in the options.
+            object.__setattr__(self, "calibration_file", os.fspath(self.calibration_file))
         for name in ("refine", "guard"):
             value = getattr(self, name)
             if not isinstance(value, bool):

@@ -47,6 +47,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from .._checks import check_int
 from ..config import MERGE_STRATEGIES, MergeConfig
 from ..exchange.records import StepRecord
+from .calibration import Calibration
 from .dp import CostModel, Plan
 from .netmodel import allgather_cost, allreduce_cost
 from .phases import (
@@ -64,6 +65,7 @@ from .phases import (
     Probe,
     Probed,
     ReadVote,
+    Recall,
     Record,
     SetDensity,
     SetPlan,
@@ -150,6 +152,7 @@ class OnlinePlanner:
         guard: bool = True,
         profile_budget: float = 0.01,
         link_bandwidth: Optional[float] = None,
+        calibration_file: Optional[str] = None,
     ):
         #: The merge options, validated once (:class:`~dlgs.core.config.MergeConfig`).
         self.config = MergeConfig(
@@ -163,6 +166,7 @@ class OnlinePlanner:
             guard,
             profile_budget,
             link_bandwidth,
+            calibration_file,
         )
         check_int("skip_steps", skip_steps, 0)
         check_int("probe_reps", probe_reps, 1)
@@ -176,6 +180,7 @@ class OnlinePlanner:
         self.guard = guard
         self.profile_budget = float(profile_budget)
         self.link_bandwidth = None if link_bandwidth is None else float(link_bandwidth)
+        self.calibration_file = self.config.calibration_file
         self.drift_tolerance = float(drift_tolerance)
         self.drift_window = drift_window
         if profile is not None and not isinstance(profile, Profile):
@@ -235,6 +240,7 @@ class OnlinePlanner:
             self.refine,
             self.guard,
             self.profile_budget,
+            self.calibration_file,
         )
 
     @property
@@ -361,7 +367,23 @@ class OnlinePlanner:
                 self.cost["profiles"] += 1
             return Shared(self._broadcast(ex, action.value))
         elif isinstance(action, Probe):
-            return self._probe_all(ex, action.sizes)
+            probed = self._probe_all(ex, action.sizes)
+            if self.calibration_file is not None and ex.comm.rank == 0:
+                fitted = Calibration(
+                    ex.comm.size, probed.pack, probed.allgather, probed.allreduce, probed.priced_by
+                )
+                problem = fitted.save(self.calibration_file)
+                if problem is not None:
+                    _log(ex, "dlgs: %s", problem, level=logging.WARNING)
+            return probed
+        elif isinstance(action, Recall):
+            recalled = None
+            if ex.comm.rank == 0:  # rank 0's file, broadcast: every rank plans the same
+                found, why, level = Calibration.recall(action.path, ex.comm.size)
+                if found is None:
+                    _log(ex, "dlgs: %s: probing", why, level=level)
+                recalled = None if found is None else found.to_dict()
+            return Shared(self._broadcast(ex, recalled))
         elif isinstance(action, Vote):
             flag = ex.ops.index_vector([action.word], ex.like)
             self._vote = (ex.comm, ex.comm.allgather_async(flag, f"{ex.prefix}.drift_vote"))

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, NamedTuple, Optional, Protocol, Sequence, Tuple, Union
 
 from ..exchange.records import StepRecord, StepTrace
+from .calibration import Calibration
 from .dp import CostModel, Plan, fit_cost_model
 from .profile import (
     DensityChoice,
@@ -124,6 +125,7 @@ class PlannerOptions:
     refine: bool = True
     guard: bool = True
     profile_budget: float = 0.01
+    calibration_file: Optional[str] = None
 
 
 class LayerView(Protocol):
@@ -264,6 +266,15 @@ class Probe:
 
 
 @dataclass(frozen=True)
+class Recall:
+    """Rank 0's saved collectives at ``path`` (a
+    :class:`~dlgs.core.planning.calibration.Calibration`'s ``to_dict()``) for
+    this world size, or None, broadcast (answer: :class:`Shared`)."""
+
+    path: str
+
+
+@dataclass(frozen=True)
 class Broadcast:
     """Broadcast rank 0's ``value`` (answer: :class:`Shared`); ``topic``
     names what it carries (``profile``, ``ends``, ``auto``, ``guard``)."""
@@ -318,7 +329,7 @@ class Log:
     every_rank: bool = False
 
 
-Action = Union[Trace, Probe, Broadcast, SetDensity, SetPlan, Vote, ReadVote, Record, Log]
+Action = Union[Trace, Probe, Recall, Broadcast, SetDensity, SetPlan, Vote, ReadVote, Record, Log]
 
 
 # -- state ---------------------------------------------------------------------
@@ -361,14 +372,14 @@ class AutoCheck(NamedTuple):
 class Pending:
     """What the next result continues: ``topic`` and what it needs."""
 
-    topic: str  # probe, profile, ends, auto, guard, vote
+    topic: str  # probe, recall, profile, ends, auto, guard, vote
     fresh: bool = False  # profile: a fresh profile (else the refined one)
     keep: bool = True  # profile (refined): the guard's verdict
     choice: Optional[DensityChoice] = None  # ends: the choice to put in force
     layers: Optional[Tuple[float, ...]] = None  # ends: its per-layer densities
     check: Optional[AutoCheck] = None  # auto: the densities before the choice
     higher: bool = False  # auto: the choice sends more than those
-    stepped: Optional[Stepped] = None  # vote: the step to go on with
+    stepped: Optional[Stepped] = None  # vote, recall: the step to go on with
 
 
 @dataclass(frozen=True)
@@ -416,6 +427,8 @@ class PlannerState:
     collectives: Optional[Profile] = None
     #: Logged that the first probes wait for their bytes.
     waiting: bool = False
+    #: The calibration file was asked for (once per job: a re-profile probes).
+    recalled: bool = False
     #: The last calibration (rank 0's; see ``OnlinePlanner.calibration``).
     calibration: Dict[str, float] = field(default_factory=dict)
     #: Wire bytes of the layer-wise traces (the reference for contention).
@@ -546,6 +559,19 @@ def _on_step(opts: PlannerOptions, d: _Decision, ev: Stepped) -> None:
         if view.step >= opts.skip_steps:
             d.do(Trace())
         return
+    if opts.calibration_file is not None and s.collectives is None and not s.recalled:
+        # A job before this one may have saved its collectives: no probes then.
+        d.set(recalled=True)
+        d.ask(Recall(opts.calibration_file), Pending("recall", stepped=ev))
+        return
+    _probe_or_wait(opts, d, ev)
+
+
+def _probe_or_wait(opts: PlannerOptions, d: _Decision, ev: Stepped) -> None:
+    """The profiled steps are in: probe the collectives, or wait until the
+    probes are affordable, or (a re-profile that cannot pay for them) keep
+    the collectives fitted last."""
+    s, view = d.state, d.view
     sizes = probe_sizes(opts, ev.ledger, view)
     if sizes:
         d.ask(Probe(tuple(sizes)), Pending("probe"))
@@ -557,7 +583,7 @@ def _on_step(opts: PlannerOptions, d: _Decision, ev: Stepped) -> None:
             d.log(
                 "dlgs: %d step(s) profiled; the probes wait until sparse sending has "
                 "saved the bytes they cost (%.3g MB per step saved so far)",
-                len(traces),
+                len(s.traces),
                 ev.ledger.saved_bytes / max(1, view.step) / 1e6,
             )
         return
@@ -758,6 +784,22 @@ def _shared(opts: PlannerOptions, d: _Decision, value: Any, pending: Pending) ->
     elif topic == "auto":
         assert pending.check is not None
         _auto_judged(opts, d, value, pending.check, pending.higher)
+    elif topic == "recall":
+        if value is None:
+            assert pending.stepped is not None
+            _probe_or_wait(opts, d, pending.stepped)
+            return
+        saved = Calibration.from_dict(value)
+        d.log(
+            "dlgs: the collectives saved in %s (%d ranks): no probes",
+            opts.calibration_file,
+            saved.world_size,
+        )
+        _share(
+            d,
+            _measured(d, saved.pack, saved.allgather, saved.allreduce, None, saved.priced_by),
+            fresh=True,
+        )
     elif topic == "guard":
         d.set(guard_result=value)
         if not value["kept"]:

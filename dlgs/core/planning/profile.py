@@ -33,6 +33,11 @@ __all__ = [
     "raise_layers",
     "rescale",
     "PROFILE_VERSION",
+    "PRICED_BY",
+    "cost_model_from_dict",
+    "costs_from_dict",
+    "read_json",
+    "priced_by_from",
 ]
 
 PROFILE_VERSION = 1
@@ -102,16 +107,7 @@ class Profile:
         )
         contention = d.get("contention", 0.0)
         _valid(check_float, "contention", contention, low=0)
-        priced_by = d.get("priced_by", ("probes", "probes"))
-        if (
-            not isinstance(priced_by, (list, tuple))
-            or len(priced_by) != 2
-            or any(p not in PRICED_BY for p in priced_by)
-        ):
-            raise ValueError(
-                f"priced_by must be two of {', '.join(PRICED_BY)} (allgather, allreduce), "
-                f"got {priced_by!r:.60}"
-            )
+        priced_by = priced_by_from(d.get("priced_by", ("probes", "probes")))
         _valid(check_int, "world_size", d["world_size"], 1)
         raw = d["layers"]
         if not isinstance(raw, (list, tuple)) or not raw:
@@ -133,34 +129,7 @@ class Profile:
         dups = sorted({n for n in names if names.count(n) > 1})
         if dups:
             raise ValueError(f"layers[].name must be unique, repeated: {dups[:5]}")
-        costs: Dict[str, CostModel] = {}
-        for key in _COST_FIELDS:
-            _known_fields(
-                key, d[key], ("alpha", "beta", "batched", "others"), optional=("batched", "others")
-            )
-            for coef in ("alpha", "beta"):
-                _valid(check_float, f"{key}.{coef}", d[key][coef], low=0)
-            batched = d[key].get("batched")
-            if batched is not None:
-                _valid(check_float, f"{key}.batched", batched, low=0)
-                batched = float(batched)
-            others = d[key].get("others") or ()
-            if not isinstance(others, (list, tuple)):
-                raise ValueError(
-                    f"{key}.others must be a list of [alpha, beta], got {others!r:.60}"
-                )
-            for i, line in enumerate(others):
-                if not isinstance(line, (list, tuple)) or len(line) != 2:
-                    raise ValueError(f"{key}.others[{i}] must be [alpha, beta], got {line!r:.60}")
-                for coef, v in zip(("alpha", "beta"), line):
-                    _valid(check_float, f"{key}.others[{i}].{coef}", v, low=0)
-            lines = tuple((float(a), float(b)) for a, b in others)
-            costs[key] = CostModel(float(d[key]["alpha"]), float(d[key]["beta"]), batched, lines)
-        for key in ("allgather", "allreduce"):
-            # A free collective makes every plan's predicted time 0 (and the
-            # speed-ups a division by zero); no measurement gives one.
-            if costs[key].alpha == 0 and costs[key].beta == 0:
-                raise ValueError(f"{key}.alpha and {key}.beta are both 0: a collective takes time")
+        costs = costs_from_dict(d, _COST_FIELDS)
         return cls(
             world_size=d["world_size"],
             layers=tuple(layers),
@@ -169,7 +138,7 @@ class Profile:
             allgather=costs["allgather"],
             allreduce=costs["allreduce"],
             contention=float(contention),
-            priced_by=(str(priced_by[0]), str(priced_by[1])),
+            priced_by=priced_by,
         )
 
     def save(self, path: Union[str, Path]) -> None:
@@ -183,17 +152,85 @@ class Profile:
             OSError: the file cannot be read.
             ValueError: it is not JSON, or a field is missing or malformed.
         """
-        text = Path(path).read_text()
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"not a JSON file ({err})") from None
-        return cls.from_dict(data)
+        return cls.from_dict(read_json(path))
 
 
 _COST_FIELDS = ("sparsify", "pack", "allgather", "allreduce")
 #: What may price a profile's collectives' bytes (``Profile.priced_by``).
 PRICED_BY = ("probes", "bound", "link_bandwidth")
+
+
+def costs_from_dict(d: Dict[str, Any], keys: Sequence[str]) -> Dict[str, CostModel]:
+    """The cost models saved under ``keys`` of ``d`` (see
+    :func:`cost_model_from_dict`); the collectives among them must cost something.
+
+    Raises:
+        ValueError: a malformed one, or a free allgather or allreduce, named.
+    """
+    costs = {key: cost_model_from_dict(key, d[key]) for key in keys}
+    for key in ("allgather", "allreduce"):
+        # A free collective makes every plan's predicted time 0 (and the
+        # speed-ups a division by zero); no measurement gives one.
+        if key in costs and costs[key].alpha == 0 and costs[key].beta == 0:
+            raise ValueError(f"{key}.alpha and {key}.beta are both 0: a collective takes time")
+    return costs
+
+
+def read_json(path: Union[str, Path]) -> Any:
+    """The JSON value in the file at ``path``.
+
+    Raises:
+        OSError: the file cannot be read.
+        ValueError: it is not JSON.
+    """
+    try:
+        return json.loads(Path(path).read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"not a JSON file ({err})") from None
+
+
+def cost_model_from_dict(key: str, raw: Any) -> CostModel:
+    """The :class:`CostModel` saved as ``raw`` (``asdict`` form) under ``key``,
+    validated field by field.
+
+    Raises:
+        ValueError: a missing, unknown or malformed field, named (``key.beta``).
+    """
+    _known_fields(key, raw, ("alpha", "beta", "batched", "others"), optional=("batched", "others"))
+    for coef in ("alpha", "beta"):
+        _valid(check_float, f"{key}.{coef}", raw[coef], low=0)
+    batched = raw.get("batched")
+    if batched is not None:
+        _valid(check_float, f"{key}.batched", batched, low=0)
+        batched = float(batched)
+    others = raw.get("others") or ()
+    if not isinstance(others, (list, tuple)):
+        raise ValueError(f"{key}.others must be a list of [alpha, beta], got {others!r:.60}")
+    for i, line in enumerate(others):
+        if not isinstance(line, (list, tuple)) or len(line) != 2:
+            raise ValueError(f"{key}.others[{i}] must be [alpha, beta], got {line!r:.60}")
+        for coef, v in zip(("alpha", "beta"), line):
+            _valid(check_float, f"{key}.others[{i}].{coef}", v, low=0)
+    lines = tuple((float(a), float(b)) for a, b in others)
+    return CostModel(float(raw["alpha"]), float(raw["beta"]), batched, lines)
+
+
+def priced_by_from(value: Any) -> Tuple[str, str]:
+    """``Profile.priced_by`` read back: two of :data:`PRICED_BY`.
+
+    Raises:
+        ValueError: anything else, naming ``priced_by``.
+    """
+    if (
+        not isinstance(value, (list, tuple))
+        or len(value) != 2
+        or any(p not in PRICED_BY for p in value)
+    ):
+        raise ValueError(
+            f"priced_by must be two of {', '.join(PRICED_BY)} (allgather, allreduce), "
+            f"got {value!r:.60}"
+        )
+    return (str(value[0]), str(value[1]))
 
 
 def _known_fields(
