@@ -701,6 +701,7 @@ def add_wire_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--link-bandwidth",
+        type=_link_option,
         default="cluster",
         help="sparse methods: dlgs's link_bandwidth, what the plan prices bytes at that its "
         "probes could not see: a rate (1gbit, 100mbit), 'none', or 'cluster' (the default: "
@@ -708,15 +709,36 @@ def add_wire_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def link_bandwidth(text: str) -> Optional[int]:
-    """``--link-bandwidth``'s value in bit/s, or None (see :func:`add_wire_options`)."""
-    if text == "cluster":
-        text = os.environ.get("DLGS_BANDWIDTH", "none")
+def _rate(text: str, name: str) -> Optional[int]:
+    """``text`` (``1gbit``, ``100mbit``, bit/s or ``none``) in bit/s, or None;
+    a ``ValueError`` naming ``name`` otherwise."""
     if text == "none":
         return None
     from benchmarks.cluster import parse_rate
 
-    return parse_rate(text)
+    try:
+        return parse_rate(text)
+    except ValueError:
+        raise ValueError(
+            f"{name} must be a rate (1gbit, 100mbit, bit/s) or none, got {text!r}"
+        ) from None
+
+
+def _link_option(text: str) -> str:
+    """argparse type of ``--link-bandwidth``: ``cluster`` or a valid rate."""
+    if text != "cluster":
+        try:
+            _rate(text, "--link-bandwidth")
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+    return text
+
+
+def link_bandwidth(text: str) -> Optional[int]:
+    """``--link-bandwidth``'s value in bit/s, or None (see :func:`add_wire_options`)."""
+    if text == "cluster":
+        return _rate(os.environ.get("DLGS_BANDWIDTH", "none"), "DLGS_BANDWIDTH")
+    return _rate(text, "--link-bandwidth")
 
 
 def wire_options(args: argparse.Namespace) -> Dict[str, Any]:

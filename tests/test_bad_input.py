@@ -61,6 +61,7 @@ SHARED = [
     (dict(link_bandwidth=INF), ValueError, ["link_bandwidth", POSITIVE]),
     (dict(link_bandwidth="1gbit"), TypeError, ["link_bandwidth", POSITIVE]),
     (dict(calibration_file=3), TypeError, ["calibration_file", "a path"]),
+    (dict(calibration_file=""), ValueError, ["calibration_file", "name a file"]),
     (dict(budget=0.1, budget_split="global"), ValueError, ["budget_split", "'gradient'"]),
     (dict(budget_split="gradient"), ValueError, ["budget_split='gradient'", "budget="]),
     (dict(profile_steps=5.0), TypeError, ["profile_steps", "an int >= 1"]),

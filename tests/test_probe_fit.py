@@ -185,10 +185,10 @@ def test_bytes_the_probes_saw_keep_the_measured_price_over_the_named_link():
 
 
 def test_the_planner_prices_unseen_bytes_at_the_link_bandwidth_and_says_so():
-    """Two ranks on a fast, noisy link whose probes cannot show their bytes:
-    with link_bandwidth=1e9 the profile's allgather costs 8 ns/B (one peer's
-    chunk), its allreduce 8 ns/B (2(P-1)/P of the buffer), on both ranks, and
-    the profile says what priced them."""
+    """Three ranks on a fast, noisy link whose probes cannot show their bytes:
+    with link_bandwidth=1e9 the profile's allgather costs 16 ns/B (a chunk
+    from each of two peers), its allreduce 10.7 ns/B (2(P-1)/P of the
+    buffer), on every rank, and the profile says what priced them."""
 
     class _Noisy(LocalComm):
         def __init__(self, world, rank, clock):
@@ -217,8 +217,8 @@ def test_the_planner_prices_unseen_bytes_at_the_link_bandwidth_and_says_so():
         p = planner.profile
         return p.allgather.beta, p.allreduce.beta, p.priced_by, planner.options()["link_bandwidth"]
 
-    r0, r1 = LocalWorld(2).run(body)
-    assert r0 == r1
+    r0, r1, r2 = LocalWorld(3).run(body)
+    assert r0 == r1 == r2
     gather, reduce, priced_by, given = r0
-    assert gather == pytest.approx(8e-9) and reduce == pytest.approx(8e-9)
+    assert gather == pytest.approx(16e-9) and reduce == pytest.approx(2 * 2 / 3 * 8e-9)
     assert priced_by == ("link_bandwidth", "link_bandwidth") and given == 1e9

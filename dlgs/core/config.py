@@ -580,7 +580,10 @@ class MergeConfig:
                     f"{type(self.calibration_file).__name__}"
                 )
             # Plain str: compared across ranks and carried in the options.
-            object.__setattr__(self, "calibration_file", os.fspath(self.calibration_file))
+            path = os.fspath(self.calibration_file)
+            if not os.path.basename(path.rstrip(os.sep)) or path.endswith(os.sep):
+                raise ValueError(f"calibration_file must name a file, got {path!r}")
+            object.__setattr__(self, "calibration_file", path)
         for name in ("refine", "guard"):
             value = getattr(self, name)
             if not isinstance(value, bool):

@@ -464,7 +464,7 @@ class Engine:
                 )
             lines.append(p.plan.describe())
             if p.profile is not None:
-                lines.append(_costs_line(p.profile))
+                lines.append(_costs_line(p.profile, p.collectives_from))
         lines.append("layout in force (backward order):")
         for n, g in enumerate(ex.groups):
             names = [ex.layers[i].name for i in g.members]
@@ -545,17 +545,20 @@ _PRICED_BY = {
     "bound": " (bytes not seen by the probes: the most their samples allow; "
     "link_bandwidth= makes it the named link's)",
     "link_bandwidth": " (bytes not seen by the probes: the link_bandwidth given)",
+    "steps": " (raised to what the steps under density='auto''s choice took)",
 }
 
 
-def _costs_line(profile: Any) -> str:
+def _costs_line(profile: Any, source: Optional[str] = None) -> str:
     """Which collective cost model the plan was priced with: the job's own
-    probes, fitted (never a preset's model: docs/netmodel.md), and what priced
-    the bytes where the probes could not see them."""
+    probes, fitted, or the ones a calibration_file kept (never a preset's
+    model: docs/netmodel.md), and what priced the bytes where the probes could
+    not see them."""
     ag, ar = profile.allgather, profile.allreduce
     by_ag, by_ar = (_PRICED_BY[p] for p in profile.priced_by)
+    where = "this job's probes" if source is None else f"the calibration_file {source}"
     return (
-        f"costs: fitted from this job's probes at {profile.world_size} ranks: allgather "
+        f"costs: fitted from {where} at {profile.world_size} ranks: allgather "
         f"{ag.alpha * 1e6:.1f} us + {ag.beta * 1e9:.3f} ns/B{by_ag}, allreduce "
         f"{ar.alpha * 1e6:.1f} us + {ar.beta * 1e9:.3f} ns/B{by_ar}"
     )

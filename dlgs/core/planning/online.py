@@ -121,8 +121,11 @@ class OnlinePlanner:
             before it by more than the noise of both samples
             (:func:`guard_verdict`). The cost model cannot see every cost of a
             plan's messages (on shared CPU cores their copies and Horovod's
-            thread slow back-propagation), the measurement can. Rank 0's
-            verdict is broadcast, so every rank keeps the same plan.
+            thread slow back-propagation), the measurement can. A plan that
+            sends more bytes than layer-wise sending must have ended sooner
+            beyond the noise (within it, the fewer bytes: the same in every
+            run). Rank 0's verdict is broadcast, so every rank keeps the same
+            plan.
         profile_budget: a re-profile after drift waits until the planner's
             host time, plus what the last profile took, is under this share of
             the time since the first step; a profile's probes spend at most
@@ -133,6 +136,10 @@ class OnlinePlanner:
             could not see against their noise are priced as a ring over this
             link (:mod:`~dlgs.core.planning.netmodel`) instead of at the most
             the samples allow (:func:`~dlgs.core.planning.probefit.fit_probe`).
+        calibration_file: a path or None: rank 0 saves the fitted collectives
+            there after probing, and a later job at the same world size and
+            ``link_bandwidth`` plans from them without probing
+            (:mod:`~dlgs.core.planning.calibration`).
     """
 
     def __init__(
@@ -300,6 +307,12 @@ class OnlinePlanner:
         return dict(self._state.calibration)
 
     @property
+    def collectives_from(self) -> Optional[str]:
+        """The ``calibration_file`` the collectives in force were read from,
+        or None where this job's probes fitted them."""
+        return self.calibration_file if self._state.from_file else None
+
+    @property
     def plans_made(self) -> int:
         """How many plans have been made (1 + re-plans after drift or restart)."""
         return self._state.plans_made
@@ -370,7 +383,12 @@ class OnlinePlanner:
             probed = self._probe_all(ex, action.sizes)
             if self.calibration_file is not None and ex.comm.rank == 0:
                 fitted = Calibration(
-                    ex.comm.size, probed.pack, probed.allgather, probed.allreduce, probed.priced_by
+                    ex.comm.size,
+                    probed.pack,
+                    probed.allgather,
+                    probed.allreduce,
+                    probed.priced_by,
+                    self.link_bandwidth,
                 )
                 problem = fitted.save(self.calibration_file)
                 if problem is not None:
@@ -379,7 +397,9 @@ class OnlinePlanner:
         elif isinstance(action, Recall):
             recalled = None
             if ex.comm.rank == 0:  # rank 0's file, broadcast: every rank plans the same
-                found, why, level = Calibration.recall(action.path, ex.comm.size)
+                found, why, level = Calibration.recall(
+                    action.path, ex.comm.size, self.link_bandwidth
+                )
                 if found is None:
                     _log(ex, "dlgs: %s: probing", why, level=level)
                 recalled = None if found is None else found.to_dict()

@@ -429,6 +429,8 @@ class PlannerState:
     waiting: bool = False
     #: The calibration file was asked for (once per job: a re-profile probes).
     recalled: bool = False
+    #: The collectives in force came from the calibration file, not probes.
+    from_file: bool = False
     #: The last calibration (rank 0's; see ``OnlinePlanner.calibration``).
     calibration: Dict[str, float] = field(default_factory=dict)
     #: Wire bytes of the layer-wise traces (the reference for contention).
@@ -602,6 +604,7 @@ def _probe_or_wait(opts: PlannerOptions, d: _Decision, ev: Stepped) -> None:
 
 
 def _profiled(opts: PlannerOptions, d: _Decision, probed: Probed) -> None:
+    d.set(from_file=False)
     _share(
         d,
         _measured(d, probed.pack, probed.allgather, probed.allreduce, None, probed.priced_by),
@@ -790,6 +793,7 @@ def _shared(opts: PlannerOptions, d: _Decision, value: Any, pending: Pending) ->
             _probe_or_wait(opts, d, pending.stepped)
             return
         saved = Calibration.from_dict(value)
+        d.set(from_file=True)
         d.log(
             "dlgs: the collectives saved in %s (%d ranks): no probes",
             opts.calibration_file,
@@ -812,7 +816,7 @@ def _shared(opts: PlannerOptions, d: _Decision, value: Any, pending: Pending) ->
                 value["layerwise"] * 1e3,
                 len(value["layerwise_steps"]),
                 # A plan that sends more bytes must win beyond the noise.
-                "not faster beyond" if value.get("more_bytes") else "beyond",
+                "sending more bytes and not faster beyond" if value.get("more_bytes") else "beyond",
                 value["margin"] * 1e3,
             )
         _share(d, _remeasured(d), fresh=False, keep=bool(value["kept"]))
@@ -1269,7 +1273,8 @@ def guard_verdict(
     difference of the two medians (each estimated from its median absolute
     deviation, robust to a few outlying steps), and at least ``floor`` of the
     layer-wise median. Within the margin the measurement cannot tell them
-    apart and the plan, which the cost model chose, stays. ``allowance``
+    apart and the plan, which the cost model chose, stays (unless ``prove``).
+    ``allowance``
     (seconds): how much slower the plan may be on top of the margin
     (``density="auto"`` allows a higher density ``auto_slack``). With
     ``prove`` the burden is the plan's: it is kept only if its median plus the

@@ -25,8 +25,9 @@ small). That bound is the noise's, though, and moves with it from run to run
 (0.4 to 14 ns/B on one 1 Gbit/s link here), and so do the plans made from it.
 Where the user named the link (``link_bandwidth``), bytes that were not seen
 are priced instead as the ring over that link costs them (``prior``, from
-:mod:`~dlgs.core.planning.netmodel`), under the fastest samples: the same
-price in every run. Bytes that were seen keep the measured price.
+:mod:`~dlgs.core.planning.netmodel`), under the fastest samples where that
+slope allows (a link named slower than the samples allow passes above them):
+the same price in every run. Bytes that were seen keep the measured price.
 """
 
 from __future__ import annotations
@@ -117,7 +118,9 @@ def fit_probe(
     if rise > noise or noise == 0.0:
         return ProbeFit(CostModel(alpha, beta), True, noise, beta)
     if prior is not None and prior.beta > 0.0:
-        # The named link's slope, under the fastest sample of each size.
+        # The named link's slope, under the fastest sample of each size; a
+        # link named slower than the samples allow passes above them (through
+        # the origin): the user's word over the noise, the same in every run.
         slope = prior.beta
         alpha_under = max(0.0, min(t - slope * s for s, t in zip(sizes, fastest)))
         return ProbeFit(CostModel(alpha_under, slope), False, noise, beta, "link_bandwidth")

@@ -36,6 +36,8 @@ __all__ = [
     "PRICED_BY",
     "cost_model_from_dict",
     "costs_from_dict",
+    "known_fields",
+    "valid_field",
     "read_json",
     "priced_by_from",
 ]
@@ -70,7 +72,9 @@ class Profile:
             ``allreduce``: ``"probes"`` (the probes saw them), ``"bound"``
             (they did not: the most their samples allow) or
             ``"link_bandwidth"`` (they did not: a ring over the link the user
-            named); see :func:`~dlgs.core.planning.probefit.fit_probe`.
+            named; see :func:`~dlgs.core.planning.probefit.fit_probe`), or
+            ``"steps"`` (raised by :func:`fit_link` from steps that ended later
+            than predicted).
     """
 
     world_size: int
@@ -99,16 +103,16 @@ class Profile:
             raise ValueError(f"a profile must be a JSON object, got {type(d).__name__}")
         if d.get("version") != PROFILE_VERSION:
             raise ValueError(f"profile version must be {PROFILE_VERSION}, got {d.get('version')!r}")
-        _known_fields(
+        known_fields(
             "profile",
             d,
             ("version", "world_size", "layers", *_COST_FIELDS, "contention", "priced_by"),
             optional=("version", "contention", "priced_by"),
         )
         contention = d.get("contention", 0.0)
-        _valid(check_float, "contention", contention, low=0)
+        valid_field(check_float, "contention", contention, low=0)
         priced_by = priced_by_from(d.get("priced_by", ("probes", "probes")))
-        _valid(check_int, "world_size", d["world_size"], 1)
+        valid_field(check_int, "world_size", d["world_size"], 1)
         raw = d["layers"]
         if not isinstance(raw, (list, tuple)) or not raw:
             raise ValueError(
@@ -118,12 +122,12 @@ class Profile:
         layers = []
         for i, layer in enumerate(raw):
             where = f"layers[{i}]"
-            _known_fields(where, layer, ("name", "numel", "backward"))
+            known_fields(where, layer, ("name", "numel", "backward"))
             name = layer["name"]
             if not isinstance(name, str) or not name:
                 raise ValueError(f"{where}.name must be a non-empty string, got {name!r}")
-            _valid(check_int, f"{where}.numel", layer["numel"], 0)
-            _valid(check_float, f"{where}.backward", layer["backward"], low=0)
+            valid_field(check_int, f"{where}.numel", layer["numel"], 0)
+            valid_field(check_float, f"{where}.backward", layer["backward"], low=0)
             layers.append(LayerProfile(name, layer["numel"], float(layer["backward"])))
         names = [layer.name for layer in layers]
         dups = sorted({n for n in names if names.count(n) > 1})
@@ -157,7 +161,7 @@ class Profile:
 
 _COST_FIELDS = ("sparsify", "pack", "allgather", "allreduce")
 #: What may price a profile's collectives' bytes (``Profile.priced_by``).
-PRICED_BY = ("probes", "bound", "link_bandwidth")
+PRICED_BY = ("probes", "bound", "link_bandwidth", "steps")
 
 
 def costs_from_dict(d: Dict[str, Any], keys: Sequence[str]) -> Dict[str, CostModel]:
@@ -196,12 +200,12 @@ def cost_model_from_dict(key: str, raw: Any) -> CostModel:
     Raises:
         ValueError: a missing, unknown or malformed field, named (``key.beta``).
     """
-    _known_fields(key, raw, ("alpha", "beta", "batched", "others"), optional=("batched", "others"))
+    known_fields(key, raw, ("alpha", "beta", "batched", "others"), optional=("batched", "others"))
     for coef in ("alpha", "beta"):
-        _valid(check_float, f"{key}.{coef}", raw[coef], low=0)
+        valid_field(check_float, f"{key}.{coef}", raw[coef], low=0)
     batched = raw.get("batched")
     if batched is not None:
-        _valid(check_float, f"{key}.batched", batched, low=0)
+        valid_field(check_float, f"{key}.batched", batched, low=0)
         batched = float(batched)
     others = raw.get("others") or ()
     if not isinstance(others, (list, tuple)):
@@ -210,7 +214,7 @@ def cost_model_from_dict(key: str, raw: Any) -> CostModel:
         if not isinstance(line, (list, tuple)) or len(line) != 2:
             raise ValueError(f"{key}.others[{i}] must be [alpha, beta], got {line!r:.60}")
         for coef, v in zip(("alpha", "beta"), line):
-            _valid(check_float, f"{key}.others[{i}].{coef}", v, low=0)
+            valid_field(check_float, f"{key}.others[{i}].{coef}", v, low=0)
     lines = tuple((float(a), float(b)) for a, b in others)
     return CostModel(float(raw["alpha"]), float(raw["beta"]), batched, lines)
 
@@ -233,7 +237,7 @@ def priced_by_from(value: Any) -> Tuple[str, str]:
     return (str(value[0]), str(value[1]))
 
 
-def _known_fields(
+def known_fields(
     where: str, obj: Any, fields: Sequence[str], optional: Sequence[str] = ("version",)
 ) -> None:
     """``obj`` is a dict with exactly ``fields`` (those in ``optional`` may be absent)."""
@@ -248,7 +252,7 @@ def _known_fields(
         raise ValueError(f"unknown field {prefix}{unknown[0]} (expected {', '.join(fields)})")
 
 
-def _valid(check: Callable[..., None], *args: Any, **kwargs: Any) -> None:
+def valid_field(check: Callable[..., None], *args: Any, **kwargs: Any) -> None:
     """A file's field of the wrong type is bad data like any other: ValueError."""
     try:
         check(*args, **kwargs)
@@ -596,10 +600,17 @@ def fit_link(
 
     def at(x: float) -> Profile:
         ag, ar = profile.allgather, profile.allreduce
+        gather, reduce = max(ag.beta, (p - 1) * x), max(ar.beta, 2 * (p - 1) / p * x)
+        # A slope raised here was priced by the timed steps, not the probes.
+        priced_by = (
+            "steps" if gather > ag.beta else profile.priced_by[0],
+            "steps" if reduce > ar.beta else profile.priced_by[1],
+        )
         return replace(
             profile,
-            allgather=replace(ag, beta=max(ag.beta, (p - 1) * x)),
-            allreduce=replace(ar, beta=max(ar.beta, 2 * (p - 1) / p * x)),
+            allgather=replace(ag, beta=gather),
+            allreduce=replace(ar, beta=reduce),
+            priced_by=priced_by,
         )
 
     def end(x: float) -> float:
