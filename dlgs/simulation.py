@@ -24,8 +24,11 @@ from dlgs.core.planning.profile import Profile, build_spec
 __all__ = [
     "CSV_FIELDS",
     "METHODS",
+    "BUCKET_BYTES",
     "SimRow",
     "best_dlgs",
+    "bucketed",
+    "buckets",
     "format_bandwidth",
     "markdown",
     "plan_methods",
@@ -43,6 +46,8 @@ METHODS: Tuple[str, ...] = (
     "dense-fused",
     "dense-fused-fp16",
     "dense-fp16",
+    "dense-bucketed",
+    "dense-bucketed-fp16",
     "dlgs-layerwise",
     "dp-dlgs",
     "dp-dlgs-reduce",
@@ -68,6 +73,38 @@ def format_bandwidth(bps: float) -> str:
     return f"{bps:g}bit"
 
 
+#: Bucket caps (bytes) the bucketed dense baselines try, the fastest per cell:
+#: DDP's first bucket (1 MB) and its default cap (25 MB), Horovod's fusion
+#: buffer (64 MB) and sizes between.
+BUCKET_BYTES: Tuple[int, ...] = (1 << 20, 4 << 20, 16 << 20, 25 << 20, 64 << 20)
+
+
+def buckets(spec: PlanSpec, cap: int) -> List[Tuple[int, int, bool]]:
+    """The layers (ready order) in dense buckets of at least ``cap`` bytes as
+    DDP fills them during back-propagation (the last one holds what is
+    left): ``[(first, last, False)]``, each allreduced once its last layer is
+    ready, in order."""
+    parts: List[Tuple[int, int, bool]] = []
+    first, size = 0, 0
+    for i, layer in enumerate(spec.layers):
+        size += layer.dense_bytes
+        if size >= cap:
+            parts.append((first, i, False))
+            first, size = i + 1, 0
+    if first < len(spec.layers):
+        parts.append((first, len(spec.layers) - 1, False))
+    return parts
+
+
+def bucketed(spec: PlanSpec, strategy: str) -> Plan:
+    """Dense buckets at the cap of :data:`BUCKET_BYTES` that the model finds
+    fastest for ``spec``: DDP's gradient buckets, or Horovod's tensor fusion,
+    tuned for the cell (the baseline a user who tunes ``bucket_cap_mb`` or
+    ``HOROVOD_FUSION_THRESHOLD`` gets)."""
+    plans = (simulate(spec, buckets(spec, cap), strategy) for cap in BUCKET_BYTES)
+    return min(plans, key=lambda plan: plan.end)
+
+
 def plan_methods(
     spec: PlanSpec,
     eligible: Sequence[bool],
@@ -89,6 +126,10 @@ def plan_methods(
       ``Compression.fp16``: half the bytes);
     * ``dense-fp16``: every layer allreduced alone in float16 (``Compression.fp16``
       without fusion: its messages overlap back-propagation);
+    * ``dense-bucketed`` / ``dense-bucketed-fp16``: the layers in buckets
+      allreduced as each fills during back-propagation (DDP's buckets,
+      Horovod's tensor fusion), in float32 / in float16 (or bfloat16: the
+      same bytes), at the cap of :data:`BUCKET_BYTES` the model finds fastest;
     * ``dlgs-layerwise``: each layer its own message, sparse where the
       per-layer rule (``min_sparse_size``, sparse smaller than dense) says so;
     * ``dp-dlgs``: :func:`~dlgs.core.planning.dp.plan_dp` with the same
@@ -112,6 +153,8 @@ def plan_methods(
         "dense-fp16": replace(
             plan_strategy(half, "none", eligible=[False] * n), strategy="dense-fp16"
         ),
+        "dense-bucketed": bucketed(base, "dense-bucketed"),
+        "dense-bucketed-fp16": bucketed(half, "dense-bucketed-fp16"),
         "dlgs-layerwise": plan_strategy(spec, "none", eligible=eligible),
         "dp-dlgs": plan_strategy(spec, "dp", **dp),
         "dp-dlgs-reduce": plan_strategy(replace(spec, reduction=reduction), "dp", **dp),
@@ -299,8 +342,9 @@ def markdown(
         "not a measurement; the iteration is back-propagation plus unhidden communication "
         "(forward pass and optimizer step left out)",
         "- `dense`: every layer allreduced alone (Horovod without fusion); `dense-fused`: one "
-        "allreduce of all layers after back-propagation; `dlgs-layerwise`: sparse per layer, "
-        "no merging; `dp-dlgs`: the DP plan",
+        "allreduce of all layers after back-propagation; `dense-bucketed`: buckets allreduced "
+        "as they fill (DDP, Horovod's fusion), at the best cap of 1-64 MB; `-fp16`: float16; "
+        "`dlgs-layerwise`: sparse per layer, no merging; `dp-dlgs`: the DP plan",
         "",
         "## Speed-up of dp-dlgs over dense (layer-wise) / over dense-fused",
         "",
@@ -425,8 +469,9 @@ def best_dlgs(rows: Sequence[SimRow]) -> Dict[Tuple[str, int, float], SimRow]:
 
 
 def best_fp16(rows: Sequence[SimRow]) -> Dict[Tuple[str, int, float], SimRow]:
-    """Per ``(model, workers, bandwidth)``: the faster float16 dense method
-    (one fused allreduce, or each layer alone, overlapping back-propagation)."""
+    """Per ``(model, workers, bandwidth)``: the fastest float16 dense method
+    (one fused allreduce, each layer alone, or buckets at the best cap,
+    overlapping back-propagation)."""
     return _fastest(rows, _FP16)
 
 
@@ -441,8 +486,8 @@ def _fastest(
     return best
 
 
-#: Horovod's float16 dense methods.
-_FP16 = ("dense-fused-fp16", "dense-fp16")
+#: The float16 dense methods (Horovod's and DDP's).
+_FP16 = ("dense-fused-fp16", "dense-fp16", "dense-bucketed-fp16")
 
 
 def _efficiency(rows: Sequence[SimRow], models: Sequence[str], bws: Sequence[float]) -> List[str]:
@@ -454,7 +499,7 @@ def _efficiency(rows: Sequence[SimRow], models: Sequence[str], bws: Sequence[flo
         "",
         "Efficiency: back-propagation alone (no communication, the bound no method beats) over "
         "the predicted iteration. Each cell: the fastest dlgs method's efficiency (which one) / "
-        "float16 dense's (the better of dense-fused-fp16 and dense-fp16).",
+        "float16 dense's (the best of dense-fused-fp16, dense-fp16 and dense-bucketed-fp16).",
         "",
     ]
     for model in models:
