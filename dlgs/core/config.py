@@ -530,8 +530,8 @@ class MergeConfig:
             probes' sizes are bounded by ``profile_budget``; on a slow link
             their bytes may take less time than the noise, and then, without
             this, the plan prices bytes at the most the samples allow, which
-            moves with the noise from run to run (on 1 Gbit/s here: 0.4 to 14
-            ns/B, plans of 0.29 to 10.7 MB per step). With it, bytes the
+            moves with the noise from run to run (on 1 Gbit/s here: 1.7 to 13.5
+            ns/B, plans of 2.9 to 10.7 MB per step). With it, bytes the
             probes did not see are priced as a ring over this link (8 ns/B per
             rank's chunk and peer at 1 Gbit/s), the same in every run; bytes
             the probes saw keep the measured price. Too low a value keeps the

@@ -22,7 +22,7 @@ probe's fastest time: the plan then prices bytes as dearly as the
 measurements permit instead of as free, which keeps it near layer-wise sparse
 sending on a slow link and changes little on a fast one (where that bound is
 small). That bound is the noise's, though, and moves with it from run to run
-(0.4 to 14 ns/B on one 1 Gbit/s link here), and so do the plans made from it.
+(1.7 to 13.5 ns/B on one 1 Gbit/s link here, `make bench`), and so do the plans made from it.
 Where the user named the link (``link_bandwidth``), bytes that were not seen
 are priced instead as the ring over that link costs them (``prior``, from
 :mod:`~dlgs.core.planning.netmodel`), under the fastest samples where that
