@@ -57,6 +57,7 @@ __all__ = [
     "DEFAULT_COMPUTE_FLOPS",
     "DEFAULT_MEM_BW",
     "DEFAULT_KERNEL_S",
+    "bert_layers",
     "catalog_model",
     "catalog_profile",
     "sparsify_cost",
@@ -194,8 +195,14 @@ def _vgg16() -> Tuple[CatalogLayer, ...]:
 
 
 def _bert_base(seq: int = 128) -> Tuple[CatalogLayer, ...]:
+    return bert_layers(768, 3072, 12, seq)
+
+
+def bert_layers(hidden: int, ffn: int, depth: int, seq: int) -> Tuple[CatalogLayer, ...]:
+    """A BERT encoder's tensors (``bert-base`` is ``bert_layers(768, 3072, 12,
+    128)``, BERT-large ``(1024, 4096, 24, seq)``), in gradient-ready order."""
     b = _Builder()
-    hidden, ffn, vocab, positions, types, depth = 768, 3072, 30522, 512, 2, 12
+    vocab, positions, types = 30522, 512, 2
     b.embedding("embeddings.word_embeddings", vocab, hidden, seq)
     b.embedding("embeddings.position_embeddings", positions, hidden, seq)
     b.embedding("embeddings.token_type_embeddings", types, hidden, seq)

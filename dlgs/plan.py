@@ -46,7 +46,7 @@ from dlgs.catalog import (
     catalog_model,
     catalog_profile,
 )
-from dlgs.clusters import PRESETS, cluster
+from dlgs.clusters import PRESETS, Compute, cluster, compute_of, compute_text
 from dlgs.core.config import IndexCoding, SparsityConfig
 from dlgs.core.planning.collectives import Cluster, two_level_costs
 from dlgs.core.planning.dp import STRATEGIES, CostModel, plan_strategy, simulate
@@ -260,13 +260,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--batch",
         type=_type(_int_at_least(1)),
         default=None,
-        help="samples per worker (default: the model's, 32; 20 for ptb-lstm)",
+        help="samples per worker (default: with --cluster, the batch of its GPU's published "
+        "throughput on each model; else the model's, 32; 20 for ptb-lstm)",
     )
     common.add_argument(
         "--compute-flops",
         type=_type(_float_in(0, 1e18, low_open=True, what="FLOP/s in (0, 1e18]")),
-        default=DEFAULT_COMPUTE_FLOPS,
-        help=f"sustained FLOP/s of one worker (default: {DEFAULT_COMPUTE_FLOPS:g})",
+        default=None,
+        help="sustained FLOP/s of one worker (default: with --cluster, its GPU's published "
+        f"throughput on each model, dlgs.clusters.THROUGHPUTS; else {DEFAULT_COMPUTE_FLOPS:g})",
     )
     common.add_argument(
         "--mem-bw",
@@ -428,14 +430,19 @@ def _config(args: argparse.Namespace) -> SparsityConfig:
     )
 
 
+def _compute(args: argparse.Namespace, model: str) -> Compute:
+    return compute_of(getattr(args, "cluster", None), model, args.compute_flops, args.batch)
+
+
 def _catalog(args: argparse.Namespace, model: str, workers: int, bps: float) -> Profile:
+    compute = _compute(args, model)
     return catalog_profile(
         model,
         world_size=workers,
         bandwidth_bps=bps,
         latency_s=args.latency,
-        batch=args.batch,
-        compute_flops=args.compute_flops,
+        batch=compute.batch,
+        compute_flops=compute.flops,
         mem_bw=args.mem_bw,
         kernel_s=DEFAULT_KERNEL_S,
     )
@@ -556,11 +563,11 @@ def _show(args: argparse.Namespace) -> int:
             bps = preset.inter_bps
         profile = _priced(args, _catalog(args, args.model, workers, bps), workers, bps)
         model = catalog_model(args.model)
-        batch = args.batch if args.batch is not None else model.batch
+        compute = _compute(args, args.model)
+        batch = compute.batch if compute.batch is not None else model.batch
         source = (
             f"{args.model}: {len(model.layers)} tensors, {model.numel / 1e6:.2f} M parameters, "
-            f"batch {batch} x {model.sample}, compute {args.compute_flops / 1e12:g} TFLOP/s "
-            f"(catalog approximation)"
+            f"batch {batch} x {model.sample}, compute {compute.source} (catalog approximation)"
         )
         network = _network(args, workers, bps)
     config = _config(args)
@@ -726,7 +733,7 @@ def _simulate(args: argparse.Namespace, command: str) -> int:
                 if args.cluster is None
                 else f"cluster {args.cluster} ({cluster(args.cluster).library} model)"
             )
-            + f", {args.compute_flops / 1e12:g} TFLOP/s",
+            + f", {compute_text(args.cluster, models, args.compute_flops, args.batch)}",
         )
         plot_efficiency(
             rows,

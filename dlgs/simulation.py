@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from dlgs.clusters import cluster
+from dlgs.clusters import cluster, compute_text
 from dlgs.core.config import SparsityConfig
 from dlgs.core.planning.dp import CostModel, Plan, PlanSpec, plan_strategy, simulate
 from dlgs.core.planning.netmodel import reduction_cost
@@ -333,7 +333,7 @@ def markdown(
             if args.cluster is None
             else f"collectives of cluster {args.cluster}: {cluster(args.cluster).source}"
         )
-        + f", compute {args.compute_flops / 1e12:g} TFLOP/s, memory "
+        + f", {compute_text(args.cluster, models, args.compute_flops, args.batch)}, memory "
         f"{args.mem_bw / 1e9:g} GB/s",
         f"- DP: `max_group={args.max_group}`, `max_front={args.max_front}`; planning time per "
         "model (all methods, whole grid): "

@@ -110,7 +110,17 @@ class Cluster:
         nvls_busbw: bus bandwidth of NVLink SHARP's allreduce in bytes/s, or 0
             where the nodes have none.
         overhead_s: seconds every collective pays on top of the library's
-            model (a launch, a framework's negotiation), >= 0.
+            model (the kernel launch and the host's part, which NCCL's tables
+            leave out), >= 0.
+        ramp_efficiency: the share of an algorithm's bandwidth a collective
+            reaches before its pipeline fills (fewer channels, fewer chunks in
+            flight), in (0, 1]; 1 (the default) models no ramp.
+        ramp_s: seconds of latency an algorithm pays to run at its full
+            bandwidth, >= 0. Each algorithm becomes two lines, ``(alpha,
+            beta / ramp_efficiency)`` and ``(alpha + ramp_s, beta)``, and the
+            envelope takes the ramped one for small messages and the full one
+            for large: a bandwidth that ramps up with the message's size, as
+            the published sweeps show from 64 KB to a few hundred MB.
         latency_s: for MPI and Gloo: latency of one message between nodes.
         intra_latency_s: for MPI and Gloo: latency of one message inside a node.
         source: where the numbers come from (the docs' table cites it).
@@ -127,6 +137,8 @@ class Cluster:
     nic_efficiency: float = 0.96
     nvls_busbw: float = 0.0
     overhead_s: float = 0.0
+    ramp_efficiency: float = 1.0
+    ramp_s: float = 0.0
     latency_s: float = 50e-6
     intra_latency_s: float = 5e-6
     source: str = ""
@@ -137,10 +149,12 @@ class Cluster:
         _check_positive("intra_busbw", self.intra_busbw)
         _check_positive("inter_bps", self.inter_bps)
         _check_positive("nvls_busbw", self.nvls_busbw, zero=True)
-        for name in ("overhead_s", "latency_s", "intra_latency_s"):
+        for name in ("overhead_s", "ramp_s", "latency_s", "intra_latency_s"):
             _check_positive(name, getattr(self, name), zero=True)
-        if not (0 < self.nic_efficiency <= 1):
-            raise ValueError(f"nic_efficiency must be in (0, 1], got {self.nic_efficiency!r}")
+        for name in ("nic_efficiency", "ramp_efficiency"):
+            share = getattr(self, name)
+            if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
+                raise ValueError(f"{name} must be in (0, 1], got {share!r}")
         choices = {
             "library": LIBRARIES,
             "intra_link": ("nvlink", "pci"),
@@ -190,15 +204,28 @@ class Cluster:
             found = _nccl(self, collective, world_size)
         else:
             found = _mpi(self, collective, world_size)
-        return {k: (a + self.overhead_s, b) for k, (a, b) in found.items()}
+        out = {}
+        for k, (a, b) in found.items():
+            if self.ramp_efficiency < 1.0:
+                out[f"{k}/ramp"] = (a + self.overhead_s, b / self.ramp_efficiency)
+                a += self.ramp_s
+            out[k] = (a + self.overhead_s, b)
+        return out
 
     def time(self, collective: str, world_size: int, nbytes: float, algorithm: str = "") -> float:
         """Seconds for one ``collective`` of ``nbytes`` (see :meth:`cost`); with
-        ``algorithm`` (a key of :meth:`lines`), that algorithm's."""
+        ``algorithm`` (a key of :meth:`lines` without ``/ramp``, or its
+        algorithm alone, ``"ring"``), the fastest of that algorithm's lines."""
         if not algorithm:
             return float(self.cost(collective, world_size)(nbytes))
-        alpha, beta = self.lines(collective, world_size)[algorithm]
-        return alpha + beta * nbytes
+        lines = self.lines(collective, world_size)
+        # The algorithm at any protocol (``"ring"``) or one (``"ring/simple"``), at its
+        # full bandwidth or still ramping up, whichever is faster.
+        return min(
+            a + b * nbytes
+            for k, (a, b) in lines.items()
+            if k == algorithm or k.startswith(algorithm + "/")
+        )
 
 
 def _nccl(c: Cluster, collective: str, p: int) -> Dict[str, Tuple[float, float]]:
