@@ -707,6 +707,14 @@ def add_wire_options(parser: argparse.ArgumentParser) -> None:
         "probes could not see: a rate (1gbit, 100mbit), 'none', or 'cluster' (the default: "
         "the --bandwidth of benchmarks.cluster, which sets DLGS_BANDWIDTH; none without one)",
     )
+    parser.add_argument(
+        "--profile-budget",
+        type=_budget,
+        default=None,
+        help="sparse methods: dlgs's profile_budget, the share of the run probes may cost, in "
+        "(0, 1] (default: dlgs's, 0.01); larger lets the probes grow until a slow link's "
+        "bytes stand out of the noise",
+    )
 
 
 def _rate(text: str, name: str) -> Optional[int]:
@@ -747,7 +755,20 @@ def wire_options(args: argparse.Namespace) -> Dict[str, Any]:
     rate = link_bandwidth(args.link_bandwidth)
     if rate is not None:
         options["link_bandwidth"] = float(rate)
+    if getattr(args, "profile_budget", None) is not None:
+        options["profile_budget"] = args.profile_budget
     return options
+
+
+def _budget(text: str) -> float:
+    """argparse type: ``--profile-budget``, a share in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+    return value
 
 
 def density(text: str) -> float:
