@@ -11,8 +11,9 @@ implies is what a ring over one link costs per byte:
 * allgather, by one rank's chunk: ``(P - 1) / bandwidth`` seconds per byte;
 * allreduce, by the buffer: ``2 (P - 1) / P / bandwidth``.
 
-With ``R`` ranks per node only the ``N`` nodes' links are capped, and a ring
-crosses each once: ``P`` is then the nodes. Run::
+With ``R`` ranks per node only the nodes' links are capped; a ring over the
+``P`` ranks crosses each node's link once each way, so the same costs hold with
+``P`` the ranks. Run::
 
     python -m benchmarks.probe_fit --bandwidth 1gbit --runs 5 --out DIR
     python -m benchmarks.probe_fit --bandwidth 100mbit --runs 5 --out DIR
@@ -47,12 +48,12 @@ _FIELDS = ["bandwidth", "nodes", "ranks_per_node", "run", "allgather_ns_per_B",
            "allreduce_error", "seconds"]  # fmt: skip
 
 
-def implied_bps(ns_per_byte: float, nodes: int, collective: str) -> float:
-    """The link rate in bit/s a ring over ``nodes`` links needs to cost
+def implied_bps(ns_per_byte: float, ranks: int, collective: str) -> float:
+    """The link rate in bit/s a ring over ``ranks`` needs to cost
     ``ns_per_byte`` per byte of ``collective`` (see the module)."""
     if ns_per_byte <= 0:
         return float("inf")
-    per_byte = (nodes - 1) if collective == "allgather" else 2 * (nodes - 1) / nodes
+    per_byte = (ranks - 1) if collective == "allgather" else 2 * (ranks - 1) / ranks
     return 8 * per_byte / (ns_per_byte * 1e-9)
 
 
@@ -123,7 +124,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             "ranks_per_node": args.ranks_per_node, "run": run, "seconds": f"{seconds:.0f}",
         }  # fmt: skip
         for kind in ("allgather", "allreduce"):
-            bps = implied_bps(fit[kind], args.nodes, kind)
+            bps = implied_bps(fit[kind], args.nodes * args.ranks_per_node, kind)
             row[f"{kind}_ns_per_B"] = fit[kind]
             row[f"{kind}_gbps"] = f"{bps / 1e9:.4g}"
             row[f"{kind}_error"] = f"{bps / rate - 1:+.3f}"

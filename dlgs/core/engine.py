@@ -542,8 +542,9 @@ class Engine:
 #: How ``describe()`` says what priced a collective's bytes (``Profile.priced_by``).
 _PRICED_BY = {
     "probes": "",
-    "bound": " (bytes not seen by the probes: the most their samples allow; "
-    "link_bandwidth= makes it the named link's)",
+    "bound": " (bytes not seen by the probes, as large as profile_budget allowed: the most "
+    "their samples allow; link_bandwidth= makes it the named link's, a larger profile_budget "
+    "lets the probes grow)",
     "link_bandwidth": " (bytes not seen by the probes: the link_bandwidth given)",
     "steps": " (raised to what the steps under density='auto''s choice took)",
 }
