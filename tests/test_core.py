@@ -8,11 +8,13 @@ import re
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
 from conftest import ROOT
 
+import dlgs.core
 from dlgs.core import (
     GroupLayout,
     SparsityConfig,
@@ -289,3 +291,52 @@ def test_design_module_map_lists_every_module():
     }
     assert modules - listed == set(), "modules missing from docs/design.md's map"
     assert listed - modules == set(), "docs/design.md's map names modules that do not exist"
+
+
+def _core_imports():
+    """Every relative import inside dlgs/core, module to module, wherever it
+    stands (module level, a function, ``if TYPE_CHECKING``)."""
+    import ast
+
+    root = Path(dlgs.core.__file__).parent
+    modules = {}
+    for path in root.rglob("*.py"):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        modules[name] = path
+    edges = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level > 0:
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+                for alias in node.names:
+                    whole = f"{target}.{alias.name}"
+                    if whole in modules or target in modules:
+                        found.add(whole if whole in modules else target)
+        edges[name] = found - {name}
+    return edges
+
+
+def test_the_core_imports_form_no_circle():
+    """The core's modules import one another one way only: a module that
+    needs its owner names it by a protocol (exchange.internals, protocol)."""
+    edges = _core_imports()
+    assert "core.exchange.exchange" in edges and edges["core.exchange.exchange"]
+    state = dict.fromkeys(edges, 0)  # 0 unseen, 1 on the path, 2 done
+
+    def visit(node, path):
+        state[node] = 1
+        for nxt in sorted(edges[node]):
+            if state[nxt] == 1:
+                cycle = path[path.index(nxt) :] + [nxt]
+                raise AssertionError("import circle: " + " -> ".join(cycle))
+            if state[nxt] == 0:
+                visit(nxt, path + [nxt])
+        state[node] = 2
+
+    for node in sorted(edges):
+        if state[node] == 0:
+            visit(node, [node])

@@ -18,7 +18,7 @@ from typing import Any, Protocol, Sequence, Tuple
 
 import numpy as np
 
-__all__ = ["ArrayOps"]
+__all__ = ["ArrayOps", "host_number"]
 
 T = Any
 
@@ -279,3 +279,11 @@ class ArrayOps(Protocol):
         ``SparsityConfig.kernels``: "torch" is always None, "auto" a fused
         one where the framework has one for that device, "triton" one or a
         ``ValueError``/``ImportError`` saying why not."""
+
+
+def host_number(ops: ArrayOps, value: Any) -> float:
+    """A controller entry as a Python float: a number, a NumPy scalar or view,
+    or a framework scalar (read on the host: checkpoints and layouts only)."""
+    if isinstance(value, (int, float, np.ndarray, np.generic)):
+        return float(value)  # type: ignore[arg-type]  # 0-d arrays convert
+    return float(np.ravel(ops.to_host(value))[0])

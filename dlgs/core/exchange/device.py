@@ -18,15 +18,16 @@ from .._checks import check_int
 from .step import verdict
 
 if TYPE_CHECKING:
-    from .exchange import SparseExchange
+    from .internals import ExchangeInternals
 
 __all__ = ["DeviceSteps"]
 
 
 class DeviceSteps:
-    """One exchange's steps on the device (its :attr:`~SparseExchange.device`)."""
+    """One exchange's steps on the device (its
+    :attr:`~dlgs.core.exchange.exchange.SparseExchange.device`)."""
 
-    def __init__(self, exchange: "SparseExchange"):
+    def __init__(self, exchange: "ExchangeInternals"):
         self.exchange = exchange
         # The bank's vectors on the device (prepare()), the layout they are
         # for, and each sparse layer's position in them.
@@ -175,10 +176,7 @@ class DeviceSteps:
                 ops.select_(dev[key], ok, value)
         for i in sorted(step.submitted):
             layer = ex.records[i]
-            if laid.sparse(layer):
-                ops.select_(layer.residual, ok, layer.residual_next)
-            if layer.velocity_next is not None:  # momentum correction
-                ops.select_(layer.velocity, ok, layer.velocity_next)
+            ex.sender.settle(layer, laid.sparse(layer), ok)
         ex.abort_step()  # the step's host bookkeeping, as before it
         return ok
 

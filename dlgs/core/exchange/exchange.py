@@ -511,7 +511,11 @@ class SparseExchange:
         for i in sorted(step.submitted):
             self.sender.settle(self.records[i], laid.sparse(self.records[i]), finite)
         if not finite:
-            self.verdicts.nonfinite(self.step, lambda: nonfinite_names(self, external))
+            bad, out = self.transport.bad, step.dense_out
+            self.verdicts.nonfinite(
+                self.step,
+                lambda: nonfinite_names(self.ops, laid, self.records, bad, out, external),
+            )
         else:
             self.verdicts.finite()
             self.verdicts.lazy = [] if tracks else dense

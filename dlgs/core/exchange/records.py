@@ -15,7 +15,7 @@ from ..transport.flat import MAX_MESSAGE_ELEMENTS
 from ..wire import GroupLayout, LayerPlan, MemberViews
 
 if TYPE_CHECKING:
-    from .exchange import SparseExchange
+    from .protocol import Exchange
 
 __all__ = ["check_layers", "LayerRecord", "MessageRecord", "StepHook", "StepRecord", "StepTrace"]
 
@@ -189,4 +189,4 @@ class StepHook(Protocol):
     ``state_key`` (default: the class name).
     """
 
-    def __call__(self, exchange: "SparseExchange", record: StepRecord) -> None: ...
+    def __call__(self, exchange: "Exchange", record: StepRecord) -> None: ...

@@ -55,10 +55,24 @@ class LayerSender:
             self.scratch_abs = self.ops.zeros(biggest, "float32", like)
             self.scratch_mask = self.ops.zeros(biggest, "bool", like)
 
-    def settle(self, layer: LayerRecord, sparse: bool, finite: bool) -> None:
+    def settle(self, layer: LayerRecord, sparse: bool, finite: Any) -> None:
         """After the step's verdict: a finite step's new residual (a sparse
         layer's) and velocity in force, or a dense layer's flushed residual
-        dropped; a non-finite step's controller state put back."""
+        dropped; a non-finite step's controller state put back.
+
+        ``finite``: the verdict as a host ``bool``, or as a 0-d device flag
+        (a step traced to run on the device alone: the new state is selected
+        into the buffers in force where the flag is true, nothing read; such
+        a step has no flushed residual, and its controllers learn on the
+        device)."""
+        if not isinstance(finite, bool):
+            if layer.flush:
+                raise RuntimeError("a dense layer's residual is flushed on the host only")
+            if sparse:
+                self.ops.select_(layer.residual, finite, layer.residual_next)
+            if layer.velocity_next is not None:
+                self.ops.select_(layer.velocity, finite, layer.velocity_next)
+            return
         if finite:
             if sparse:
                 self._keep_next(layer, "residual")

@@ -12,15 +12,12 @@ the device alike.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from ..backend import ArrayOps
-from .records import StepTrace
-
-if TYPE_CHECKING:
-    from .exchange import SparseExchange
+from .records import LayerRecord, StepTrace
 
 __all__ = ["StepState", "nonfinite_names", "verdict"]
 
@@ -108,20 +105,27 @@ def verdict(
     return bool(host[0] == 0 and host[1:].min() >= 0), host[1:]
 
 
-def nonfinite_names(ex: "SparseExchange", external: Sequence[Tuple[int, Any]]) -> List[str]:
-    """The layers whose reduced gradient is non-finite in ``ex``'s step under
-    way (before its end): each member of a merged dense message checked on
+def nonfinite_names(
+    ops: ArrayOps,
+    laid: Any,
+    records: Sequence[LayerRecord],
+    bad: Any,
+    dense_out: Dict[int, Any],
+    external: Sequence[Tuple[int, Any]],
+) -> List[str]:
+    """The layers whose reduced gradient is non-finite in a step under way
+    (before its end), laid out as ``laid`` (the step's
+    :class:`~dlgs.core.exchange.messages.Messages`): the sparse members the transport
+    flagged (``bad``, or None), each member of a merged dense message
+    (``dense_out``: its first layer's index to the reduced tensor) checked on
     its own; ``external``: ``(layer index, tensor)`` the caller reduced. One
     host read per layer: for reports only."""
-    ops, laid, records = ex.ops, ex.messages, ex.records
-    assert laid is not None
     names = []
-    bad = ex.transport.bad
     if laid.sparse_members and bad is not None:
         flags = ops.to_host(bad)
         names += [records[i].name for i, b in zip(laid.sparse_members, flags) if b]
     parts = list(external)
-    for first, t in ex.current.dense_out.items():
+    for first, t in dense_out.items():
         parts += laid.members_of(ops, laid.records[records[first].group], t, records)
     for i, t in parts:
         if ops.to_host(ops.any_nonfinite([t])):

@@ -14,8 +14,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from ..backend import ArrayOps
-from ..state.checkpoint import host_number
+from ..backend import ArrayOps, host_number
 from .controller import ThresholdController
 
 __all__ = ["ControllerBank"]

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Sequence, Tuple
 import numpy as np
 
 from .._checks import check_float
-from ..backend import ArrayOps
+from ..backend import ArrayOps, host_number
 from ..config import SparsityConfig
 
 if TYPE_CHECKING:
@@ -141,14 +141,6 @@ def restored(ops: ArrayOps, fresh: Any, saved: Any, like: Any) -> Any:
     if isinstance(fresh, int):
         return int(number)
     return number if isinstance(fresh, float) else ops.scalar(number, like)
-
-
-def host_number(ops: ArrayOps, value: Any) -> float:
-    """A controller entry as a Python float: a number, a NumPy scalar or view,
-    or a framework scalar (read on the host: checkpoints and layouts only)."""
-    if isinstance(value, (int, float, np.ndarray, np.generic)):
-        return float(value)  # type: ignore[arg-type]  # 0-d arrays convert
-    return float(np.ravel(ops.to_host(value))[0])
 
 
 def check_finite_state(ops: ArrayOps, state: Dict[str, Any]) -> None:

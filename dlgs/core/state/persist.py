@@ -21,7 +21,7 @@ from . import checkpoint
 from .checkpoint import STATE_VERSION
 
 if TYPE_CHECKING:
-    from ..exchange.exchange import SparseExchange
+    from ..exchange.internals import ExchangeInternals
 
 __all__ = ["ExchangeCheckpoints", "SharedState"]
 
@@ -92,7 +92,7 @@ class ExchangeCheckpoints:
     """Saving, loading and agreeing for one exchange (its
     :attr:`~dlgs.core.exchange.exchange.SparseExchange.checkpoints`)."""
 
-    def __init__(self, exchange: "SparseExchange"):
+    def __init__(self, exchange: "ExchangeInternals"):
         self.exchange = exchange
 
     def shared(self) -> Dict[str, Any]:
