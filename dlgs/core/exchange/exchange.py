@@ -37,6 +37,7 @@ with :class:`~dlgs.core.state.resume.Agreement`, and
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
@@ -511,11 +512,8 @@ class SparseExchange:
         for i in sorted(step.submitted):
             self.sender.settle(self.records[i], laid.sparse(self.records[i]), finite)
         if not finite:
-            bad, out = self.transport.bad, step.dense_out
-            self.verdicts.nonfinite(
-                self.step,
-                lambda: nonfinite_names(self.ops, laid, self.records, bad, out, external),
-            )
+            at = (self.ops, laid, self.records, self.transport.bad, step.dense_out, external)
+            self.verdicts.nonfinite(self.step, functools.partial(nonfinite_names, *at))
         else:
             self.verdicts.finite()
             self.verdicts.lazy = [] if tracks else dense

@@ -48,10 +48,8 @@ from .._checks import check_int
 from ..config import MERGE_STRATEGIES, MergeConfig
 from ..exchange.records import StepRecord
 from .calibration import Calibration
-from .dp import CostModel, Plan
-from .netmodel import allgather_cost, allreduce_cost
+from .dp import Plan
 from .phases import (
-    BATCH,
     Action,
     Broadcast,
     DensityChanged,
@@ -63,7 +61,6 @@ from .phases import (
     PlannerOptions,
     PlannerState,
     Probe,
-    Probed,
     ReadVote,
     Recall,
     Record,
@@ -75,13 +72,13 @@ from .phases import (
     Vote,
     Voted,
     decide,
-    fit_or_flat,
     guard_verdict,
     ready_densities,
     restarted,
     saved,
 )
-from .probefit import fit_probe, fit_warning
+from .probing import Prober
+from .probing import log_first_rank as _log
 from .profile import DensityChoice, Profile
 
 __all__ = ["OnlinePlanner", "MERGE_STRATEGIES", "guard_verdict"]
@@ -227,6 +224,7 @@ class OnlinePlanner:
             "probe_seconds": 0.0,
             "broadcast_seconds": 0.0,
         }
+        self._prober = Prober(self.probe_reps, self.link_bandwidth, self.cost)
 
     # -- state (read-only; see dlgs.core.planning.phases.PlannerState) --------------------
     @property
@@ -380,7 +378,7 @@ class OnlinePlanner:
                 self.cost["profiles"] += 1
             return Shared(self._broadcast(ex, action.value))
         elif isinstance(action, Probe):
-            probed = self._probe_all(ex, action.sizes)
+            probed = self._prober.probe(ex, action.sizes)
             if self.calibration_file is not None and ex.comm.rank == 0:
                 fitted = Calibration(
                     ex.comm.size,
@@ -540,94 +538,6 @@ class OnlinePlanner:
         return None if each is None else list(each)
 
     # -- measuring ---------------------------------------------------------------
-    def _probe_all(self, ex, sizes: Sequence[int]) -> Probed:
-        """Time copies and probe collectives of ``sizes`` bytes and fit them."""
-        pack = self._probe_copy(ex)
-        allgather, gather_by = self._probe(ex, "allgather", sizes)
-        allreduce, reduce_by = self._probe(ex, "allreduce", sizes)
-        return Probed(pack, allgather, allreduce, (gather_by, reduce_by))
-
-    def _prior(self, kind: str, world_size: int) -> Optional[CostModel]:
-        """A ring ``kind`` over the link the user named (``link_bandwidth``), or None."""
-        if self.link_bandwidth is None or world_size < 2:
-            return None
-        cost = allgather_cost if kind == "allgather" else allreduce_cost
-        return cost(world_size, self.link_bandwidth, 0.0)
-
-    def _probe(self, ex, kind: str, probes: Sequence[int]) -> Tuple[CostModel, str]:
-        """The fitted cost of ``kind``, and what priced its bytes (``ProbeFit.priced_by``)."""
-        ops, comm, clock = ex.ops, ex.comm, ex.clock
-        like = ex.like
-        sizes, repeats = [], []
-        start = time.perf_counter()
-        for nbytes in probes:
-            words = nbytes // 4
-            buf = ops.zeros(words, "int32" if kind == "allgather" else "float32", like)
-            name = f"{ex.prefix}.probe.{kind}.{nbytes}"
-            samples = []
-            for _ in range(self.probe_reps + 1):  # the first one negotiates
-                t0 = clock()
-                if kind == "allgather":
-                    comm.synchronize(comm.allgather_async(buf, name))
-                else:
-                    comm.synchronize(comm.allreduce_async(buf, name))
-                samples.append(clock() - t0)
-            self.cost["probes"] += self.probe_reps + 1
-            self.cost["bytes"] += (self.probe_reps + 1) * words * 4
-            self.cost["probe_bytes"] += (self.probe_reps + 1) * words * 4
-            sizes.append(float(nbytes))
-            repeats.append(samples[1:])
-        fit = fit_probe(sizes, repeats, self._prior(kind, comm.size))
-        times = [min(r) for r in repeats]
-        batched = self._probe_batch(ex, kind, probes[0], times[0], fit.model)
-        model = replace(fit.model, batched=batched)
-        self.cost["probe_seconds"] += time.perf_counter() - start
-        warning = fit_warning(kind, sizes, times, fit)
-        if warning is not None:
-            # The link the user named priced the bytes: as asked, no warning.
-            level = logging.INFO if fit.priced_by == "link_bandwidth" else logging.WARNING
-            _log(ex, "%s", warning, level=level)
-        return model, fit.priced_by
-
-    def _probe_batch(self, ex, kind: str, nbytes: int, lone: float, model: CostModel) -> float:
-        """The latency of a collective that joins a batch (``CostModel.batched``):
-        :data:`BATCH` collectives of ``nbytes`` started at once take ``lone +
-        (BATCH - 1) * (batched + beta * nbytes)``, where ``lone`` is one alone.
-        Clipped to ``[0, alpha]``."""
-        ops, comm, clock = ex.ops, ex.comm, ex.clock
-        words = nbytes // 4
-        dtype = "int32" if kind == "allgather" else "float32"
-        bufs = [ops.zeros(words, dtype, ex.like) for _ in range(BATCH)]
-        names = [f"{ex.prefix}.probe.{kind}.batch{j}.{nbytes}" for j in range(BATCH)]
-        issue = comm.allgather_async if kind == "allgather" else comm.allreduce_async
-        samples = []
-        for _ in range(self.probe_reps + 1):  # the first one negotiates
-            t0 = clock()
-            for handle in [issue(buf, name) for buf, name in zip(bufs, names)]:
-                comm.synchronize(handle)
-            samples.append(clock() - t0)
-        self.cost["probes"] += (self.probe_reps + 1) * BATCH
-        self.cost["bytes"] += (self.probe_reps + 1) * BATCH * words * 4
-        self.cost["probe_bytes"] += (self.probe_reps + 1) * BATCH * words * 4
-        each = (min(samples[1:]) - lone) / (BATCH - 1) - model.beta * nbytes
-        return min(model.alpha, max(0.0, each))
-
-    def _probe_copy(self, ex) -> CostModel:
-        ops, clock = ex.ops, ex.clock
-        biggest = max(layer.numel for layer in ex.layers)
-        src = ops.zeros(biggest, "float32", ex.like)
-        dst = ops.zeros(biggest, "float32", ex.like)
-        sizes, times = [], []
-        for n in sorted({max(1, biggest // 16), max(1, biggest // 4), biggest}):
-            samples = []
-            for _ in range(3):
-                t0 = clock()
-                ops.copy_(ops.narrow(dst, 0, 0, n), ops.narrow(src, 0, 0, n))
-                samples.append(clock() - t0)
-            sizes.append(float(n))
-            times.append(min(samples))
-        return fit_or_flat(sizes, times)
-
     # -- checkpoints -------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
         return saved(self._state)
@@ -684,9 +594,3 @@ class _View:
     @property
     def dense_bytes(self) -> int:
         return self._ex.dense_bytes()
-
-
-def _log(ex, msg: str, *args: Any, level: int = logging.INFO) -> None:
-    """Log on the process set's first rank; the others log at DEBUG (every
-    rank plans the same, so one line per job is enough)."""
-    logger.log(level if ex.comm.rank <= 0 else logging.DEBUG, msg, *args)
