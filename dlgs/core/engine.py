@@ -31,6 +31,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from .backend import ArrayOps
 from .config import SparsityConfig
 from .exchange.exchange import Collectives, SparseExchange
+from .exchange.protocol import Exchange
 from .exchange.views import log_stats
 from .planning.budget import SPLIT_AFTER
 from .state.checkpoint import check_finite_state
@@ -134,7 +135,7 @@ class Engine:
         self.log_every = log_every
         self._loss_scale = loss_scale
         self.logger = logger or logging.getLogger(__name__)
-        self._exchange: Optional[SparseExchange] = None
+        self._exchange: Optional[Exchange] = None
         #: Exchange layer index -> position in the list given to :meth:`build`.
         self.order: List[int] = []
         #: Layer names in the order given to :meth:`build` (None before).
@@ -161,7 +162,7 @@ class Engine:
         *,
         like: Any = None,
         clock: Callable[[], float] = time.perf_counter,
-    ) -> SparseExchange:
+    ) -> Exchange:
         """Build the exchange over ``layers`` (``(name, shape, dtype)`` in
         registration order; exchanged in reverse, the order back-propagation
         produces gradients), after checking that every rank of the process set
@@ -347,7 +348,7 @@ class Engine:
         host (TensorFlow's traced steps) counts them into the exchange here."""
 
     @property
-    def exchange(self) -> Optional[SparseExchange]:
+    def exchange(self) -> Optional[Exchange]:
         """The core :class:`~dlgs.core.exchange.exchange.SparseExchange` (per-layer plans
         and state); None before the first step where the adapter builds lazily."""
         self._settle()

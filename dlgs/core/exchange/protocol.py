@@ -35,6 +35,9 @@ class Exchange(Protocol):
     #: (Horovod form (a)), which then ends the step with ``finish``; False
     #: where the exchange reduces every layer itself and ends its own steps.
     dense_external: bool
+    #: The loss scaler's reader, or None (settable: a TF tape hands in its
+    #: scaler every step).
+    loss_scale: Optional[Callable[[], Any]]
 
     # -- a step -----------------------------------------------------------------
     def submit(self, i: int, grad: Any) -> Any: ...
@@ -47,8 +50,6 @@ class Exchange(Protocol):
     def last_step_finite(self) -> bool: ...
     @property
     def nonfinite_steps(self) -> int: ...
-    @property
-    def loss_scale(self) -> Optional[Callable[[], Any]]: ...
 
     # -- what it shows ---------------------------------------------------------
     @property
