@@ -13,6 +13,10 @@ rather than typed out:
   sequences of 128 tokens; embeddings, 12 encoder layers with query / key /
   value / output projections, LayerNorms and feed-forward, pooler; 199
   tensors, 109,482,240 parameters);
+* ``gpt2-medium``: Hugging Face's ``GPT2LMHeadModel`` at GPT-2 medium's shape, a
+  decoder-only transformer (vocabulary 50,257 tied to the output projection, 1,024
+  positions, 24 blocks of width 1,024, sequences of 1,024 tokens; 292 tensors,
+  354,823,168 parameters);
 * ``ptb-lstm``: PyTorch's ``word_language_model`` on Penn Treebank (vocabulary
   10,000, embedding and 2 LSTM layers of 200 units, untied decoder, 35 time
   steps; 11 tensors, 4,653,200 parameters).
@@ -220,6 +224,25 @@ def bert_layers(hidden: int, ffn: int, depth: int, seq: int) -> Tuple[CatalogLay
     return b.ready_order()
 
 
+def _gpt2_medium(seq: int = 1024) -> Tuple[CatalogLayer, ...]:
+    b = _Builder()
+    vocab, width, depth = 50257, 1024, 24
+    # The token embedding is tied to the output projection: one tensor, whose
+    # gradient comes from both (the projection: every token against every row).
+    b.forward.append(CatalogLayer("wte.weight", vocab * width, seq * width + seq * vocab * width))
+    b.embedding("wpe", 1024, width, seq)
+    for i in range(depth):
+        p = f"h.{i}"
+        b.norm(f"{p}.ln_1", width, seq)
+        b.linear(f"{p}.attn.c_attn", 3 * width, width, seq)
+        b.linear(f"{p}.attn.c_proj", width, width, seq)
+        b.norm(f"{p}.ln_2", width, seq)
+        b.linear(f"{p}.mlp.c_fc", 4 * width, width, seq)
+        b.linear(f"{p}.mlp.c_proj", width, 4 * width, seq)
+    b.norm("ln_f", width, seq)
+    return b.ready_order()
+
+
 def _ptb_lstm(steps: int = 35) -> Tuple[CatalogLayer, ...]:
     b = _Builder()
     vocab, width, depth = 10000, 200, 2
@@ -238,6 +261,7 @@ _BUILDERS: Dict[str, Tuple[Callable[[], Tuple[CatalogLayer, ...]], int, str]] = 
     "vgg16": (_vgg16, 32, "224x224 image"),
     "bert-base": (_bert_base, 32, "sequence of 128 tokens"),
     "ptb-lstm": (_ptb_lstm, 20, "sequence of 35 tokens"),
+    "gpt2-medium": (_gpt2_medium, 8, "sequence of 1,024 tokens"),
 }
 
 #: Names of the built-in models.

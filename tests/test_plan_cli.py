@@ -23,12 +23,14 @@ from dlgs.plan import main, parse_bandwidth
 from dlgs.simulation import CSV_FIELDS, METHODS, format_bandwidth
 
 # Parameter counts of the reference implementations (torchvision ResNet-50 and
-# VGG-16, Hugging Face BertModel, PyTorch's word_language_model LSTM 2x200).
+# VGG-16, Hugging Face BertModel, PyTorch's word_language_model LSTM 2x200,
+# Hugging Face GPT2LMHeadModel "gpt2-medium" with its tied output projection).
 EXPECTED = {
     "resnet50": (161, 25_557_032),
     "vgg16": (32, 138_357_544),
     "bert-base": (199, 109_482_240),
     "ptb-lstm": (11, 4_653_200),
+    "gpt2-medium": (292, 354_823_168),
 }
 
 
@@ -71,6 +73,7 @@ def test_catalog_headline_sizes_within_one_percent():
         ("vgg16", 138.36e6),
         ("bert-base", 109.5e6),
         ("ptb-lstm", 4.65e6),
+        ("gpt2-medium", 354.8e6),
     ):
         assert abs(catalog_model(model).numel / target - 1) < 0.01, model
 
