@@ -709,7 +709,7 @@ def add_wire_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--profile-budget",
-        type=_budget,
+        type=density,  # a share in (0, 1], as a density is
         default=None,
         help="sparse methods: dlgs's profile_budget, the share of the run probes may cost, in "
         "(0, 1] (default: dlgs's, 0.01); larger lets the probes grow until a slow link's "
@@ -758,17 +758,6 @@ def wire_options(args: argparse.Namespace) -> Dict[str, Any]:
     if getattr(args, "profile_budget", None) is not None:
         options["profile_budget"] = args.profile_budget
     return options
-
-
-def _budget(text: str) -> float:
-    """argparse type: ``--profile-budget``, a share in (0, 1]."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
-    return value
 
 
 def density(text: str) -> float:
