@@ -211,11 +211,6 @@ def _bus_factor(f: "Figure") -> float:
     return 2 * (p - 1) / p if f.collective == "allreduce" else (p - 1) / p
 
 
-def _runs(line: str, algorithm: str) -> bool:
-    """Whether ``line`` (a key of :meth:`Cluster.lines`) is ``algorithm`` at some protocol."""
-    return line == algorithm or line.startswith(algorithm + "/")
-
-
 def published_seconds(f: "Figure") -> float:
     """The seconds ``f`` reports, or implies by its busbw."""
     return f.value if f.kind == "time" else f.nbytes * _bus_factor(f) / f.value
@@ -268,9 +263,10 @@ def calibrate(
     r = np.asarray(ramps, dtype=float)[None, None, :, None]
     loss = np.zeros((o.shape[0], e.shape[1], r.shape[2]))
     for f in figures:
-        lines = plain.lines(f.collective, f.world_size)
         if f.algorithm:
-            lines = {k: v for k, v in lines.items() if _runs(k, f.algorithm)}
+            lines = plain.lines_of(f.collective, f.world_size, f.algorithm)
+        else:
+            lines = plain.lines(f.collective, f.world_size)
         a = np.array([ab[0] for ab in lines.values()])[None, None, None, :]
         bx = np.array([ab[1] for ab in lines.values()])[None, None, None, :] * _chunk(f)
         t = np.minimum(o + a + bx / e, o + a + r + bx).min(axis=-1)
@@ -400,12 +396,12 @@ def compute_of(
 
     if compute_flops is not None:
         return Compute(compute_flops, batch, f"{compute_flops / 1e12:g} TFLOP/s (given)")
-    if preset is None:
+    gpu = None if preset is None else cluster(preset).gpu
+    mine = [t for t in THROUGHPUTS if t.gpu == gpu]
+    if not mine:
         return Compute(
             DEFAULT_COMPUTE_FLOPS, batch, f"{DEFAULT_COMPUTE_FLOPS / 1e12:g} TFLOP/s (default)"
         )
-    gpu = cluster(preset).gpu
-    mine = [t for t in THROUGHPUTS if t.gpu == gpu]
     found = next((t for t in mine if t.model == model), None)
     if found is not None:
         flops = _sustained(found)
@@ -414,10 +410,6 @@ def compute_of(
             found.batch if batch is None else batch,
             f"{flops / 1e12:.0f} TFLOP/s ({found.samples_per_s:.0f} samples/s per GPU at batch "
             f"{found.batch})",
-        )
-    if not mine:
-        return Compute(
-            DEFAULT_COMPUTE_FLOPS, batch, f"{DEFAULT_COMPUTE_FLOPS / 1e12:g} TFLOP/s (default)"
         )
     # No published run of this model on this GPU: the median of the GPU's
     # other models, at the model's own batch.

@@ -206,6 +206,8 @@ def test_bad_calls_name_the_parameter():
         H100.cost("allreduce", 0)
     with pytest.raises(ValueError, match="cluster must be one of"):
         cluster("dgx-z")
+    with pytest.raises(ValueError, match="algorithm 'tree' has no line for allgather"):
+        H100.time("allgather", 8, 1e6, "tree")
 
 
 def test_every_published_figure_is_priced_and_calibrations_are_met():

@@ -212,20 +212,28 @@ class Cluster:
             out[k] = (a + self.overhead_s, b)
         return out
 
+    def lines_of(
+        self, collective: str, world_size: int, algorithm: str
+    ) -> Dict[str, Tuple[float, float]]:
+        """The :meth:`lines` of ``algorithm``: one key (``"ring/simple"``) or
+        every protocol of an algorithm (``"ring"``), at full bandwidth and
+        ramping up. Raises ``ValueError`` naming ``algorithm`` if none."""
+        found = {
+            k: ab
+            for k, ab in self.lines(collective, world_size).items()
+            if k == algorithm or k.startswith(algorithm + "/")
+        }
+        if not found:
+            raise ValueError(f"algorithm {algorithm!r} has no line for {collective} here")
+        return found
+
     def time(self, collective: str, world_size: int, nbytes: float, algorithm: str = "") -> float:
         """Seconds for one ``collective`` of ``nbytes`` (see :meth:`cost`); with
-        ``algorithm`` (a key of :meth:`lines` without ``/ramp``, or its
-        algorithm alone, ``"ring"``), the fastest of that algorithm's lines."""
+        ``algorithm`` (see :meth:`lines_of`), the fastest of its lines."""
         if not algorithm:
             return float(self.cost(collective, world_size)(nbytes))
-        lines = self.lines(collective, world_size)
-        # The algorithm at any protocol (``"ring"``) or one (``"ring/simple"``), at its
-        # full bandwidth or still ramping up, whichever is faster.
-        return min(
-            a + b * nbytes
-            for k, (a, b) in lines.items()
-            if k == algorithm or k.startswith(algorithm + "/")
-        )
+        lines = self.lines_of(collective, world_size, algorithm)
+        return min(a + b * nbytes for a, b in lines.values())
 
 
 def _nccl(c: Cluster, collective: str, p: int) -> Dict[str, Tuple[float, float]]:
